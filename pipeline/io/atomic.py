@@ -1,0 +1,65 @@
+"""Atomic file writes: everything goes to a temporary name in the same folder, then is renamed.
+
+A crash leaves either the old complete file or nothing, never a truncated shard that a rerun
+would mistake for finished work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary path; on success it is fsynced and renamed onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        Path(tmp).write_bytes(data)
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def write_parquet_atomic(table: pa.Table, path: str | Path, compression: str = "zstd") -> None:
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression=compression)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(*parts) -> str:
+    """Stable hash of JSON-serialisable parts (dict key order does not matter)."""
+    blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]

@@ -1,0 +1,134 @@
+"""Ray: an embedded, small and quiet local instance by default; a cluster when the manifest says so.
+
+Stages hand their units of work to :func:`map_units`, which runs them as a Ray Data pipeline
+(``from_items -> map_batches -> iterate``) with a task pool for pure-CPU work or an actor pool for
+model work (the model is loaded once per actor, not once per unit). On a cluster the same code
+spreads units over the nodes; the artifact folder must then be on storage all nodes share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("pipeline")
+
+_QUIET_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "1",
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def ensure_ray(ray_cfg) -> dict:
+    """Start (or join) Ray once per process; returns a description for logs and provenance."""
+    for k, v in _QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    import ray
+
+    if ray.is_initialized():
+        return {"address": ray_cfg.address or "local", "cpus": ray.cluster_resources().get("CPU", 0)}
+    # Workers must import this package; an editable install makes that true locally, and on a
+    # cluster the image installs it. Keep the driver's sys.path for a source checkout too.
+    env_vars = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME") if k in os.environ}
+    env_vars.update(_QUIET_ENV)
+    runtime_env = {"env_vars": env_vars}
+    if ray_cfg.address:
+        ray.init(address=ray_cfg.address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
+    else:
+        ray.init(
+            num_cpus=ray_cfg.num_cpus or os.cpu_count(),
+            object_store_memory=ray_cfg.object_store_memory,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+            configure_logging=True,
+        )
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ctx.verbose_stats_logs = False
+    cpus = ray.cluster_resources().get("CPU", 0)
+    log.info("ray: %s, %s CPUs", ray_cfg.address or "embedded local", cpus)
+    return {"address": ray_cfg.address or "local", "cpus": cpus}
+
+
+def default_pool_size(ray_cfg, per_worker_cpus: float = 1.0) -> int:
+    import ray
+
+    if ray_cfg.actors:
+        return ray_cfg.actors
+    cpus = ray.cluster_resources().get("CPU", 1)
+    return max(1, int(cpus // per_worker_cpus))
+
+
+def _decode(batch) -> dict:
+    return json.loads(batch["payload"].iloc[0])
+
+
+def _encode(result: dict):
+    import pandas as pd
+
+    return pd.DataFrame({"result": [json.dumps(result, default=str)]})
+
+
+def _task_entry(batch, fn):
+    return _encode(fn(_decode(batch)))
+
+
+class _ActorEntry:
+    """Constructs the stage's worker once per actor (model load), then calls it per unit."""
+
+    def __init__(self, cls: type, kwargs: dict):
+        self.impl = cls(**kwargs)
+
+    def __call__(self, batch):
+        return _encode(self.impl(_decode(batch)))
+
+
+def map_units(
+    units: list[dict],
+    fn: Callable | type,
+    *,
+    ray_cfg,
+    actor: bool = False,
+    num_cpus: float = 1.0,
+    pool_size: int | None = None,
+    constructor_kwargs: dict | None = None,
+    num_gpus: float = 0,
+) -> Iterator[dict]:
+    """Run ``fn`` once per unit on Ray and yield each unit's result dict as it finishes.
+
+    ``units`` are JSON-able dicts. ``fn`` is a function ``fn(unit) -> dict`` (run in a task pool)
+    or, with ``actor=True``, a class constructed once per actor with ``constructor_kwargs`` whose
+    instances are called as ``obj(unit) -> dict`` (an actor pool: model loaded once per actor).
+    """
+    if not units:
+        return iter(())
+    import ray.data
+    from ray.data import ActorPoolStrategy, TaskPoolStrategy
+
+    ensure_ray(ray_cfg)
+    size = max(1, min(pool_size or default_pool_size(ray_cfg, num_cpus), len(units)))
+    items = [{"payload": json.dumps(u, default=str)} for u in units]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    kwargs: dict[str, Any] = dict(batch_size=1, batch_format="pandas", num_cpus=num_cpus)
+    if num_gpus:
+        kwargs["num_gpus"] = num_gpus
+    if actor:
+        out = ds.map_batches(
+            _ActorEntry,
+            compute=ActorPoolStrategy(size=size),
+            fn_constructor_kwargs={"cls": fn, "kwargs": constructor_kwargs or {}},
+            **kwargs,
+        )
+    else:
+        out = ds.map_batches(_task_entry, fn_kwargs={"fn": fn}, compute=TaskPoolStrategy(size=size), **kwargs)
+    return (json.loads(row["result"]) for row in out.iter_rows())

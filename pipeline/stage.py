@@ -1,0 +1,226 @@
+"""Stages: discovery, dependency order, and the driver loop every stage shares.
+
+A stage is a module in ``pipeline/stages`` that defines::
+
+    NAME = "mine-concepts"           # CLI name; manifest key stages.mine_concepts
+    READS = ["samples"]              # artifacts it needs
+    WRITES = ["concepts"]            # artifacts it produces
+    class Config(StageConfig): ...   # its manifest section, paper defaults
+    def run(ctx: RunContext, cfg: Config) -> dict   # returns a short summary
+
+The driver side of a stage lists its units of work and calls :func:`run_units`, which skips the
+units already complete (matching fingerprint), runs the rest on Ray, shows progress and returns
+every unit's marker. Workers receive a payload with ``artifact_dir``, ``stage``, ``unit`` and
+``fingerprint`` plus the stage's own keys, and write through :func:`unit_writer`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+from pydantic import Field
+
+from pipeline.config import Section
+from pipeline.io.artifacts import Artifact, ArtifactMissing, ArtifactWriter, UnitWriter
+from pipeline.runtime import ensure_ray, map_units
+
+log = logging.getLogger("pipeline")
+
+
+class StageError(RuntimeError):
+    """A stage cannot run (missing input, bad option); the message is shown as the one-line error."""
+
+
+class StageConfig(Section):
+    enabled: bool = Field(True, description="run this stage in `pipeline run all`")
+    shard_size: int = Field(1000, ge=1, description="samples per output shard (unit of resume)")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    module: ModuleType
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def description(self) -> str:
+        return (self.module.__doc__ or "").strip().splitlines()[0] if self.module.__doc__ else ""
+
+
+@cache
+def registry() -> dict[str, StageSpec]:
+    import pipeline.stages as pkg
+
+    specs = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"pipeline.stages.{info.name}")
+        if hasattr(mod, "NAME") and hasattr(mod, "run"):
+            specs[mod.NAME] = StageSpec(mod.NAME, mod, tuple(mod.READS), tuple(mod.WRITES))
+    return specs
+
+
+def dependency_order(names: list[str]) -> list[str]:
+    """Order stages so that each runs after the stages writing what it reads."""
+    reg = registry()
+    producer = {a: s for s in names for a in reg[s].writes}
+    order: list[str] = []
+    visiting: set[str] = set()
+
+    def visit(s: str) -> None:
+        if s in order:
+            return
+        if s in visiting:
+            raise StageError(f"stage dependency cycle through {s}")
+        visiting.add(s)
+        for a in reg[s].reads:
+            if a in producer and producer[a] != s:
+                visit(producer[a])
+        visiting.discard(s)
+        order.append(s)
+
+    for s in sorted(names, key=lambda n: list(reg).index(n)):
+        visit(s)
+    return order
+
+
+@dataclass
+class RunContext:
+    manifest: object
+    force: bool = False
+    limit: int | None = None
+    summaries: dict = field(default_factory=dict)
+
+    @property
+    def output(self) -> Path:
+        return Path(self.manifest.output)
+
+    @property
+    def ray_cfg(self):
+        return self.manifest.ray
+
+    def artifact(self, name: str) -> Artifact:
+        try:
+            return Artifact(self.output / name)
+        except ArtifactMissing:
+            producers = [s.name for s in registry().values() if name in s.writes]
+            hint = f"run `pipeline run {producers[0]}` first" if producers else "it is not produced by any stage"
+            raise StageError(f"input artifact '{name}' not found under {self.output}: {hint}") from None
+
+    def writer(self, artifact: str, stage: str, params: dict, inputs=None, models=None) -> ArtifactWriter:
+        return ArtifactWriter(self.output, artifact, stage, params, inputs=inputs, models=models, force=self.force)
+
+
+def unit_writer(payload: dict) -> UnitWriter:
+    return UnitWriter(payload["artifact_dir"], payload["stage"], payload["unit"], payload["fingerprint"])
+
+
+class _Progress:
+    """Units and rows done, rate and ETA, on stderr; a plain line per update when not a terminal."""
+
+    def __init__(self, desc: str, total_units: int, total_rows: int | None):
+        self.desc, self.total_units, self.total_rows = desc, total_units, total_rows
+        self.units = self.rows = 0
+        self.t0 = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def update(self, rows: int) -> None:
+        self.units += 1
+        self.rows += rows
+        now = time.perf_counter()
+        if not self.tty and now - self._last < 2.0 and self.units < self.total_units:
+            return
+        self._last = now
+        dt = max(now - self.t0, 1e-9)
+        rate = self.rows / dt
+        if self.total_rows:
+            eta = (self.total_rows - self.rows) / rate if rate > 0 else float("inf")
+        else:
+            eta = dt / self.units * (self.total_units - self.units)
+        msg = (
+            f"{self.desc}: {self.units}/{self.total_units} shards, {self.rows} rows, "
+            f"{rate:,.1f} rows/s, ETA {eta:,.0f}s"
+        )
+        if self.tty:
+            end = "\n" if self.units == self.total_units else ""
+            sys.stderr.write("\r" + msg.ljust(100) + end)
+            sys.stderr.flush()
+        else:
+            log.info(msg)
+
+
+def run_units(
+    ctx: RunContext,
+    writer: ArtifactWriter,
+    units: list[tuple[str, object, dict]],
+    fn,
+    *,
+    actor: bool = False,
+    num_cpus: float = 1.0,
+    pool_size: int | None = None,
+    constructor_kwargs: dict | None = None,
+    total_rows: int | None = None,
+) -> list[dict]:
+    """Run the pending units of ``writer``'s artifact and return all units' markers, in order.
+
+    ``units`` holds ``(unit name, what the unit's output depends on, payload)``; the second item
+    is fingerprinted together with the stage's parameters, inputs and models.
+    """
+    names = [u[0] for u in units]
+    if len(set(names)) != len(names):
+        raise StageError("duplicate unit names")
+    writer.prune(set(names))
+    pending, done = [], 0
+    for name, unit_input, payload in units:
+        fp = writer.unit_fingerprint(name, unit_input)
+        if writer.is_done(name, fp):
+            done += 1
+            continue
+        pending.append(
+            dict(payload, artifact_dir=str(writer.dir), stage=writer.stage, unit=name, fingerprint=fp)
+        )
+    log.info("%s: %d shards to do, %d already complete", writer.artifact, len(pending), done)
+    if pending:
+        progress = _Progress(writer.artifact, len(pending), total_rows)
+        for result in map_units(
+            pending,
+            fn,
+            ray_cfg=ctx.ray_cfg,
+            actor=actor,
+            num_cpus=num_cpus,
+            pool_size=pool_size,
+            constructor_kwargs=constructor_kwargs,
+        ):
+            progress.update(int(result.get("stats", {}).get("rows", 0)))
+    return names
+
+
+def run_stage(name: str, ctx: RunContext) -> dict:
+    reg = registry()
+    if name not in reg:
+        raise StageError(f"unknown stage {name!r}; stages: {', '.join(reg)}")
+    spec = reg[name]
+    cfg = getattr(ctx.manifest.stages, spec.key)
+    ensure_ray(ctx.ray_cfg)
+    t0 = time.perf_counter()
+    log.info("stage %s: start (output %s)", name, ctx.output)
+    summary = spec.module.run(ctx, cfg) or {}
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    ctx.summaries[name] = summary
+    log.info("stage %s: done in %.1fs %s", name, summary["seconds"], {k: v for k, v in summary.items() if k != "seconds"})
+    return summary

@@ -1,0 +1,235 @@
+"""Read an image-caption dataset into the `samples` artifact (samples, captions, annotations).
+
+Ids: ``sample_id`` is the record's position in the reader's deterministic order and
+``caption_id`` the caption's position over all captions, rejected ones included, so ids do not
+move when one bad record is fixed and the dataset is ingested again. Images are opened and fully
+decoded in parallel (a truncated JPEG passes a header check but fails to decode); a sample whose
+image is missing or unreadable is rejected with all its captions, a bad caption alone is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+from pydantic import Field
+
+from pipeline.io.atomic import fingerprint
+from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
+
+NAME = "ingest"
+READS: list[str] = []
+WRITES = ["samples"]
+
+
+class Config(StageConfig):
+    shard_size: int = Field(5000, ge=1, description="samples per shard")
+    verify_images: Literal["decode", "header", "none"] = Field(
+        "decode", description="decode: open and decode every image; header: read size only; none: trust paths"
+    )
+    min_caption_chars: int = Field(1, ge=1, description="shorter captions (after stripping) are rejected")
+
+
+SAMPLES_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.int64()),
+        ("source_id", pa.string()),
+        ("image", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("split", pa.string()),
+    ]
+)
+CAPTIONS_SCHEMA = pa.schema([("caption_id", pa.int64()), ("sample_id", pa.int64()), ("text", pa.string())])
+INSTANCES_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.int64()),
+        ("instance_id", pa.int64()),
+        ("category", pa.string()),
+        ("box", pa.list_(pa.float32(), 4)),
+        ("mask_rle", pa.string()),
+        ("attributes", pa.string()),
+    ]
+)
+RELATIONS_SCHEMA = pa.schema(
+    [("sample_id", pa.int64()), ("subject", pa.int64()), ("object", pa.int64()), ("predicate", pa.string())]
+)
+PHRASES_SCHEMA = pa.schema(
+    [
+        ("caption_id", pa.int64()),
+        ("sample_id", pa.int64()),
+        ("start", pa.int32()),
+        ("end", pa.int32()),
+        ("text", pa.string()),
+        ("instance_ids", pa.list_(pa.int64())),
+    ]
+)
+
+
+def _image_stat(ref: str | None) -> list:
+    """What an image's bytes are taken to be, for the unit fingerprint (size and mtime)."""
+    if not ref:
+        return [None]
+    path = ref.split("::", 1)[0]
+    try:
+        st = os.stat(path)
+        return [ref, st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [ref, None]
+
+
+def _record_payload(rec, sample_id: int, first_caption_id: int) -> dict:
+    return {
+        "sample_id": sample_id,
+        "first_caption_id": first_caption_id,
+        "source_id": rec.source_id,
+        "image": rec.image,
+        "captions": list(rec.captions),
+        "split": rec.split,
+        "problems": [list(p) for p in rec.problems],
+        "instances": [
+            {
+                "id": i.id,
+                "box": list(i.box),
+                "category": i.category,
+                "mask_rle": i.mask_rle,
+                "attributes": i.attributes,
+            }
+            for i in rec.instances
+        ],
+        "relations": [[r.subject, r.object, r.predicate] for r in rec.relations],
+        "phrases": [[p.caption_index, p.start, p.end, p.text, list(p.instance_ids)] for p in rec.phrases],
+    }
+
+
+def _image_size(ref: str, mode: str) -> tuple[int, int]:
+    from pipeline.readers.images import open_image
+
+    with open_image(ref) as im:
+        if mode == "decode":
+            im.load()
+        return im.size
+
+
+def ingest_unit(payload: dict) -> dict:
+    """Worker: validate one shard of records and write its tables."""
+    w = unit_writer(payload)
+    mode, min_chars = payload["verify_images"], payload["min_caption_chars"]
+    samples, captions, instances, relations, phrases = [], [], [], [], []
+    for r in payload["records"]:
+        sid, src = r["sample_id"], r["source_id"]
+        whole = [reason for idx, reason in r["problems"] if idx is None]
+        bad_caps = {idx: reason for idx, reason in r["problems"] if idx is not None}
+        if whole:
+            w.error("bad_record", "; ".join(whole), sample_id=sid, source_id=src)
+            continue
+        width = height = None
+        if r["image"] is None:
+            if mode != "none":
+                w.error("missing_image", "record has no image reference", sample_id=sid, source_id=src)
+                continue
+        elif mode != "none":
+            try:
+                width, height = _image_size(r["image"], mode)
+            except FileNotFoundError as e:
+                w.error("missing_image", f"{r['image']}: {e}", sample_id=sid, source_id=src)
+                continue
+            except Exception as e:  # PIL raises many types for corrupt data
+                w.error("unreadable_image", f"{r['image']}: {type(e).__name__}: {e}", sample_id=sid, source_id=src)
+                continue
+        kept = []
+        for k, text in enumerate(r["captions"]):
+            cid = r["first_caption_id"] + k
+            if k in bad_caps:
+                w.error("bad_caption", bad_caps[k], sample_id=sid, caption_id=cid, source_id=src)
+            elif text is None or len(text.strip()) < min_chars:
+                w.error("empty_caption", f"caption {k} is empty", sample_id=sid, caption_id=cid, source_id=src)
+            else:
+                kept.append({"caption_id": cid, "sample_id": sid, "text": text.strip()})
+        if not kept:
+            w.error("no_captions", "no usable caption left", sample_id=sid, source_id=src)
+            continue
+        samples.append(
+            {"sample_id": sid, "source_id": src, "image": r["image"], "width": width, "height": height, "split": r["split"]}
+        )
+        captions.extend(kept)
+        kept_ids = {c["caption_id"] for c in kept}
+        for inst in r["instances"]:
+            instances.append(
+                {
+                    "sample_id": sid,
+                    "instance_id": inst["id"],
+                    "category": inst["category"],
+                    "box": [float(x) for x in inst["box"]],
+                    "mask_rle": json.dumps(inst["mask_rle"]) if inst["mask_rle"] else None,
+                    "attributes": json.dumps(inst["attributes"], sort_keys=True),
+                }
+            )
+        for s, o, p in r["relations"]:
+            relations.append({"sample_id": sid, "subject": s, "object": o, "predicate": p})
+        for cidx, start, end, text, inst_ids in r["phrases"]:
+            cid = r["first_caption_id"] + cidx
+            if cid in kept_ids:
+                phrases.append(
+                    {"caption_id": cid, "sample_id": sid, "start": start, "end": end, "text": text, "instance_ids": inst_ids}
+                )
+    w.write_table("samples", pa.Table.from_pylist(samples, schema=SAMPLES_SCHEMA))
+    w.write_table("captions", pa.Table.from_pylist(captions, schema=CAPTIONS_SCHEMA))
+    if payload["has_annotations"]:
+        w.write_table("instances", pa.Table.from_pylist(instances, schema=INSTANCES_SCHEMA))
+        w.write_table("relations", pa.Table.from_pylist(relations, schema=RELATIONS_SCHEMA))
+        w.write_table("phrases", pa.Table.from_pylist(phrases, schema=PHRASES_SCHEMA))
+    res = w.commit({"rows": len(samples), "captions": len(captions), "rejected": len(w.errors)})
+    return {"unit": res.unit, "stats": res.stats}
+
+
+def run(ctx: RunContext, cfg: Config) -> dict:
+    from pipeline.readers import read_dataset
+
+    ds = ctx.manifest.dataset
+    try:
+        records = []
+        for rec in read_dataset(ds, ctx.output):
+            records.append(rec)
+            if ctx.limit is not None and len(records) >= ctx.limit:
+                break
+    except (OSError, ValueError) as e:
+        raise StageError(f"dataset ({ds.kind}): {e}") from None
+    if not records:
+        raise StageError(f"dataset ({ds.kind}) has no records")
+    has_ann = any(r.instances or r.relations or r.phrases for r in records)
+    params = {"dataset": ds.model_dump(mode="json"), "limit": ctx.limit, **cfg.model_dump(mode="json")}
+    params.pop("enabled", None)
+    writer = ctx.writer("samples", NAME, params)
+    units = []
+    next_caption = 0
+    for u, start in enumerate(range(0, len(records), cfg.shard_size)):
+        chunk = []
+        for k, rec in enumerate(records[start : start + cfg.shard_size]):
+            chunk.append(_record_payload(rec, start + k, next_caption))
+            next_caption += len(rec.captions)
+        unit_input = fingerprint(chunk, [_image_stat(r["image"]) for r in chunk])
+        payload = {
+            "records": chunk,
+            "verify_images": cfg.verify_images,
+            "min_caption_chars": cfg.min_caption_chars,
+            "has_annotations": has_ann,
+        }
+        units.append((f"{u:05d}", unit_input, payload))
+    names = run_units(ctx, writer, units, ingest_unit, total_rows=len(records))
+    schema = {
+        "samples": str(SAMPLES_SCHEMA),
+        "captions": str(CAPTIONS_SCHEMA),
+    }
+    if has_ann:
+        schema.update(instances=str(INSTANCES_SCHEMA), relations=str(RELATIONS_SCHEMA), phrases=str(PHRASES_SCHEMA))
+    m = writer.finalize(names, extra={"dataset_kind": ds.kind}, schema=schema)
+    return {
+        "samples": m["tables"]["samples"]["rows"],
+        "captions": m["tables"]["captions"]["rows"],
+        "errors": m["errors"]["rows"],
+        "path": str(writer.dir),
+    }

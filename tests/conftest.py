@@ -1,0 +1,53 @@
+"""Shared fixtures: quiet offline environment, one small embedded Ray per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """An embedded Ray sized for tests (2 CPUs, 128 MiB object store, no dashboard)."""
+    from pipeline.config import RayConfig
+    from pipeline.runtime import ensure_ray
+
+    import ray
+
+    ensure_ray(RayConfig(num_cpus=2, object_store_memory=128 * 1024**2))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def shared_dir() -> Path:
+    """../shared beside the checkout; tests that read it skip where it is absent (user machines)."""
+    if not SHARED.is_dir():
+        pytest.skip("../shared is not present")
+    return SHARED
+
+
+@pytest.fixture
+def sugarcrepe_dir(shared_dir) -> Path:
+    d = shared_dir / "data" / "sugarcrepe"
+    if not d.is_dir():
+        pytest.skip("../shared/data/sugarcrepe is not present")
+    return d
+
+
+def make_manifest(tmp_path: Path, overrides: list[str] | None = None, path: str | None = None):
+    """The demo manifest (or ``path``) with output under ``tmp_path`` and small Ray settings."""
+    from pipeline.config import load_manifest
+
+    base = [f"output={tmp_path / 'run'}", "ray.num_cpus=2", "ray.object_store_memory=134217728"]
+    return load_manifest(path or REPO / "manifests" / "demo.yaml", base + list(overrides or []))

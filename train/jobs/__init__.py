@@ -1,0 +1,1 @@
+"""One module per training job; each defines NAME and Config (discovered by the manifest loader)."""
