@@ -30,6 +30,8 @@ def ensure_ray(ray_cfg) -> dict:
         os.environ.setdefault(k, v)
     import ray
 
+    for name in ("ray", "ray.data", "ray.data._internal"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if ray.is_initialized():
         return {"address": ray_cfg.address or "local", "cpus": ray.cluster_resources().get("CPU", 0)}
     # Workers must import this package; an editable install makes that true locally, and on a

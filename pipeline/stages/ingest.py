@@ -106,12 +106,31 @@ def _record_payload(rec, sample_id: int, first_caption_id: int) -> dict:
 
 
 def _image_size(ref: str, mode: str) -> tuple[int, int]:
-    from pipeline.readers.images import open_image
+    import io
 
-    with open_image(ref) as im:
-        if mode == "decode":
-            im.load()
+    from PIL import Image
+
+    from pipeline.readers.images import open_image, read_image_bytes
+
+    if not os.path.exists(ref.split("::", 1)[0]):
+        raise FileNotFoundError("file not found")
+    if mode == "decode":
+        return open_image(ref).size
+    with Image.open(io.BytesIO(read_image_bytes(ref))) as im:
         return im.size
+
+
+def _reason(problem: str, default: str) -> str:
+    """errors.parquet reason code for a problem text reported by a reader."""
+    from pipeline.readers import base
+
+    codes = {
+        base.EMPTY_CAPTION: "empty_caption",
+        base.NOT_UTF8: "caption_not_utf8",
+        base.NO_CAPTIONS: "no_captions",
+        base.MISSING_IMAGE_FIELD: "missing_image",
+    }
+    return codes.get(problem, default)
 
 
 def ingest_unit(payload: dict) -> dict:
@@ -124,7 +143,7 @@ def ingest_unit(payload: dict) -> dict:
         whole = [reason for idx, reason in r["problems"] if idx is None]
         bad_caps = {idx: reason for idx, reason in r["problems"] if idx is not None}
         if whole:
-            w.error("bad_record", "; ".join(whole), sample_id=sid, source_id=src)
+            w.error(_reason(whole[0], "bad_record"), "; ".join(whole), sample_id=sid, source_id=src)
             continue
         width = height = None
         if r["image"] is None:
@@ -144,7 +163,7 @@ def ingest_unit(payload: dict) -> dict:
         for k, text in enumerate(r["captions"]):
             cid = r["first_caption_id"] + k
             if k in bad_caps:
-                w.error("bad_caption", bad_caps[k], sample_id=sid, caption_id=cid, source_id=src)
+                w.error(_reason(bad_caps[k], "bad_caption"), bad_caps[k], sample_id=sid, caption_id=cid, source_id=src)
             elif text is None or len(text.strip()) < min_chars:
                 w.error("empty_caption", f"caption {k} is empty", sample_id=sid, caption_id=cid, source_id=src)
             else:
