@@ -157,17 +157,28 @@ def encode_images(model, pixel_values: torch.Tensor, project_tokens: bool = Fals
     return {"patch_tokens": patches, "image_embed": image_embed}
 
 
-def tokenize(tokenizer, texts: Sequence[str], max_tokens: int = TEXT_MAX_TOKENS) -> dict[str, torch.Tensor]:
-    """Truncate to ``max_tokens`` (BOS/EOS included; the EOS is kept) and pad to the batch's longest."""
-    enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_tokens, return_tensors="pt")
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+def tokenize(tokenizer, texts: Sequence[str], max_tokens: int = TEXT_MAX_TOKENS, return_offsets: bool = False) -> dict[str, torch.Tensor]:
+    """Truncate to ``max_tokens`` (BOS/EOS included; the EOS is kept) and pad to the batch's longest.
+    ``return_offsets`` adds ``offsets`` [B, M, 2]: each token's character span in its text."""
+    enc = tokenizer(
+        list(texts), padding=True, truncation=True, max_length=max_tokens, return_tensors="pt", return_offsets_mapping=return_offsets
+    )
+    out = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    if return_offsets:
+        out["offsets"] = enc["offset_mapping"]
+    return out
 
 
 @torch.no_grad()
 def encode_texts(
-    model, tokenizer, texts: Sequence[str], max_tokens: int = TEXT_MAX_TOKENS, project_tokens: bool = False
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    max_tokens: int = TEXT_MAX_TOKENS,
+    project_tokens: bool = False,
+    return_offsets: bool = False,
 ) -> dict[str, torch.Tensor]:
-    enc = tokenize(tokenizer, texts, max_tokens)
+    enc = tokenize(tokenizer, texts, max_tokens, return_offsets)
     device = next(model.parameters()).device
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     tout = model.text_model(input_ids=ids, attention_mask=mask)
@@ -175,7 +186,10 @@ def encode_texts(
     text_embed = model.text_projection(tout.pooler_output)  # EOS-pooled, projected
     if project_tokens:
         tokens = model.text_projection(tokens)
-    return {"text_tokens": tokens, "text_embed": text_embed, "text_mask": mask.bool(), "input_ids": ids}
+    out = {"text_tokens": tokens, "text_embed": text_embed, "text_mask": mask.bool(), "input_ids": ids}
+    if return_offsets:
+        out["offsets"] = enc["offsets"]
+    return out
 
 
 def to_numpy_f16(t: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""Readers that turn stage artifacts (WebDataset shards) into training batches."""
