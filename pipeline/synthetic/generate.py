@@ -1,0 +1,248 @@
+"""The generated dataset: scenes of shapes with full ground truth, in the real on-disk formats.
+
+Layout under ``root``::
+
+    images/000000000001.jpg ...            JPEG scenes (image id i -> %012d.jpg)
+    annotations/captions.json              COCO captions (+ non-standard "split" on each image)
+    annotations/instances.json             COCO instances: amodal bbox, visible-mask RLE
+                                           (compressed counts), "attributes" {color, size,
+                                           texture, draw_order}; categories = shapes
+    annotations/scene_graphs.json          vlpipe-scene-graph/1 (readers/scene_graph.py):
+                                           relations between instance ids + caption phrase spans
+    karpathy.json                          Karpathy split JSON (filepath "images")
+    flickr30k_entities/Sentences/<id>.txt  Flickr30k-Entities markup, one caption per line
+    flickr30k_entities/Annotations/<id>.xml  boxes per entity; {train,val,test}.txt id lists
+    sugarcrepe/{swap_att,swap_obj,replace_att,replace_obj,replace_rel}.json
+    _params.json                           parameters + ground truth of the injected errors
+
+Splits: image index i % 20 == 18 -> val, == 19 -> test, else train.
+Phrase -> instance links: a phrase naming several objects ("two circles") links all of them; in the
+Flickr files each distinct set of objects is one entity, and a box lists every entity it belongs to.
+Injected errors: ``corrupt_images`` image files are truncated (even picks) or random bytes (odd
+picks); ``empty_captions`` captions are blanked to "" or "   " (alternately) in every format, and
+their phrases dropped. Both are picked deterministically from the seed; see ``_params.json``.
+
+Idempotent: ``_params.json`` is written last; a call with the same parameters and generator
+version finds it and returns at once, different parameters regenerate (the folders above are
+removed first, nothing else under ``root`` is touched).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from pipeline.masks import rle_encode
+from pipeline.synthetic.captions import make_captions, make_negatives
+from pipeline.synthetic.scene import PREDICATES, SHAPES, make_scene, relations
+
+GENERATOR_VERSION = 1
+NEGATIVE_KINDS = ["swap_att", "swap_obj", "replace_att", "replace_obj", "replace_rel"]
+_OWNED = ["images", "annotations", "flickr30k_entities", "sugarcrepe", "karpathy.json"]
+
+
+def split_of(index: int) -> str:
+    return {18: "val", 19: "test"}.get(index % 20, "train")
+
+
+def output_paths(root: str | Path) -> dict[str, Path]:
+    root = Path(root).resolve()
+    return {
+        "root": root,
+        "images": root / "images",
+        "captions": root / "annotations" / "captions.json",
+        "instances": root / "annotations" / "instances.json",
+        "scene_graphs": root / "annotations" / "scene_graphs.json",
+        "karpathy": root / "karpathy.json",
+        "flickr30k_entities": root / "flickr30k_entities",
+        "sugarcrepe": root / "sugarcrepe",
+        "params": root / "_params.json",
+    }
+
+
+def _dump(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    # dumps, not dump: only the one-shot encoder uses the C accelerator (several times faster)
+    tmp.write_text(json.dumps(obj, separators=(",", ":"), ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _flickr_line(text: str, phrases, entity_of) -> str:
+    out, pos = [], 0
+    for start, end, ptext, ids, etype in sorted(phrases, key=lambda p: p[0]):
+        out.append(text[pos:start])
+        out.append(f"[/EN#{entity_of[tuple(ids)]}/{etype} {ptext}]")
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _flickr_xml(file_name: str, S: int, boxes) -> str:
+    objs = []
+    for names, (x0, y0, x1, y1) in boxes:
+        nm = "".join(f"<name>{n}</name>" for n in names)
+        objs.append(f"<object>{nm}<bndbox><xmin>{int(x0)}</xmin><ymin>{int(y0)}</ymin>"
+                    f"<xmax>{int(x1)}</xmax><ymax>{int(y1)}</ymax></bndbox></object>")
+    return (f"<annotation><filename>{file_name}</filename><size><width>{S}</width><height>{S}</height>"
+            f"<depth>3</depth></size>{''.join(objs)}</annotation>\n")
+
+
+def generate(
+    root: str | Path,
+    n_images: int = 64,
+    seed: int = 0,
+    image_size: int = 128,
+    captions_per_image: int = 5,
+    min_objects: int = 1,
+    max_objects: int = 4,
+    corrupt_images: int = 0,
+    empty_captions: int = 0,
+) -> dict[str, Path]:
+    paths = output_paths(root)
+    root = paths["root"]
+    params = {
+        "generator_version": GENERATOR_VERSION, "n_images": int(n_images), "seed": int(seed),
+        "image_size": int(image_size), "captions_per_image": int(captions_per_image),
+        "min_objects": int(min_objects), "max_objects": int(max_objects),
+        "corrupt_images": int(corrupt_images), "empty_captions": int(empty_captions),
+    }
+    if paths["params"].is_file():
+        try:
+            old = json.loads(paths["params"].read_text())
+        except (OSError, json.JSONDecodeError):
+            old = {}
+        if old.get("params") == params and all(p.exists() for p in paths.values()):
+            return paths
+    if n_images < 1 or captions_per_image < 1 or image_size < 32:
+        raise ValueError("synthetic: need n_images >= 1, captions_per_image >= 1, image_size >= 32")
+    if not 0 < max(min_objects, 1) <= max_objects:
+        raise ValueError(f"synthetic: need 1 <= max_objects and min_objects <= max_objects (got {min_objects}, {max_objects})")
+    if corrupt_images > n_images or empty_captions > n_images * captions_per_image:
+        raise ValueError("synthetic: more corrupt images / empty captions requested than exist")
+
+    root.mkdir(parents=True, exist_ok=True)
+    paths["params"].unlink(missing_ok=True)
+    for name in _OWNED:
+        p = root / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+    img_dir = paths["images"]
+    fl_root = paths["flickr30k_entities"]
+    for d in (img_dir, paths["captions"].parent, fl_root / "Sentences", fl_root / "Annotations", paths["sugarcrepe"]):
+        d.mkdir(parents=True, exist_ok=True)
+
+    S = int(image_size)
+    cpi = int(captions_per_image)
+    # Error injection is drawn from its own stream so that it does not change the scenes.
+    err_rng = np.random.default_rng([seed, 0x5EED, n_images])
+    corrupt = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images, corrupt_images, replace=False)))}
+    blank = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images * cpi, empty_captions, replace=False)))}
+
+    grid = np.mgrid[0:S, 0:S].astype(np.float32)
+    categories = [{"id": k + 1, "name": s, "supercategory": "shape"} for k, s in enumerate(SHAPES)]
+    cat_id = {s: k + 1 for k, s in enumerate(SHAPES)}
+    images, cap_anns, inst_anns, graphs, karpathy = [], [], [], [], []
+    negatives: dict[str, dict[str, dict]] = {k: {} for k in NEGATIVE_KINDS}
+    split_ids: dict[str, list[str]] = {"train": [], "val": [], "test": []}
+    next_inst, next_cap = 1, 1
+    corrupt_files, blanked_ids = [], []
+
+    for i in range(n_images):
+        image_id = i + 1
+        stem = f"{image_id:012d}"
+        fname = f"{stem}.jpg"
+        split = split_of(i)
+        rng = np.random.default_rng([seed, i])
+        n_obj = int(rng.integers(min_objects, max_objects + 1))
+        scene = make_scene(rng, S, n_obj, (grid[0], grid[1]))
+        rels = relations(scene)
+        caps = make_captions(scene, rels, cpi, rng)
+        negs = make_negatives(scene, rels, rng)
+
+        buf = io.BytesIO()
+        Image.fromarray(scene.pixels).save(buf, format="JPEG", quality=92)
+        data = buf.getvalue()
+        if i in corrupt:
+            if corrupt[i] % 2 == 0:
+                data = data[: len(data) // 3]
+            else:
+                data = err_rng.integers(0, 256, 600, dtype=np.uint8).tobytes()
+            corrupt_files.append(fname)
+        (img_dir / fname).write_bytes(data)
+
+        images.append({"id": image_id, "file_name": fname, "width": S, "height": S, "split": split})
+        ann_ids = []
+        for k, o in enumerate(scene.objects):
+            x0, y0, x1, y1 = o.box
+            rle = rle_encode(scene.visible_mask(k))
+            inst_anns.append({
+                "id": next_inst, "image_id": image_id, "category_id": cat_id[o.shape],
+                "bbox": [x0, y0, x1 - x0, y1 - y0], "area": int(scene.visible_mask(k).sum()),
+                "segmentation": rle, "iscrowd": 0,
+                "attributes": {"color": o.color, "size": o.size, "texture": o.texture, "draw_order": str(o.order)},
+            })
+            ann_ids.append(next_inst)
+            next_inst += 1
+
+        sentences, phrases_json, fl_lines = [], [], []
+        entity_of: dict[tuple, int] = {}
+        for c, (text, spans) in enumerate(caps):
+            gidx = i * cpi + c
+            if gidx in blank:
+                text, spans = ("" if blank[gidx] % 2 == 0 else "   "), []
+                blanked_ids.append(next_cap)
+            cap_anns.append({"id": next_cap, "image_id": image_id, "caption": text})
+            sentences.append({"raw": text, "tokens": text.lower().rstrip(".").replace(",", "").split(),
+                              "imgid": i, "sentid": next_cap})
+            fl_spans = []
+            for start, end, ptext, objs in spans:
+                ids = [ann_ids[k] for k in objs]
+                phrases_json.append({"caption_id": next_cap, "start": start, "end": end, "text": ptext,
+                                     "instance_ids": ids})
+                key = tuple(ids)
+                entity_of.setdefault(key, len(entity_of) + 1)
+                shapes = {scene.objects[k].shape for k in objs}
+                fl_spans.append((start, end, ptext, ids, shapes.pop() if len(shapes) == 1 else "shapes"))
+            fl_lines.append(_flickr_line(text, fl_spans, entity_of))
+            next_cap += 1
+
+        graphs.append({
+            "image_id": image_id,
+            "relations": [{"subject": ann_ids[a], "object": ann_ids[b], "predicate": p} for a, b, p in rels],
+            "phrases": phrases_json,
+        })
+        karpathy.append({"filepath": "images", "filename": fname, "split": split, "cocoid": image_id, "imgid": i,
+                         "sentences": sentences, "sentids": [s["sentid"] for s in sentences]})
+        for kind, (pos, neg) in negs.items():
+            d = negatives[kind]
+            d[str(len(d))] = {"filename": fname, "caption": pos, "negative_caption": neg}
+
+        boxes = []
+        for k, aid in enumerate(ann_ids):
+            names = [e for key, e in entity_of.items() if aid in key]
+            if names:
+                boxes.append((names, scene.objects[k].box))
+        (fl_root / "Sentences" / f"{stem}.txt").write_text("\n".join(fl_lines) + "\n", encoding="utf-8")
+        (fl_root / "Annotations" / f"{stem}.xml").write_text(_flickr_xml(fname, S, boxes), encoding="utf-8")
+        split_ids[split].append(stem)
+
+    info = {"description": "vlpipe generated shapes dataset", "seed": int(seed), "version": GENERATOR_VERSION}
+    _dump({"info": info, "images": images, "annotations": cap_anns}, paths["captions"])
+    _dump({"info": info, "images": images, "annotations": inst_anns, "categories": categories}, paths["instances"])
+    _dump({"format": "vlpipe-scene-graph/1", "predicates": PREDICATES, "images": graphs}, paths["scene_graphs"])
+    _dump({"dataset": "synthetic", "images": karpathy}, paths["karpathy"])
+    for s, ids in split_ids.items():
+        (fl_root / f"{s}.txt").write_text("".join(f"{x}\n" for x in ids))
+    for kind, d in negatives.items():
+        # indented like the published SugarCrepe files
+        (paths["sugarcrepe"] / f"{kind}.json").write_text(json.dumps(d, indent=4), encoding="utf-8")
+    # no timings or dates in here: every generated file, this one included, is a function of the params
+    _dump({"params": params, "corrupt_images": corrupt_files, "empty_caption_ids": blanked_ids}, paths["params"])
+    return paths
