@@ -1,0 +1,203 @@
+"""The generated dataset: determinism, idempotence, ground-truth consistency, and every format it
+writes read back through the real readers."""
+from __future__ import annotations
+
+import hashlib
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.masks import rle_decode
+from pipeline.readers import ImageError, open_image, read_dataset
+from pipeline.readers.base import EMPTY_CAPTION
+from pipeline.readers.flickr import read_flickr30k_entities
+from pipeline.readers.karpathy import read_karpathy
+from pipeline.synthetic.generate import NEGATIVE_KINDS, generate
+from pipeline.synthetic.scene import COLORS, INVERSE, PREDICATES
+
+PARAMS = dict(n_images=24, seed=3, image_size=64, captions_per_image=4, min_objects=1, max_objects=4)
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("syn")
+    paths = generate(root, **PARAMS, corrupt_images=2, empty_captions=3)
+    syn = types.SimpleNamespace(**PARAMS, corrupt_images=2, empty_captions=3, root=str(root))
+    ds = types.SimpleNamespace(kind="synthetic", synthetic=syn, split=None)
+    records = list(read_dataset(ds, root / "unused"))
+    return paths, records
+
+
+def test_deterministic_from_seed(tmp_path, gen):
+    a = generate(tmp_path / "a", **PARAMS)
+    b = generate(tmp_path / "b", **PARAMS)
+    ha, hb = tree_hashes(a["root"]), tree_hashes(b["root"])
+    assert len(ha) >= 3 * PARAMS["n_images"] + 10 and ha == hb  # images, Sentences, Annotations + json
+    c = generate(tmp_path / "c", **{**PARAMS, "seed": 4})
+    hc = tree_hashes(c["root"])
+    assert ha["images/000000000001.jpg"] != hc["images/000000000001.jpg"]
+    # image i depends only on (seed, i): a bigger dataset starts with the same images
+    d = generate(tmp_path / "d", **{**PARAMS, "n_images": 30})
+    assert tree_hashes(d["root"])["images/000000000024.jpg"] == ha["images/000000000024.jpg"]
+
+
+def test_idempotent_until_params_change(tmp_path):
+    p = generate(tmp_path, **{**PARAMS, "n_images": 6})
+    sentinel = p["images"] / "sentinel"
+    sentinel.write_text("left alone by a no-op call")
+    mtime = p["captions"].stat().st_mtime_ns
+    generate(tmp_path, **{**PARAMS, "n_images": 6})
+    assert sentinel.exists() and p["captions"].stat().st_mtime_ns == mtime
+    generate(tmp_path, **{**PARAMS, "n_images": 7})
+    assert not sentinel.exists()
+    assert len(list(p["images"].glob("*.jpg"))) == 7
+    assert json.loads(p["params"].read_text())["params"]["n_images"] == 7
+
+
+def test_records_and_injected_errors(gen):
+    paths, recs = gen
+    params = json.loads(paths["params"].read_text())
+    assert len(recs) == PARAMS["n_images"]
+    assert [r.source_id for r in recs] == [str(i) for i in range(1, PARAMS["n_images"] + 1)]
+    assert all(len(r.captions) == PARAMS["captions_per_image"] for r in recs)
+    problems = [(r.source_id, p) for r in recs for p in r.problems]
+    assert len(problems) == 3 and all(p[1] == EMPTY_CAPTION for _, p in problems)
+    corrupt = set(params["corrupt_images"])
+    assert len(corrupt) == 2
+    for r in recs:
+        if Path(r.image).name in corrupt:
+            with pytest.raises(ImageError):
+                open_image(r.image)
+        else:
+            assert open_image(r.image).size == (64, 64)
+    assert {r.split for r in recs} == {"train", "val", "test"}
+    assert all(PARAMS["min_objects"] <= len(r.instances) <= PARAMS["max_objects"] for r in recs)
+
+
+def test_masks_inside_boxes_and_match_pixels(gen):
+    paths, recs = gen
+    corrupt = set(json.loads(paths["params"].read_text())["corrupt_images"])
+    checked = 0
+    for r in recs:
+        img = None if Path(r.image).name in corrupt else np.asarray(open_image(r.image), dtype=np.float32)
+        for inst in r.instances:
+            m = rle_decode(inst.mask_rle)
+            assert m.shape == (64, 64) and m.sum() > 0
+            x0, y0, x1, y1 = (int(v) for v in inst.box)
+            outside = m.copy()
+            outside[y0:y1, x0:x1] = False
+            assert not outside.any()
+            if img is not None and inst.attributes["texture"] == "plain" and m.sum() >= 30:
+                # JPEG blurs edges, so compare the mean colour of the visible pixels
+                mean = img[m].mean(0)
+                assert np.abs(mean - np.array(COLORS[inst.attributes["color"]])).max() < 40, (r.source_id, inst)
+                checked += 1
+    assert checked >= 10
+
+
+def test_scene_graph_matches_geometry(gen):
+    _, recs = gen
+    n_rel = 0
+    for r in recs:
+        inst = {i.id: i for i in r.instances}
+        pairs = {(x.subject, x.object): x.predicate for x in r.relations}
+        n = len(inst)
+        assert len(pairs) == len(r.relations) == n * (n - 1)  # every ordered pair exactly once
+        for (s, o), p in pairs.items():
+            assert p in PREDICATES and pairs[(o, s)] == INVERSE[p]
+            a, b = inst[s], inst[o]
+            dx = (a.box[0] + a.box[2]) / 2 - (b.box[0] + b.box[2]) / 2
+            dy = (a.box[1] + a.box[3]) / 2 - (b.box[1] + b.box[3]) / 2
+            if p in ("in front of", "behind"):
+                boxes_meet = a.box[0] < b.box[2] and b.box[0] < a.box[2] and a.box[1] < b.box[3] and b.box[1] < a.box[3]
+                assert boxes_meet
+                later = int(a.attributes["draw_order"]) > int(b.attributes["draw_order"])
+                assert later == (p == "in front of")
+            elif p == "left of":
+                assert dx < 0 and abs(dx) >= abs(dy)
+            elif p == "right of":
+                assert dx > 0 and abs(dx) >= abs(dy)
+            elif p == "above":
+                assert dy < 0 and abs(dy) > abs(dx)
+            else:
+                assert dy > 0 and abs(dy) > abs(dx)
+            n_rel += 1
+    assert n_rel > 20
+
+
+def test_phrases_point_at_their_objects(gen):
+    _, recs = gen
+    n = 0
+    for r in recs:
+        inst = {i.id: i for i in r.instances}
+        for p in r.phrases:
+            assert r.captions[p.caption_index][p.start:p.end] == p.text
+            assert p.instance_ids and all(i in inst for i in p.instance_ids)
+            if len(p.instance_ids) == 1:
+                o = inst[p.instance_ids[0]]
+                words = p.text.lower().split()
+                assert o.category in words or "shape" in words
+                assert any(w in words for w in (o.category, o.attributes["color"], o.attributes["size"]))
+                n += 1
+    assert n > 50
+    vocab = {w.strip(".,:").lower() for r in recs for c in r.captions for w in c.split()}
+    assert len(vocab) > 60  # varied templates, not one fixed sentence
+
+
+def test_flickr_and_karpathy_copies_agree(gen):
+    paths, recs = gen
+    fl = list(read_flickr30k_entities(paths["flickr30k_entities"], paths["images"]))
+    kp = list(read_karpathy(paths["karpathy"], paths["root"]))
+    assert len(fl) == len(kp) == len(recs)
+    for r, f, k in zip(recs, fl, kp):
+        assert f.captions == r.captions == k.captions
+        assert f.image == r.image == k.image and f.split == r.split == k.split
+        # same spans; Flickr instance ids are box numbers, so compare the boxes they point at
+        coco = sorted((p.caption_index, p.start, p.end, tuple(sorted(next(i.box for i in r.instances if i.id == x)
+                                                                     for x in p.instance_ids))) for p in r.phrases)
+        flk = sorted((p.caption_index, p.start, p.end, tuple(sorted(f.instances[x].box for x in p.instance_ids)))
+                     for p in f.phrases)
+        assert coco == flk
+    assert [r.source_id for r in kp if r.split == "val"] == [r.source_id for r in recs if r.split == "val"]
+
+
+def test_sugarcrepe_files(gen):
+    paths, recs = gen
+    images = {Path(r.image).name for r in recs}
+    descs = {Path(r.image).name: {(i.attributes["color"], i.category) for i in r.instances} for r in recs}
+    total = 0
+    for kind in NEGATIVE_KINDS:
+        data = json.loads((paths["sugarcrepe"] / f"{kind}.json").read_text())
+        assert list(data) == [str(i) for i in range(len(data))]
+        for e in data.values():
+            assert set(e) == {"filename", "caption", "negative_caption"}
+            assert e["filename"] in images and e["caption"] != e["negative_caption"]
+            pos, neg = e["caption"].lower().rstrip(".").split(), e["negative_caption"].lower().rstrip(".").split()
+            if kind.startswith("swap"):
+                strip = lambda ws: sorted(w for w in ws if w not in ("a", "an"))  # noqa: E731
+                assert strip(pos) == strip(neg)  # same words, different binding
+            if kind == "replace_att":
+                # the negative names a colour+shape pair that is not in the image
+                j = next(i for i, w in enumerate(neg) if w in COLORS)
+                assert (neg[j], neg[j + 1]) not in descs[e["filename"]]
+                assert (pos[j], pos[j + 1]) in descs[e["filename"]]
+            total += 1
+    assert total >= 2 * PARAMS["n_images"]
+
+
+def test_split_filter_and_bad_params(tmp_path, gen):
+    paths, recs = gen
+    syn = types.SimpleNamespace(**PARAMS, corrupt_images=2, empty_captions=3, root=str(paths["root"]))
+    val = list(read_dataset(types.SimpleNamespace(kind="synthetic", synthetic=syn, split="val"), tmp_path))
+    assert val and all(r.split == "val" for r in val)
+    assert len(val) == sum(r.split == "val" for r in recs)
+    with pytest.raises(ValueError):
+        generate(tmp_path / "bad", **{**PARAMS, "min_objects": 5, "max_objects": 2})
