@@ -10,7 +10,12 @@ from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline vision-language artifact pipeline.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Offline vision-language artifact pipeline.",
+)
 log = logging.getLogger("pipeline")
 
 

@@ -32,6 +32,8 @@ def ensure_ray(ray_cfg) -> dict:
 
     for name in ("ray", "ray.data", "ray.data._internal"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # We show our own progress (shards, rows, rate, ETA); Ray's notice that its bars are off is noise.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     if ray.is_initialized():
         return {"address": ray_cfg.address or "local", "cpus": ray.cluster_resources().get("CPU", 0)}
     # Workers must import this package; an editable install makes that true locally, and on a
