@@ -1,0 +1,147 @@
+"""Segmenter adapters: images -> tangible instances (masks, boxes, scores, embeddings) + image feature.
+
+Kalibhat et al. use SEEM (not installable from the registries). Here a segmenter is anything
+implementing :class:`Segmenter`; two backends exist, and SEEM (or another model) is a new
+subclass registered in :data:`SEGMENTERS`:
+
+* ``sam``: SAM's automatic mask generator (:meth:`pipeline.models.sam.SamModel.generate`:
+  points grid, predicted-IoU / stability filters, box NMS, RAM's IoU > 0.8 dedup, score
+  threshold). Instance score = SAM's predicted IoU.
+* ``annotations``: ground-truth masks and boxes of the samples artifact's ``instances`` table
+  (COCO instances, the generated dataset). Instance score = 1. SAM still encodes the image,
+  because the image feature and the embeddings come from the segmenter's encoder.
+
+Embedding of an instance (``embedding`` option):
+
+* ``decoder_token``: SAM's mask-decoder output token of that mask (for ``annotations``: SAM
+  prompted with the ground-truth box, single-mask output, as SAM does for box prompts);
+* ``mask_pool``: SAM's image-encoder (neck) features averaged under the mask.
+
+Both are then mapped to ``width`` (paper: 512) by :func:`pipeline.visual_tokens.project.project`.
+The image feature I is SAM's pooled multi-layer encoder feature (see ``pipeline.models.sam``).
+Images are encoded ``batch_size`` at a time in one encoder call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pipeline.models.sam import SamModel
+from pipeline.visual_tokens.project import project
+
+
+@dataclass
+class Segmentation:
+    masks: np.ndarray  # [V, H, W] bool
+    boxes: np.ndarray  # [V, 4] float32 xyxy, pixels
+    scores: np.ndarray  # [V] float32
+    embeddings: np.ndarray  # [V, width] float32
+    image_feature: np.ndarray  # [D_I] float32
+    instance_ids: np.ndarray  # [V] int64 (dataset ids; -1 for predicted instances)
+    categories: list = field(default_factory=list)
+
+
+class Segmenter:
+    name = "base"
+
+    def __init__(self, sam: SamModel, *, embedding: str, width: int, seed: int = 0, **opts):
+        if embedding not in ("decoder_token", "mask_pool"):
+            raise ValueError(f"embedding must be decoder_token or mask_pool, got {embedding!r}")
+        self.sam, self.embedding, self.width, self.seed, self.opts = sam, embedding, width, seed, opts
+
+    def segment(self, images: list[np.ndarray], annotations: list[list[dict]] | None = None) -> list[Segmentation]:
+        raise NotImplementedError
+
+    def _embed(self, emb, masks, tokens, input_size) -> np.ndarray:
+        if self.embedding == "mask_pool":
+            vec = self.sam.mask_pool(emb, masks.to(emb.device), input_size)
+        else:
+            vec = tokens
+        return project(vec.float().cpu().numpy().reshape(-1, vec.shape[-1]), self.width, self.seed)
+
+
+class SamSegmenter(Segmenter):
+    name = "sam"
+
+    def segment(self, images, annotations=None):
+        enc = self.sam.encode(images)
+        out = []
+        for b in range(len(images)):
+            e = enc.embeddings[b : b + 1]
+            g = self.sam.generate(e, enc.input_sizes[b], enc.original_sizes[b], **self.opts)
+            v = len(g["scores"])
+            out.append(
+                Segmentation(
+                    masks=g["masks"].numpy(),
+                    boxes=g["boxes"].numpy().astype(np.float32),
+                    scores=g["scores"].numpy().astype(np.float32),
+                    embeddings=self._embed(e, g["masks"], g["tokens"], enc.input_sizes[b]),
+                    image_feature=enc.image_features[b],
+                    instance_ids=np.full(v, -1, dtype=np.int64),
+                    categories=[None] * v,
+                )
+            )
+        return out
+
+
+def annotation_masks(rows: list[dict], h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ground-truth masks [V, H, W] and boxes [V, 4]; an instance without a mask gets its box filled."""
+    from pipeline.masks import rle_decode
+
+    masks = np.zeros((len(rows), h, w), dtype=bool)
+    boxes = np.zeros((len(rows), 4), dtype=np.float32)
+    for i, r in enumerate(rows):
+        boxes[i] = np.asarray(r["box"], dtype=np.float32)
+        rle = r.get("mask_rle")
+        if rle:
+            m = rle_decode(json.loads(rle) if isinstance(rle, str) else rle)
+            if m.shape != (h, w):
+                raise ValueError(f"instance {r['instance_id']}: mask {m.shape} does not match the image ({h}, {w})")
+            masks[i] = m
+        else:
+            x0, y0, x1, y1 = np.round(boxes[i]).astype(int)
+            masks[i, max(y0, 0) : max(y1, 0), max(x0, 0) : max(x1, 0)] = True
+    return masks, boxes
+
+
+class AnnotationSegmenter(Segmenter):
+    name = "annotations"
+
+    def segment(self, images, annotations=None):
+        if annotations is None:
+            raise ValueError("the annotations segmenter needs the samples artifact's instances table")
+        enc = self.sam.encode(images)
+        out = []
+        for b, (im, rows) in enumerate(zip(images, annotations)):
+            h, w = im.shape[:2]
+            rows = sorted(rows, key=lambda r: r["instance_id"])
+            masks, boxes = annotation_masks(rows, h, w)
+            e = enc.embeddings[b : b + 1]
+            tokens = None
+            if self.embedding == "decoder_token":
+                _, _, tokens = self.sam.box_prompts(e, boxes, enc.input_sizes[b], enc.original_sizes[b])
+            out.append(
+                Segmentation(
+                    masks=masks,
+                    boxes=boxes,
+                    scores=np.ones(len(rows), dtype=np.float32),
+                    embeddings=self._embed(e, torch.from_numpy(masks), tokens, enc.input_sizes[b]),
+                    image_feature=enc.image_features[b],
+                    instance_ids=np.array([r["instance_id"] for r in rows], dtype=np.int64),
+                    categories=[r.get("category") for r in rows],
+                )
+            )
+        return out
+
+
+SEGMENTERS: dict[str, type[Segmenter]] = {"sam": SamSegmenter, "annotations": AnnotationSegmenter}
+
+
+def make_segmenter(name: str, sam: SamModel, **kw) -> Segmenter:
+    if name not in SEGMENTERS:
+        raise ValueError(f"unknown segmenter {name!r}; known: {sorted(SEGMENTERS)}")
+    return SEGMENTERS[name](sam, **kw)

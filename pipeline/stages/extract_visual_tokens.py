@@ -1,0 +1,387 @@
+"""Tangible/intangible visual tokens, triplets, 4-NN and attention ranks (Kalibhat et al. Sec. 4.1-4.2).
+
+Per image (see ``pipeline/visual_tokens/graph.py`` for the exact graph rules):
+
+1. a segmenter (``segmenter``: ``sam`` automatic masks, or ``annotations`` = ground-truth masks)
+   gives instances V with masks, boxes, scores and embeddings (SAM decoder token or mask-pooled
+   encoder feature, projected to ``width``), and the image feature I (pooled encoder layers);
+2. a relation predictor (``relations``: ``learned`` RAM-style head = the paper's RAM,
+   ``geometric``, ``annotations``) scores every ordered pair over the predicate vocabulary
+   (default the 56 PSG predicates); scores over ``relation_threshold`` become triplets, each
+   distinct predicate an intangible token embedded by the text encoder ``models.predicate_encoder``;
+3. truncation to ``context_length`` (highest-scoring instances kept), 4-NN by box centres and the
+   rank matrix over T = (I, V, U).
+
+Output ``visual_tokens`` (WebDataset, one shard per unit of ``shard_size`` samples), per sample
+key ``sample_key(sample_id)``:
+
+    tangible.npy      float16 [V, width]      tangible tokens (instance embeddings)
+    intangible.npy    float16 [U, width]      intangible tokens (predicate text embeddings)
+    image_feature.npy float16 [D_I]           pooled multi-layer encoder feature
+    boxes.npy         float32 [V, 4]          x0, y0, x1, y1 in pixels of the original image
+    masks.json        [V] COCO RLE dicts (compressed counts, pycocotools-compatible)
+    triplets.npy      int32   [E, 3]          (subject in V, object in V, predicate in U)
+    triplet_scores.npy float32 [E]            predictor score of each triplet
+    knn.npy           int32   [V, 4]          nearest other instances, nearest first, -1 padded
+    ranks.npy         uint8   [T, T]          T = 1 + V + U, token order (I, V..., U...)
+    meta.json         sample_id, source_id, width, height, instance_ids, instance_scores,
+                      categories, predicates (names of U), predicate_ids (vocabulary indices),
+                      n_candidates (instances before truncation)
+
+Rejected images (undecodable, smaller than ``min_side``, larger than ``max_pixels``, annotation
+masks of the wrong size) are listed in ``errors.parquet``; greyscale, palette and RGBA images are
+converted to RGB by the reader (alpha dropped). Read shards with
+:mod:`pipeline.loaders.visual_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import polars as pl
+from pydantic import Field
+
+from pipeline.io.wds import ShardWriter, sample_key
+from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
+from pipeline.stages._image_units import image_units, load_samples, prefetched_batches
+from pipeline.visual_tokens.predicates import DEFAULT_PREDICATE_MAP
+
+NAME = "extract-visual-tokens"
+READS = ["samples"]
+WRITES = ["visual_tokens"]
+
+
+class Config(StageConfig):
+    shard_size: int = Field(256, ge=1, description="samples per output shard (unit of resume)")
+    segmenter: Literal["sam", "annotations"] = Field("sam", description="sam: automatic masks; annotations: ground-truth instances")
+    relations: Literal["learned", "geometric", "annotations"] = Field(
+        "learned", description="learned: RAM-style head (models.relation_head checkpoint), the paper's RAM; geometric; annotations"
+    )
+    embedding: Literal["decoder_token", "mask_pool"] = Field(
+        "decoder_token", description="tangible embedding: SAM mask-decoder token, or encoder features pooled under the mask"
+    )
+    width: int = Field(512, ge=1, description="token width (paper: 512)")
+    context_length: int = Field(77, ge=1, description="max |T| = 1 + |V| + |U| (paper: 77)")
+    relation_threshold: float = Field(0.05, ge=0, le=1, description="triplet score threshold (paper/RAM: 0.05)")
+    max_predicates_per_pair: int | None = Field(None, ge=1, description="keep at most this many predicates per pair (None: all over threshold)")
+    predicates: str | list[str] = Field("psg56", description="predicate vocabulary: psg56 (default), synthetic, or a list")
+    predicate_map: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_PREDICATE_MAP), description="dataset predicate -> vocabulary ('~p': swap subject/object)")
+    # SAM automatic mask generator (SamAutomaticMaskGenerator defaults) + Relate-Anything dedup + paper score threshold
+    points_per_side: int = Field(32, ge=1)
+    points_per_batch: int = Field(64, ge=1)
+    pred_iou_thresh: float = 0.88
+    stability_score_thresh: float = 0.95
+    stability_score_offset: float = 1.0
+    box_nms_thresh: float = 0.7
+    dedup_iou: float = Field(0.8, description="Relate-Anything: drop a mask with IoU > this with a larger kept one")
+    score_threshold: float = Field(0.9, description="instance score threshold (paper: 0.9 on the segmenter's score)")
+    min_mask_area: int = Field(1, ge=1)
+    feature_layers: list[int] | None = Field(None, description="encoder blocks pooled into the image feature (default: global-attention blocks)")
+    batch_size: int = Field(4, ge=1, description="images per image-encoder call")
+    min_side: int = Field(8, ge=1, description="reject images with a side shorter than this (pixels)")
+    max_pixels: int = Field(100_000_000, ge=1, description="reject images with more pixels than this")
+    seed: int = Field(0, description="seed of the fixed width projections")
+    num_cpus: float = Field(1.0, gt=0)
+    device: str = "cpu"
+
+
+def _pred_vocab(cfg: Config) -> list[str]:
+    from pipeline.visual_tokens.predicates import resolve_vocabulary
+
+    try:
+        return resolve_vocabulary(cfg.predicates)
+    except ValueError as e:
+        raise StageError(f"stages.extract_visual_tokens.predicates: {e}") from None
+
+
+class VisualTokenWorker:
+    """Ray actor: loads SAM, the relation predictor and the predicate embeddings once."""
+
+    def __init__(self, cfg: dict, models: dict, threads: int):
+        import torch
+
+        from pipeline.models.relations import PredicateEncoder, make_relation_predictor
+        from pipeline.models.sam import SamModel
+        from pipeline.models.segmenter import make_segmenter
+        from pipeline.visual_tokens.predicates import PredicateMapper, resolve_vocabulary
+
+        torch.set_num_threads(max(1, threads))
+        self.cfg = Config.model_validate(cfg)
+        c = self.cfg
+        self.sam = SamModel(models["sam"], device=c.device, feature_layers=c.feature_layers)
+        amg = dict(
+            points_per_side=c.points_per_side, points_per_batch=c.points_per_batch, pred_iou_thresh=c.pred_iou_thresh,
+            stability_score_thresh=c.stability_score_thresh, stability_score_offset=c.stability_score_offset,
+            box_nms_thresh=c.box_nms_thresh, dedup_iou=c.dedup_iou, score_threshold=c.score_threshold,
+            min_mask_area=c.min_mask_area,
+        )  # fmt: skip
+        self.segmenter = make_segmenter(
+            c.segmenter, self.sam, embedding=c.embedding, width=c.width, seed=c.seed, **(amg if c.segmenter == "sam" else {})
+        )
+        self.vocab = resolve_vocabulary(c.predicates)
+        self.mapper = PredicateMapper(self.vocab, c.predicate_map)
+        self.predictor = make_relation_predictor(
+            c.relations, self.vocab, self.mapper, checkpoint=models.get("relation_head"), embedding_info=embedding_info(c, models)
+        ) if c.relations == "learned" else make_relation_predictor(c.relations, self.vocab, self.mapper)  # fmt: skip
+        self.pred_emb = PredicateEncoder(models["predicate_encoder"], c.width, c.seed).encode(self.vocab).astype(np.float16)
+
+    def _decode(self, records):
+        from pipeline.readers.images import open_image
+
+        c = self.cfg
+        kept, images, failed = [], [], []
+        for r in records:
+            w, h = r.get("width"), r.get("height")
+            if w and h and w * h > c.max_pixels:  # known from ingest: do not even decode
+                failed.append((r, "image_too_large", f"{w}x{h} > max_pixels {c.max_pixels}"))
+                continue
+            try:
+                im = open_image(r["image"])
+            except Exception as e:
+                failed.append((r, "unreadable_image", f"{r['image']}: {type(e).__name__}: {e}"))
+                continue
+            W, H = im.size
+            if min(W, H) < c.min_side:
+                failed.append((r, "image_too_small", f"{W}x{H}: a side is under min_side {c.min_side}"))
+            elif W * H > c.max_pixels:
+                failed.append((r, "image_too_large", f"{W}x{H} > max_pixels {c.max_pixels}"))
+            else:
+                kept.append(r)
+                images.append(np.asarray(im, dtype=np.uint8))
+        return kept, images, failed
+
+    def _segment(self, w, kept, images):
+        """Segment a batch; when it fails, retry image by image so one bad sample is rejected alone."""
+        anns = [r.get("instances", []) for r in kept] if self.cfg.segmenter == "annotations" else None
+        try:
+            return list(zip(kept, images, self.segmenter.segment(images, anns)))
+        except Exception:
+            if len(kept) == 1:
+                raise
+        out = []
+        for k, (r, im) in enumerate(zip(kept, images)):
+            try:
+                out.append((r, im, self.segmenter.segment([im], None if anns is None else [anns[k]])[0]))
+            except Exception as e:
+                w.error("segmentation_failed", f"{type(e).__name__}: {e}", sample_id=r["sample_id"], source_id=r["source_id"])
+        return out
+
+    def __call__(self, payload: dict) -> dict:
+        from pipeline.masks import rle_encode
+        from pipeline.visual_tokens.graph import build_graph
+
+        c = self.cfg
+        w = unit_writer(payload)
+        t_dec = t_model = t_post = 0.0
+        stats = {"instances": 0, "triplets": 0, "intangible": 0, "truncated_instances": 0, "unmapped_predicates": 0}
+        rows = 0
+        path = w.shard_path()
+        with ShardWriter(path) as sw:
+            for kept, images, failed, dt in prefetched_batches(payload["records"], c.batch_size, self._decode):
+                t_dec += dt
+                for r, reason, detail in failed:
+                    w.error(reason, detail, sample_id=r["sample_id"], source_id=r["source_id"])
+                if not kept:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    segs = self._segment(w, kept, images)
+                except Exception as e:
+                    r = kept[0]
+                    w.error("segmentation_failed", f"{type(e).__name__}: {e}", sample_id=r["sample_id"], source_id=r["source_id"])
+                    segs = []
+                preds = []
+                for r, im, seg in segs:
+                    scores, st = self.predictor.predict(seg, image_size=im.shape[:2], relations=r.get("relations"))
+                    stats["unmapped_predicates"] += st.get("unmapped_predicates", 0)
+                    preds.append(scores)
+                t1 = time.perf_counter()
+                t_model += t1 - t0
+                for (r, im, seg), scores in zip(segs, preds):
+                    g = build_graph(seg.scores, scores, seg.boxes, threshold=c.relation_threshold, context=c.context_length, max_per_pair=c.max_predicates_per_pair)
+                    k = g.keep
+                    fields = {
+                        "tangible.npy": seg.embeddings[k].astype(np.float16),
+                        "intangible.npy": self.pred_emb[g.predicates],
+                        "image_feature.npy": seg.image_feature.astype(np.float16),
+                        "boxes.npy": seg.boxes[k].astype(np.float32),
+                        "masks.json": [rle_encode(m) for m in seg.masks[k]],
+                        "triplets.npy": g.triplets.astype(np.int32),
+                        "triplet_scores.npy": g.triplet_scores.astype(np.float32),
+                        "knn.npy": g.knn.astype(np.int32),
+                        "ranks.npy": g.ranks,
+                        "meta.json": {
+                            "sample_id": int(r["sample_id"]),
+                            "source_id": r["source_id"],
+                            "height": int(im.shape[0]),
+                            "width": int(im.shape[1]),
+                            "instance_ids": [int(x) for x in seg.instance_ids[k]],
+                            "instance_scores": [round(float(x), 6) for x in seg.scores[k]],
+                            "categories": [seg.categories[i] for i in k] if seg.categories else [],
+                            "predicates": [self.vocab[p] for p in g.predicates],
+                            "predicate_ids": [int(p) for p in g.predicates],
+                            "n_candidates": int(len(seg.scores)),
+                        },
+                    }
+                    sw.write(sample_key(r["sample_id"]), fields)
+                    rows += 1
+                    stats["instances"] += len(k)
+                    stats["triplets"] += len(g.triplets)
+                    stats["intangible"] += len(g.predicates)
+                    stats["truncated_instances"] += len(seg.scores) - len(k)
+                t_post += time.perf_counter() - t1
+        w.record_shard(path, rows)
+        stats.update(rows=rows, rejected=len(w.errors), decode_s=round(t_dec, 4), model_s=round(t_model, 4), post_s=round(t_post, 4))
+        res = w.commit(stats)
+        return {"unit": res.unit, "stats": res.stats}
+
+
+def embedding_info(cfg: Config, models: dict) -> dict:
+    """What the tangible tokens depend on; stored in / checked against relation-head checkpoints."""
+    return {"sam": models["sam"], "embedding": cfg.embedding, "width": cfg.width, "seed": cfg.seed, "segmenter_feature": "sam"}
+
+
+def _records_with_annotations(ctx: RunContext, records: list[dict], need_instances: bool, need_relations: bool) -> None:
+    art = ctx.artifact("samples")
+    ids = pl.Series([r["sample_id"] for r in records])
+    if need_instances or need_relations:
+        missing = [t for t, need in (("instances", need_instances), ("relations", need_relations)) if need and t not in art.tables()]
+        if missing:
+            raise StageError(f"the samples artifact has no {' / '.join(missing)} table: the dataset has no annotations; use segmenter: sam / relations: learned|geometric")
+    if need_instances:
+        inst = (
+            art.scan("instances").filter(pl.col("sample_id").is_in(ids.implode()))
+            .select("sample_id", "instance_id", "category", "box", "mask_rle").sort("sample_id", "instance_id").collect()
+        )  # fmt: skip
+        by = {}
+        for row in inst.to_dicts():
+            row["box"] = [float(x) for x in row["box"]]
+            by.setdefault(row.pop("sample_id"), []).append(row)
+        for r in records:
+            r["instances"] = by.get(r["sample_id"], [])
+    if need_relations:
+        rel = art.scan("relations").filter(pl.col("sample_id").is_in(ids.implode())).collect()
+        by = {}
+        for row in rel.to_dicts():
+            by.setdefault(row.pop("sample_id"), []).append(row)
+        for r in records:
+            r["relations"] = by.get(r["sample_id"], [])
+
+
+def model_records(cfg: Config, models: dict) -> dict:
+    """Provenance of every model used, computed without loading large checkpoints."""
+    from pipeline.models.provenance import is_tiny_random, model_record, weights_hash
+
+    recs = {}
+    if is_tiny_random(models["sam"]):
+        from pipeline.models.sam import SamModel
+
+        recs["sam"] = SamModel(models["sam"], feature_layers=cfg.feature_layers).record
+    else:
+        from pipeline.models.sam import parse_spec
+
+        _, path = parse_spec(models["sam"])
+        if not Path(path).is_file():
+            raise StageError(f"models.sam: checkpoint {path} not found")
+        recs["sam"] = model_record("sam", models["sam"], random_weights=False, weights_sha256=weights_hash([path]))
+    spec = models["predicate_encoder"]
+    from pipeline.models.clip import is_random_spec
+
+    if is_random_spec(spec):
+        from pipeline.models.relations import PredicateEncoder
+
+        enc = PredicateEncoder(spec, cfg.width, cfg.seed)
+        enc._load()
+        recs["predicate_encoder"] = enc.record
+    else:
+        files = [p for p in Path(spec).glob("*") if p.suffix in (".safetensors", ".bin")] if Path(spec).is_dir() else []
+        recs["predicate_encoder"] = model_record("predicate_encoder", spec, random_weights=False, weights_sha256=weights_hash(files) if files else None)
+    if cfg.relations == "learned":
+        ck = models.get("relation_head")
+        if not ck:
+            raise StageError("relations: learned needs models.relation_head (a `train run relation-head` checkpoint); or set stages.extract_visual_tokens.relations to geometric/annotations")
+        if not Path(ck).is_file():
+            raise StageError(f"models.relation_head: checkpoint {ck} not found")
+        import torch
+
+        meta = torch.load(ck, map_location="cpu", weights_only=False).get("provenance", {})
+        recs["relation_head"] = model_record(
+            "relation_head", ck, random_weights=bool(meta.get("random_upstream", False)), weights_sha256=weights_hash([ck]), trained_on=meta
+        )
+    return recs
+
+
+def run(ctx: RunContext, cfg: Config) -> dict:
+    m = ctx.manifest.models
+    models = {"sam": m.sam, "predicate_encoder": m.predicate_encoder, "relation_head": m.relation_head}
+    vocab = _pred_vocab(cfg)
+    records, inputs = load_samples(ctx, with_captions=False)
+    _records_with_annotations(ctx, records, cfg.segmenter == "annotations", cfg.relations == "annotations")
+    recs = model_records(cfg, models)
+    params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
+    params["limit"] = ctx.limit
+    writer = ctx.writer("visual_tokens", NAME, params, inputs=inputs, models=recs)
+    units = image_units(records, cfg.shard_size)
+    names = run_units(
+        ctx,
+        writer,
+        units,
+        VisualTokenWorker,
+        actor=True,
+        num_cpus=cfg.num_cpus,
+        constructor_kwargs=dict(cfg=cfg.model_dump(mode="json"), models=models, threads=int(round(cfg.num_cpus))),
+        total_rows=len(records),
+    )
+    sam_rec = recs["sam"]
+    extra = {
+        "dims": {"width": cfg.width, "image_feature": sam_rec.get("image_feature_dim"), "context_length": cfg.context_length},
+        "predicates": vocab,
+        "embedding": embedding_info(cfg, models),
+        "token_order": "image_feature, tangible V, intangible U",
+    }
+    schema = {
+        "tangible.npy": f"float16 [V, {cfg.width}]",
+        "intangible.npy": f"float16 [U, {cfg.width}]",
+        "image_feature.npy": f"float16 [{sam_rec.get('image_feature_dim')}]",
+        "boxes.npy": "float32 [V, 4] xyxy pixels",
+        "masks.json": "[V] COCO RLE",
+        "triplets.npy": "int32 [E, 3] (subject in V, object in V, predicate in U)",
+        "triplet_scores.npy": "float32 [E]",
+        "knn.npy": "int32 [V, 4] nearest first, -1 padded",
+        "ranks.npy": "uint8 [T, T], T = 1 + V + U",
+        "meta.json": "sample_id, source_id, width, height, instance_ids, instance_scores, categories, predicates, predicate_ids, n_candidates",
+    }
+    man = writer.finalize(names, extra=extra, schema=schema)
+    st = man["stats"]
+    model_s, post_s = st.get("model_s", 0.0), st.get("post_s", 0.0)
+    return {
+        "samples": man["tables"].get("shards", {}).get("rows", 0),
+        "instances": st.get("instances", 0),
+        "triplets": st.get("triplets", 0),
+        "errors": man["errors"]["rows"],
+        "post_over_model": round(post_s / model_s, 4) if model_s else None,
+        "path": str(writer.dir),
+    }
+
+
+def inspect_view(artifact, n: int) -> str:
+
+    lines = []
+    for f in artifact.files("shards"):
+        from pipeline.loaders.visual_tokens import iter_samples
+
+        for s in iter_samples(f):
+            meta = s["meta.json"]
+            names = meta["predicates"]
+            trip = [f"{a}-{names[c]}->{b}" for a, b, c in s["triplets.npy"][:6].tolist()]
+            lines.append(
+                f"sample {meta['sample_id']}: V={len(s['tangible.npy'])} U={len(names)} E={len(s['triplets.npy'])} "
+                f"T={s['ranks.npy'].shape[0]} triplets {trip}{' ...' if len(s['triplets.npy']) > 6 else ''}"
+            )
+            if len(lines) >= n:
+                return "\n".join(lines)
+    return "\n".join(lines)
