@@ -109,7 +109,7 @@ def write_coco(tmp_path: Path) -> tuple[Path, Path, Path]:
     cap_file = tmp_path / "captions_val2017.json"
     cap_file.write_bytes(raw)
     inst = {
-        "images": [{"id": 2, "width": 12, "height": 10}],
+        "images": [],  # polygon rasterisation must take the image size from the captions file
         "categories": [{"id": 1, "name": "cat"}, {"id": 2, "name": "dog"}],
         "annotations": [
             {"id": 21, "image_id": 2, "category_id": 2, "bbox": [2, 2, 6, 4], "iscrowd": 0,
@@ -335,9 +335,15 @@ def test_webdataset_reader_and_tar_images(tmp_path):
     with pytest.raises(ImageError, match="no member"):
         open_image(f"{shards / '00000.tar'}::missing.jpg")
 
+    # a rewritten shard is re-indexed, not served from the stale offset cache
+    with tarfile.open(shards / "00001.tar", "w") as tf:
+        _add(tf, "extra.txt", b"shifts the offsets" * 50)
+        _add(tf, "000010000.jpg", png_bytes((0, 0, 255), size=(9, 9)))
+    assert open_image(by["000010000"].image).getpixel((3, 3)) == (0, 0, 255)
+
     # a single shard by file name and by glob
-    assert len(read(ds("webdataset", path=shards / "00001.tar"), tmp_path)) == 1
-    assert len(read(ds("webdataset", path=str(shards) + "/0000[01].tar"), tmp_path)) == 6
+    assert len(read(ds("webdataset", path=shards / "00001.tar"), tmp_path)) == 2
+    assert len(read(ds("webdataset", path=str(shards) + "/0000[01].tar"), tmp_path)) == 7
     (shards / "00002.tar").write_bytes(b"\x00garbage" * 100)
     with pytest.raises(ReaderError, match="00002.tar"):
         read(ds("webdataset", path=shards), tmp_path)

@@ -46,17 +46,20 @@ def _int_id(value, what: str, path: Path) -> int:
         raise ReaderError(f"{what} {path}: id {value!r} is not an integer") from None
 
 
-def load_instances(path: str | Path) -> dict[int, list[Instance]]:
+def load_instances(path: str | Path, sizes: dict[int, tuple[int, int]] | None = None) -> dict[int, list[Instance]]:
+    """image id -> instances; ``sizes`` (image id -> (h, w)) fills in images the file lacks,
+    which polygon masks need."""
     p = abspath(path)
     data = load_json(p, "COCO instances")
     if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
         raise ReaderError(f"COCO instances {p}: expected an object with an 'annotations' list")
     cats = {c["id"]: c.get("name", str(c["id"])) for c in data.get("categories", [])}
-    sizes = {
-        im["id"]: (int(im.get("height", 0)), int(im.get("width", 0)))
+    sizes = dict(sizes or {})
+    sizes.update({
+        int(im["id"]): (int(im.get("height", 0)), int(im.get("width", 0)))
         for im in data.get("images", [])
-        if "id" in im
-    }
+        if "id" in im and im.get("height") and im.get("width")
+    })
     out: dict[int, list[Instance]] = defaultdict(list)
     for ann in data["annotations"]:
         try:
@@ -116,7 +119,9 @@ def read_coco(
             raise ReaderError(f"COCO captions {cap_path}: an annotation has no image_id")
         caps[_int_id(ann["image_id"], "COCO captions", cap_path)].append(ann)
 
-    inst = load_instances(instances) if instances else {}
+    sizes = {i: (int(im["height"]), int(im["width"])) for i, im in image_entries.items()
+             if im.get("height") and im.get("width")}
+    inst = load_instances(instances, sizes) if instances else {}
     graphs = load_scene_graphs(scene_graphs) if scene_graphs else {}
 
     for image_id in sorted(set(image_entries) | set(caps)):

@@ -1,10 +1,12 @@
 """img2dataset-style WebDataset tars: ``<key>.jpg|.jpeg|.png|.webp`` + ``<key>.txt`` (+ ``<key>.json``).
 
-``path`` is a folder (every ``*.tar`` in it, sorted by name), a glob, or one tar file. Members of a
-sample are grouped by WebDataset's key rule (member name up to the first dot of its base name) and
-must be adjacent, as WebDataset writers produce them. ``source_id`` is the key. The caption is the
-``.txt`` content (stripped); without a ``.txt``, the ``caption`` field of the ``.json`` is used.
-Images stay in the tar: ``image`` is ``"<abs tar>::<member>"`` (see ``readers.images.open_image``).
+``path`` is a folder (every ``*.tar`` in it, sorted by name), a glob, or one tar file. Shards must
+be uncompressed, as img2dataset and WebDataset write them, because images are later read by offset.
+Members of a sample are grouped by WebDataset's key rule (member name up to the first dot of its
+base name) and must be adjacent, as WebDataset writers produce them. ``source_id`` is the key
+(a key seen again in a later shard is flagged ``duplicate key``). The caption is the ``.txt``
+content (stripped); without a ``.txt``, the ``caption`` field of the ``.json`` is used. Images stay
+in the tar: ``image`` is ``"<abs tar>::<member>"`` (see ``readers.images.open_image``).
 Tars are read header by header, so image bytes are skipped, not loaded.
 """
 from __future__ import annotations
@@ -68,7 +70,7 @@ def read_webdataset(path: str | Path, split: str | None = None) -> Iterator[Sour
     seen: dict[str, Path] = {}
     for tar in shard_paths(path):
         try:
-            with tarfile.open(tar, "r:*") as tf:
+            with tarfile.open(tar, "r:") as tf:  # uncompressed only: images are read by offset
                 key = None
                 members: dict[str, tuple[str, bytes | None]] = {}
                 for m in tf:
