@@ -15,7 +15,10 @@ Layout under ``root``::
     sugarcrepe/{swap_att,swap_obj,replace_att,replace_obj,replace_rel}.json
     _params.json                           parameters + ground truth of the injected errors
 
-Splits: image index i % 20 == 18 -> val, == 19 -> test, else train.
+Ids: image index i (0-based) has image id i + 1; its instance and caption annotation ids are
+``image_id * 1000 + n`` (n = 1, 2, ...; the stride grows if max_objects or captions_per_image
+reach 1000), so they do not depend on other images. Splits: i % 20 == 18 -> val, == 19 -> test,
+else train.
 Phrase -> instance links: a phrase naming several objects ("two circles") links all of them; in the
 Flickr files each distinct set of objects is one entity, and a box lists every entity it belongs to.
 Injected errors: ``corrupt_images`` image files are truncated (even picks) or random bytes (odd
@@ -41,7 +44,7 @@ from pipeline.masks import rle_encode
 from pipeline.synthetic.captions import make_captions, make_negatives
 from pipeline.synthetic.scene import PREDICATES, SHAPES, make_scene, relations
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 NEGATIVE_KINDS = ["swap_att", "swap_obj", "replace_att", "replace_obj", "replace_rel"]
 _OWNED = ["images", "annotations", "flickr30k_entities", "sugarcrepe", "karpathy.json"]
 
@@ -92,6 +95,107 @@ def _flickr_xml(file_name: str, S: int, boxes) -> str:
             f"<depth>3</depth></size>{''.join(objs)}</annotation>\n")
 
 
+def id_stride(max_objects: int, captions_per_image: int) -> int:
+    """Annotation ids are ``image_id * stride + n`` (n = 1, 2, ...), so an image's ids do not depend
+    on the other images (images can be rendered in any order, and image i is the same in a bigger
+    dataset)."""
+    stride = 1000
+    while stride <= max(max_objects, captions_per_image):
+        stride *= 10
+    return stride
+
+
+def _render_range(cfg: dict, start: int, stop: int) -> dict:
+    """Render images [start, stop): write their image and Flickr files, return their JSON entries."""
+    root = Path(cfg["root"])
+    img_dir, fl_root = root / "images", root / "flickr30k_entities"
+    S, cpi, seed, stride = cfg["S"], cfg["cpi"], cfg["seed"], cfg["stride"]
+    corrupt, blank = cfg["corrupt"], cfg["blank"]
+    grid = np.mgrid[0:S, 0:S].astype(np.float32)
+    cat_id = {s: k + 1 for k, s in enumerate(SHAPES)}
+    out: dict = {k: [] for k in ("images", "captions", "instances", "graphs", "karpathy", "corrupt_files", "blanked_ids")}
+    out["negatives"] = {k: [] for k in NEGATIVE_KINDS}
+    out["splits"] = {"train": [], "val": [], "test": []}
+
+    for i in range(start, stop):
+        image_id = i + 1
+        stem = f"{image_id:012d}"
+        fname = f"{stem}.jpg"
+        split = split_of(i)
+        rng = np.random.default_rng([seed, i])
+        n_obj = int(rng.integers(cfg["min_objects"], cfg["max_objects"] + 1))
+        scene = make_scene(rng, S, n_obj, (grid[0], grid[1]))
+        rels = relations(scene)
+        caps = make_captions(scene, rels, cpi, rng)
+        negs = make_negatives(scene, rels, rng)
+
+        buf = io.BytesIO()
+        Image.fromarray(scene.pixels).save(buf, format="JPEG", quality=92)
+        data = buf.getvalue()
+        if i in corrupt:
+            if corrupt[i] % 2 == 0:
+                data = data[: len(data) // 3]
+            else:
+                data = np.random.default_rng([seed, 0x5EED, i]).integers(0, 256, 600, dtype=np.uint8).tobytes()
+            out["corrupt_files"].append(fname)
+        (img_dir / fname).write_bytes(data)
+
+        out["images"].append({"id": image_id, "file_name": fname, "width": S, "height": S, "split": split})
+        ann_ids = []
+        for k, o in enumerate(scene.objects):
+            x0, y0, x1, y1 = o.box
+            visible = scene.visible_mask(k)
+            ann_id = image_id * stride + k + 1
+            out["instances"].append({
+                "id": ann_id, "image_id": image_id, "category_id": cat_id[o.shape],
+                "bbox": [x0, y0, x1 - x0, y1 - y0], "area": int(visible.sum()),
+                "segmentation": rle_encode(visible), "iscrowd": 0,
+                "attributes": {"color": o.color, "size": o.size, "texture": o.texture, "draw_order": str(o.order)},
+            })
+            ann_ids.append(ann_id)
+
+        sentences, phrases_json, fl_lines = [], [], []
+        entity_of: dict[tuple, int] = {}
+        for c, (text, spans) in enumerate(caps):
+            cap_id = image_id * stride + c + 1
+            gidx = i * cpi + c
+            if gidx in blank:
+                text, spans = ("" if blank[gidx] % 2 == 0 else "   "), []
+                out["blanked_ids"].append(cap_id)
+            out["captions"].append({"id": cap_id, "image_id": image_id, "caption": text})
+            sentences.append({"raw": text, "tokens": text.lower().rstrip(".").replace(",", "").split(),
+                              "imgid": i, "sentid": cap_id})
+            fl_spans = []
+            for start_, end_, ptext, objs in spans:
+                ids = [ann_ids[k] for k in objs]
+                phrases_json.append({"caption_id": cap_id, "start": start_, "end": end_, "text": ptext,
+                                     "instance_ids": ids})
+                entity_of.setdefault(tuple(ids), len(entity_of) + 1)
+                shapes = {scene.objects[k].shape for k in objs}
+                fl_spans.append((start_, end_, ptext, ids, shapes.pop() if len(shapes) == 1 else "shapes"))
+            fl_lines.append(_flickr_line(text, fl_spans, entity_of))
+
+        out["graphs"].append({
+            "image_id": image_id,
+            "relations": [{"subject": ann_ids[a], "object": ann_ids[b], "predicate": p} for a, b, p in rels],
+            "phrases": phrases_json,
+        })
+        out["karpathy"].append({"filepath": "images", "filename": fname, "split": split, "cocoid": image_id,
+                                "imgid": i, "sentences": sentences, "sentids": [x["sentid"] for x in sentences]})
+        for kind, (pos, neg) in negs.items():
+            out["negatives"][kind].append({"filename": fname, "caption": pos, "negative_caption": neg})
+
+        boxes = []
+        for k, aid in enumerate(ann_ids):
+            names = [e for key, e in entity_of.items() if aid in key]
+            if names:
+                boxes.append((names, scene.objects[k].box))
+        (fl_root / "Sentences" / f"{stem}.txt").write_text("\n".join(fl_lines) + "\n", encoding="utf-8")
+        (fl_root / "Annotations" / f"{stem}.xml").write_text(_flickr_xml(fname, S, boxes), encoding="utf-8")
+        out["splits"][split].append(stem)
+    return out
+
+
 def generate(
     root: str | Path,
     n_images: int = 64,
@@ -102,7 +206,12 @@ def generate(
     max_objects: int = 4,
     corrupt_images: int = 0,
     empty_captions: int = 0,
+    *,
+    workers: int | None = None,
 ) -> dict[str, Path]:
+    """Write the dataset under ``root`` (see the module doc) unless it is already there with the
+    same parameters; return the paths of what was written. ``workers``: processes to render with
+    (default: all cores, up to 8, from 2000 images on); the output does not depend on it."""
     paths = output_paths(root)
     root = paths["root"]
     params = {
@@ -133,106 +242,42 @@ def generate(
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-    img_dir = paths["images"]
-    fl_root = paths["flickr30k_entities"]
-    for d in (img_dir, paths["captions"].parent, fl_root / "Sentences", fl_root / "Annotations", paths["sugarcrepe"]):
+    fl = paths["flickr30k_entities"]
+    for d in (paths["images"], paths["captions"].parent, fl / "Sentences", fl / "Annotations", paths["sugarcrepe"]):
         d.mkdir(parents=True, exist_ok=True)
 
-    S = int(image_size)
     cpi = int(captions_per_image)
     # Error injection is drawn from its own stream so that it does not change the scenes.
     err_rng = np.random.default_rng([seed, 0x5EED, n_images])
     corrupt = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images, corrupt_images, replace=False)))}
     blank = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images * cpi, empty_captions, replace=False)))}
+    cfg = dict(root=str(root), seed=int(seed), S=int(image_size), cpi=cpi, min_objects=int(min_objects),
+               max_objects=int(max_objects), stride=id_stride(max_objects, cpi), corrupt=corrupt, blank=blank)
 
-    grid = np.mgrid[0:S, 0:S].astype(np.float32)
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 8) if n_images >= 2000 else 1
+    chunk = min(250, -(-n_images // (4 * max(workers, 1))))  # a few chunks per worker to balance load
+    ranges = [(a, min(a + chunk, n_images)) for a in range(0, n_images, chunk)]
+    if workers > 1 and len(ranges) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        import multiprocessing
+
+        # spawn, not fork: the caller may be a Ray driver with threads, which fork can deadlock
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+            parts = list(ex.map(_render_range, [cfg] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges]))
+    else:
+        parts = [_render_range(cfg, a, b) for a, b in ranges]
+
+    def cat(key):
+        return [x for part in parts for x in part[key]]
+
+    images, cap_anns, inst_anns, graphs, karpathy = cat("images"), cat("captions"), cat("instances"), cat("graphs"), cat("karpathy")
+    negatives = {k: {str(n): e for n, e in enumerate(x for part in parts for x in part["negatives"][k])}
+                 for k in NEGATIVE_KINDS}
+    split_ids = {s: [x for part in parts for x in part["splits"][s]] for s in ("train", "val", "test")}
+    corrupt_files, blanked_ids = cat("corrupt_files"), cat("blanked_ids")
     categories = [{"id": k + 1, "name": s, "supercategory": "shape"} for k, s in enumerate(SHAPES)]
-    cat_id = {s: k + 1 for k, s in enumerate(SHAPES)}
-    images, cap_anns, inst_anns, graphs, karpathy = [], [], [], [], []
-    negatives: dict[str, dict[str, dict]] = {k: {} for k in NEGATIVE_KINDS}
-    split_ids: dict[str, list[str]] = {"train": [], "val": [], "test": []}
-    next_inst, next_cap = 1, 1
-    corrupt_files, blanked_ids = [], []
-
-    for i in range(n_images):
-        image_id = i + 1
-        stem = f"{image_id:012d}"
-        fname = f"{stem}.jpg"
-        split = split_of(i)
-        rng = np.random.default_rng([seed, i])
-        n_obj = int(rng.integers(min_objects, max_objects + 1))
-        scene = make_scene(rng, S, n_obj, (grid[0], grid[1]))
-        rels = relations(scene)
-        caps = make_captions(scene, rels, cpi, rng)
-        negs = make_negatives(scene, rels, rng)
-
-        buf = io.BytesIO()
-        Image.fromarray(scene.pixels).save(buf, format="JPEG", quality=92)
-        data = buf.getvalue()
-        if i in corrupt:
-            if corrupt[i] % 2 == 0:
-                data = data[: len(data) // 3]
-            else:
-                data = err_rng.integers(0, 256, 600, dtype=np.uint8).tobytes()
-            corrupt_files.append(fname)
-        (img_dir / fname).write_bytes(data)
-
-        images.append({"id": image_id, "file_name": fname, "width": S, "height": S, "split": split})
-        ann_ids = []
-        for k, o in enumerate(scene.objects):
-            x0, y0, x1, y1 = o.box
-            rle = rle_encode(scene.visible_mask(k))
-            inst_anns.append({
-                "id": next_inst, "image_id": image_id, "category_id": cat_id[o.shape],
-                "bbox": [x0, y0, x1 - x0, y1 - y0], "area": int(scene.visible_mask(k).sum()),
-                "segmentation": rle, "iscrowd": 0,
-                "attributes": {"color": o.color, "size": o.size, "texture": o.texture, "draw_order": str(o.order)},
-            })
-            ann_ids.append(next_inst)
-            next_inst += 1
-
-        sentences, phrases_json, fl_lines = [], [], []
-        entity_of: dict[tuple, int] = {}
-        for c, (text, spans) in enumerate(caps):
-            gidx = i * cpi + c
-            if gidx in blank:
-                text, spans = ("" if blank[gidx] % 2 == 0 else "   "), []
-                blanked_ids.append(next_cap)
-            cap_anns.append({"id": next_cap, "image_id": image_id, "caption": text})
-            sentences.append({"raw": text, "tokens": text.lower().rstrip(".").replace(",", "").split(),
-                              "imgid": i, "sentid": next_cap})
-            fl_spans = []
-            for start, end, ptext, objs in spans:
-                ids = [ann_ids[k] for k in objs]
-                phrases_json.append({"caption_id": next_cap, "start": start, "end": end, "text": ptext,
-                                     "instance_ids": ids})
-                key = tuple(ids)
-                entity_of.setdefault(key, len(entity_of) + 1)
-                shapes = {scene.objects[k].shape for k in objs}
-                fl_spans.append((start, end, ptext, ids, shapes.pop() if len(shapes) == 1 else "shapes"))
-            fl_lines.append(_flickr_line(text, fl_spans, entity_of))
-            next_cap += 1
-
-        graphs.append({
-            "image_id": image_id,
-            "relations": [{"subject": ann_ids[a], "object": ann_ids[b], "predicate": p} for a, b, p in rels],
-            "phrases": phrases_json,
-        })
-        karpathy.append({"filepath": "images", "filename": fname, "split": split, "cocoid": image_id, "imgid": i,
-                         "sentences": sentences, "sentids": [s["sentid"] for s in sentences]})
-        for kind, (pos, neg) in negs.items():
-            d = negatives[kind]
-            d[str(len(d))] = {"filename": fname, "caption": pos, "negative_caption": neg}
-
-        boxes = []
-        for k, aid in enumerate(ann_ids):
-            names = [e for key, e in entity_of.items() if aid in key]
-            if names:
-                boxes.append((names, scene.objects[k].box))
-        (fl_root / "Sentences" / f"{stem}.txt").write_text("\n".join(fl_lines) + "\n", encoding="utf-8")
-        (fl_root / "Annotations" / f"{stem}.xml").write_text(_flickr_xml(fname, S, boxes), encoding="utf-8")
-        split_ids[split].append(stem)
-
+    fl_root = paths["flickr30k_entities"]
     info = {"description": "vlpipe generated shapes dataset", "seed": int(seed), "version": GENERATOR_VERSION}
     _dump({"info": info, "images": images, "annotations": cap_anns}, paths["captions"])
     _dump({"info": info, "images": images, "annotations": inst_anns, "categories": categories}, paths["instances"])
