@@ -139,7 +139,7 @@ def test_coco_reader_rows_and_problems(tmp_path):
     assert by["10"].problems == []
     assert by["10"].image == str((tmp_path / "imgs" / "b.jpg").resolve())
     assert by["10"].split == "val"  # from the file name
-    assert by["2"].captions[0] == "   " and by["2"].captions[1] == "caf\ufffd au lait"
+    assert by["2"].captions[0] == "" and by["2"].captions[1] == "caf\ufffd au lait"
     assert by["2"].problems == [(0, EMPTY_CAPTION), (1, NOT_UTF8)]
     assert by["7"].problems == [(None, NO_CAPTIONS)]
     assert by["8"].image is None and (None, MISSING_IMAGE_FIELD) in by["8"].problems
@@ -230,7 +230,8 @@ def test_flickr_reader(tmp_path):
     for sid in ("1000", "99"):
         (root / "Sentences" / f"{sid}.txt").write_text(FLICKR_SENT)
         (root / "Annotations" / f"{sid}.xml").write_text(FLICKR_XML.format(id=sid))
-    (root / "Sentences" / "5.txt").write_bytes(b"[/EN#1/people A " + BAD_UTF8 + b"] sits .\n")
+    # leading blanks are stripped before the spans are computed, so spans index the stored caption
+    (root / "Sentences" / "5.txt").write_bytes(b"  [/EN#1/people A " + BAD_UTF8 + b"] sits .\n")
     (root / "test.txt").write_text("99\n")
     (root / "train.txt").write_text("1000\n5\n")
     recs = read(ds("flickr30k_entities", path=root), tmp_path)
@@ -253,7 +254,8 @@ def test_flickr_reader(tmp_path):
         (2, (60.0, 35.0, 95.0, 55.0), "clothing")]
     bad = recs[0]
     assert bad.problems == [(0, NOT_UTF8)] and bad.instances == []
-    assert bad.phrases[0].text == "A caf\ufffd au lait"
+    assert bad.captions == ["A caf\ufffd au lait sits ."]
+    assert (bad.phrases[0].start, bad.phrases[0].text) == (0, "A caf\ufffd au lait")
     test_only = read(ds("flickr30k_entities", path=root, split="test"), tmp_path)
     assert [x.source_id for x in test_only] == ["99"]
     (root / "Annotations" / "99.xml").write_text("<annotation><object>")

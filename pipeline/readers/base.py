@@ -86,7 +86,8 @@ def decode_caption(raw: bytes | str) -> tuple[str, str | None]:
 
 
 def add_caption(rec: SourceRecord, raw: bytes | str | None) -> None:
-    """Append a caption to ``rec`` and record its problems (empty, whitespace, not UTF-8)."""
+    """Append a caption (surrounding whitespace stripped) to ``rec`` and record its problems
+    (empty or whitespace-only, not UTF-8)."""
     idx = len(rec.captions)
     if raw is None:
         rec.captions.append("")
@@ -97,10 +98,13 @@ def add_caption(rec: SourceRecord, raw: bytes | str | None) -> None:
         rec.problems.append((idx, f"caption is not text (got {type(raw).__name__})"))
         return
     text, problem = decode_caption(raw)
+    # Stored stripped, so that phrase spans computed by a reader index exactly the text that ingest
+    # keeps (a later strip would shift every span of a caption with leading blanks).
+    text = text.strip()
     rec.captions.append(text)
     if problem:
         rec.problems.append((idx, problem))
-    elif not text.strip():
+    elif not text:
         rec.problems.append((idx, EMPTY_CAPTION))
 
 
