@@ -1,0 +1,1 @@
+"""Context-preserving negative captions and contextual word features (InfoGround, Sec. 2.4-2.5)."""
