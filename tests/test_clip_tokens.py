@@ -233,6 +233,22 @@ def test_loader_batches_match_shards(direct):
                 if k.endswith(".npy"):
                     np.testing.assert_array_equal(s[k[:-4]], v)
                     assert s[k[:-4]].dtype == v.dtype
+    # lazy (pread) reader == tarfile reader
+    for p in art.files("shards"):
+        for s in read_shard(p, fields=None, lazy=True):
+            ref = stored[s["sample_id"]]
+            for k, v in ref.items():
+                if k.endswith(".npy"):
+                    got = np.asarray(s[k[:-4]])
+                    np.testing.assert_array_equal(got, v)
+                    assert got.dtype == v.dtype and got.shape == v.shape
+    threaded = list(ClipTokenBatches(art.dir, batch_size=2, captions="first", threads=2))
+    ids = [i for b in threaded for i in b["sample_id"].tolist()]
+    assert sorted(ids) == sorted(stored)
+    for b in threaded:
+        for i, sid in enumerate(b["sample_id"].tolist()):
+            np.testing.assert_array_equal(b["patch_tokens"][i].numpy(), stored[sid]["patch_tokens.npy"])
+            assert b["caption_id"][i] == stored[sid]["caption_ids.npy"][0]
     batches = list(ClipTokenBatches(art.dir, batch_size=2, captions="all"))
     assert [b["sample_id"].shape[0] for b in batches] == [2, 2, 1]
     for b in batches:
