@@ -206,3 +206,15 @@ def test_split_filter_and_bad_params(tmp_path, gen):
     assert len(val) == sum(r.split == "val" for r in recs)
     with pytest.raises(ValueError):
         generate(tmp_path / "bad", **{**PARAMS, "min_objects": 5, "max_objects": 2})
+
+
+def test_empty_scenes_and_crowded_scenes(tmp_path):
+    from pipeline.readers.coco import read_coco
+
+    p = generate(tmp_path / "e", n_images=12, seed=1, image_size=32, captions_per_image=2, min_objects=0, max_objects=1)
+    recs = list(read_coco(p["captions"], p["images"], p["instances"], p["scene_graphs"]))
+    empty = [r for r in recs if not r.instances]
+    assert empty and all(r.captions and all(r.captions) and not r.problems and not r.phrases for r in empty)
+    p = generate(tmp_path / "c", n_images=3, seed=1, image_size=64, captions_per_image=3, min_objects=8, max_objects=8)
+    recs = list(read_coco(p["captions"], p["images"], p["instances"], p["scene_graphs"]))
+    assert [len(r.instances) for r in recs] == [8, 8, 8] and all(len(r.relations) == 56 for r in recs)

@@ -115,13 +115,8 @@ def _count(scene, rng, b):
         if n:
             b.add(" and " if n == len(names) - 1 else ", ")
         c = len(groups[g])
-        num = ("a" if not by_color else article(g)) if c == 1 else (NUMBERS[c] if c < len(NUMBERS) else str(c))
-        if by_color:
-            noun = f"{g} shape" + ("s" if c > 1 else "")
-        else:
-            noun = PLURALS[g] if c > 1 else g
-            if c == 1:
-                num = article(g)
+        num = (NUMBERS[c] if c < len(NUMBERS) else str(c)) if c > 1 else article(g)
+        noun = (f"{g} shape" + ("s" if c > 1 else "")) if by_color else (PLURALS[g] if c > 1 else g)
         b.add(f"{num} {noun}", groups[g])
     b.add(".")
     return b
@@ -187,7 +182,9 @@ def _superlative(scene, rng, b):
 def make_captions(scene: Scene, rels: list[tuple[int, int, str]], n: int, rng: np.random.Generator):
     """n captions -> [(text, [(start, end, text, object indices)])]."""
     if not scene.objects:
-        return [("An empty background.", [])] * n
+        bg = scene.background if scene.pattern == "plain" else f"{scene.pattern} {scene.background}"
+        forms = [f"An empty {bg} background.", f"A {bg} background with no shapes.", f"Nothing but {article(bg)} {bg} background."]
+        return [(forms[k % len(forms)], []) for k in range(n)]
     fns = {"list": _list, "relation": lambda s, r, b: _relation(s, r, b, rels), "count": _count,
            "background": _background, "position": _position, "compare": _compare, "superlative": _superlative}
     out = []
