@@ -57,6 +57,16 @@ def test_rle_string_matches_pycocotools_encoding():
         assert string_to_counts(counts_to_string(counts)) == counts
 
 
+@pytest.mark.parametrize("lo,hi,expected", [(0, 5, "05d00000000d?"), (5, 10, "R45d00000000b;"), (20, 25, "X`05d00000000")])
+def test_rle_matches_pycocotools_reference_strings(lo, hi, expected):
+    # strings produced by pycocotools.mask.encode for a 25x25 mask with [lo:hi, lo:hi] set, as
+    # recorded in the test suites of pycocotools re-implementations
+    m = np.zeros((25, 25), bool)
+    m[lo:hi, lo:hi] = True
+    assert rle_encode(m) == {"size": [25, 25], "counts": expected}
+    assert np.array_equal(rle_decode({"size": [25, 25], "counts": expected.encode()}), m)
+
+
 def test_rle_roundtrip_and_column_major_order():
     m = np.zeros((3, 4), bool)
     m[0, 0] = True  # first pixel set -> counts start with a zero-length background run
