@@ -291,3 +291,23 @@ def generate(
     # no timings or dates in here: every generated file, this one included, is a function of the params
     _dump({"params": params, "corrupt_images": corrupt_files, "empty_caption_ids": blanked_ids}, paths["params"])
     return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m pipeline.synthetic.generate ROOT --n-images 1000``: generate without a manifest."""
+    import argparse
+    import inspect
+
+    ap = argparse.ArgumentParser(description="Write the generated shapes dataset under ROOT.")
+    ap.add_argument("root")
+    sig = inspect.signature(generate)
+    for name, p in sig.parameters.items():
+        if name != "root":
+            ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=p.default)
+    args = vars(ap.parse_args(argv))
+    for k, v in generate(**args).items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
