@@ -310,7 +310,7 @@ def model_records(cfg: Config, models: dict) -> dict:
 
         meta = torch.load(ck, map_location="cpu", weights_only=False).get("provenance", {})
         recs["relation_head"] = model_record(
-            "relation_head", ck, random_weights=bool(meta.get("random_upstream", False)), weights_sha256=weights_hash([ck]), trained_on=meta
+            "relation_head", ck, random_weights=False, weights_sha256=weights_hash([ck]), trained_on=meta
         )
     return recs
 
