@@ -44,11 +44,11 @@ def gt_run(tmp_path_factory, ray_session):
     m = make_manifest(
         tmp,
         [
-            "dataset.synthetic.n_images=20",
+            "dataset.synthetic.n_images=12",
             "dataset.synthetic.max_objects=6",
             "dataset.synthetic.corrupt_images=0",
             "stages.ingest.shard_size=10",
-            "stages.extract_visual_tokens.shard_size=8",
+            "stages.extract_visual_tokens.shard_size=6",
             "stages.extract_visual_tokens.segmenter=annotations",
             "stages.extract_visual_tokens.relations=annotations",
         ],
@@ -105,7 +105,7 @@ def test_annotations_match_ground_truth(gt_run):
         assert s["ranks.npy"].shape == (1 + V + len(names),) * 2
         assert s["tangible.npy"].shape == (V, 512) and s["tangible.npy"].dtype == np.float16
         assert s["image_feature.npy"].shape == (art.manifest["dims"]["image_feature"],)
-    assert n_checked_triplets > 50
+    assert n_checked_triplets > 30
 
 
 def test_intangible_tokens_are_predicate_text_embeddings(gt_run):
@@ -194,6 +194,7 @@ def sam_run(tmp_path_factory, ray_session):
     return m, summary, kinds
 
 
+@pytest.mark.slow
 def test_sam_end_to_end_and_bad_images(sam_run):
     m, summary, kinds = sam_run
     art = Artifact(f"{m.output}/visual_tokens")
@@ -226,6 +227,7 @@ def test_sam_end_to_end_and_bad_images(sam_run):
     assert summary["post_over_model"] is not None
 
 
+@pytest.mark.slow
 def test_resume_redoes_only_the_lost_unit(sam_run):
     m, _, _ = sam_run
     art_dir = m.output + "/visual_tokens"

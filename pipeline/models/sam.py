@@ -234,7 +234,7 @@ class SamModel:
         if n == 0:
             return embedding.new_zeros((0, embedding.shape[1]))
         h, w = input_size
-        m = F.interpolate(masks[:, None].float(), size=(h, w), mode="bilinear", align_corners=False)
+        m = F.interpolate(masks[:, None].float(), size=(h, w), mode="area")  # exact coverage fractions
         m = F.pad(m, (0, self.img_size - w, 0, self.img_size - h))
         weights = F.avg_pool2d(m, self.patch)[:, 0]  # [N, gh, gw]
         num = torch.einsum("nhw,chw->nc", weights, embedding[0])
