@@ -1,0 +1,224 @@
+"""Throughput of the batched OT solvers of train/ot.py vs POT solving the same pairs one by one.
+
+    .venv/bin/python benchmarks/bench_ot.py            # full run (~2-4 min on 2 cores)
+    .venv/bin/python benchmarks/bench_ot.py --quick    # fewer repetitions, no scaling sweeps
+
+Setting of the paper's efficiency table (Appendix I): N=196 patches, M=48 tokens, d_c=256, r=32,
+L=5, eps=0.07, tau=0.2. A training batch of B=64 pairs with K_h=4 hard negatives both ways
+solves B * (1 + 2 K_h) = 576 pairs; that is the default batch here.
+
+Reported per pair (best of --reps runs; the CPU is shared, so timings are noisy):
+* POT: ``ot.unbalanced.sinkhorn_unbalanced(reg_type='entropy', numItermax=L, stopThr=0)`` on numpy
+  (forward) and on torch tensors with autograd (forward + backward of the Eq. 8 score), one pair
+  at a time; the same cost matrices as ours.
+* dense-uot: plan (``uot_dense``), Eq. 8 score (``uot_dense_score``) forward and forward+backward,
+  for the three numerical schemes (fused scaling with hand-written backward, scaling with
+  autograd, plain log domain).
+* balanced-ot: the same with hard marginals.
+* conceptot: ``uot_lowrank`` from Z, Y, P (sub-kernels + K_PP solve + iterations), with the
+  implicit Eq. 8 score, forward and forward+backward; independent pairs, and the training-batch
+  structure (64 images x 64 captions shared across the 576 pairs via img_index / txt_index).
+* a full training step's local work: cost matrices from the projected tokens + score + backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from train.ot import uot_dense, uot_dense_score, uot_lowrank
+
+EPS, TAU, L = 0.07, 0.2, 5
+
+
+def best_time(fn, reps):
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def make_batch(B, N, M, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Z = torch.nn.functional.normalize(torch.randn(B, N, d, generator=g), dim=-1)
+    Y = torch.nn.functional.normalize(torch.randn(B, M, d, generator=g), dim=-1)
+    # add shared structure so that costs are not all ~1 (closer to real CLIP tokens)
+    common = torch.nn.functional.normalize(torch.randn(1, 1, d, generator=g), dim=-1)
+    Z = torch.nn.functional.normalize(Z + 1.5 * common, dim=-1)
+    Y = torch.nn.functional.normalize(Y + 1.5 * common, dim=-1)
+    mu = torch.softmax(torch.randn(B, N, generator=g), -1)
+    nu = torch.softmax(torch.randn(B, M, generator=g), -1)
+    return Z, Y, mu, nu
+
+
+def pot_numpy(C, mu, nu, n):
+    import ot
+
+    Cn, mun, nun = C[:n].double().numpy(), mu[:n].double().numpy(), nu[:n].double().numpy()
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for k in range(n):
+                ot.unbalanced.sinkhorn_unbalanced(mun[k], nun[k], Cn[k], EPS, (TAU, TAU),
+                                                  reg_type="entropy", numItermax=L, stopThr=0.0)
+    return run
+
+
+def pot_torch_fwd_bwd(C, mu, nu, n):
+    import ot
+
+    Cs = [C[k].clone().requires_grad_() for k in range(n)]
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for k in range(n):
+                P = ot.unbalanced.sinkhorn_unbalanced(mu[k], nu[k], Cs[k], EPS, (TAU, TAU),
+                                                      reg_type="entropy", numItermax=L, stopThr=0.0)
+                s = (P * (1 - Cs[k])).sum() / P.sum()
+                s.backward()
+    return run
+
+
+def training_pairs(B, Kh, seed=0):
+    """(img_index, txt_index) of a training batch: positives, Kh hard captions per image and Kh hard
+    images per caption (random stand-ins for the mined ones; the cost does not depend on which)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.arange(B)
+    neg = (idx[:, None] + 1 + torch.stack([torch.randperm(B - 1, generator=g)[:Kh] for _ in range(B)])) % B
+    img = torch.cat([idx, idx.repeat_interleave(Kh), neg.reshape(-1)])
+    txt = torch.cat([idx, neg.reshape(-1), idx.repeat_interleave(Kh)])
+    return img, txt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pot-pairs", type=int, default=64)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None, help="write all figures here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    reps = 2 if a.quick else a.reps
+    N, M, d, r, Bimg, Kh = 196, 48, 256, 32, 64, 4
+    img, txt = training_pairs(Bimg, Kh)
+    P_pairs = len(img)  # 576
+    Zi, Yi, mui, nui = make_batch(Bimg, N, M, d)
+    Z, Y, mu, nu = Zi[img], Yi[txt], mui[img], nui[txt]
+    C = 1 - torch.bmm(Z, Y.transpose(1, 2))
+    anchors = torch.randn(r, d, generator=torch.Generator().manual_seed(1)) * 0.02
+    out = {"setting": dict(N=N, M=M, d=d, r=r, L=L, pairs=P_pairs, threads=a.threads)}
+
+    def per_pair(fn, n=P_pairs):
+        return best_time(fn, reps) / n * 1e3  # ms / pair
+
+    print(f"N={N} M={M} d={d} r={r} L={L} pairs/batch={P_pairs} threads={a.threads}")
+    npot = a.pot_pairs
+    t_pot = per_pair(pot_numpy(C, mu, nu, npot), npot)
+    t_pot_fb = per_pair(pot_torch_fwd_bwd(C, mu, nu, min(npot, 32)), min(npot, 32))
+    out["pot_numpy_fwd_ms"] = t_pot
+    out["pot_torch_fwd_bwd_ms"] = t_pot_fb
+    print(f"POT one by one            fwd {t_pot:8.4f} ms/pair   fwd+bwd (torch backend) {t_pot_fb:8.4f} ms/pair")
+
+    Cg = C.clone().requires_grad_()
+    rows = []
+
+    def rec(name, fwd, fb):
+        rows.append((name, fwd, fb))
+        out[name] = {"fwd_ms": fwd, "fwd_bwd_ms": fb}
+        fbs = f"{fb:8.4f}" if fb is not None else "      - "
+        ratio_f = t_pot / fwd
+        ratio_b = (t_pot_fb / fb) if fb else float("nan")
+        print(f"{name:34s} fwd {fwd:8.4f} ms/pair ({1e3 / fwd:9.0f} pairs/s, {ratio_f:6.1f}x POT)"
+              f"  fwd+bwd {fbs} ms/pair ({ratio_b:6.1f}x POT)")
+
+    with torch.no_grad():
+        t_plan = per_pair(lambda: uot_dense(C, mu, nu, EPS, TAU, TAU, L))
+        t_plan_log = per_pair(lambda: uot_dense(C, mu, nu, EPS, TAU, TAU, L, method="log"))
+    rec("dense-uot plan [scaling]", t_plan, per_pair(lambda: uot_dense(Cg, mu, nu, EPS, TAU, TAU, L).sum().backward()))
+    rec("dense-uot plan [log]", t_plan_log, per_pair(lambda: uot_dense(Cg, mu, nu, EPS, TAU, TAU, L, method="log").sum().backward()))
+    for meth in ("fused", "scaling", "log"):
+        with torch.no_grad():
+            tf = per_pair(lambda: uot_dense_score(C, mu, nu, EPS, TAU, TAU, L, method=meth))
+        tb = per_pair(lambda: uot_dense_score(Cg, mu, nu, EPS, TAU, TAU, L, method=meth).sum().backward())
+        rec(f"dense-uot score [{meth}]", tf, tb)
+    with torch.no_grad():
+        tf = per_pair(lambda: uot_dense_score(C, mu, nu, EPS, None, None, L))
+    rec("balanced-ot score [fused]", tf, per_pair(lambda: uot_dense_score(Cg, mu, nu, EPS, None, None, L).sum().backward()))
+
+    # conceptot, independent pairs (Z, Y per pair)
+    Zg, Yg, Pg = Z.clone().requires_grad_(), Y.clone().requires_grad_(), anchors.clone().requires_grad_()
+    lr_kw = dict(kpp_reg=1e-2, center=True, clamp=20.0)
+    with torch.no_grad():
+        t_solve = per_pair(lambda: uot_lowrank(Z, Y, anchors, mu, nu, EPS, TAU, TAU, L, **lr_kw))
+        t_score = per_pair(lambda: uot_lowrank(Z, Y, anchors, mu, nu, EPS, TAU, TAU, L, **lr_kw).score(Z, Y, tanh=True))
+    rec("conceptot solver (pairs)", t_solve, None)
+    rec("conceptot solver+score (pairs)", t_score, per_pair(
+        lambda: uot_lowrank(Zg, Yg, Pg, mu, nu, EPS, TAU, TAU, L, **lr_kw).score(Zg, Yg, tanh=True).sum().backward()))
+    # conceptot, training-batch structure (sub-kernels once per image / caption)
+    Zig, Yig = Zi.clone().requires_grad_(), Yi.clone().requires_grad_()
+
+    def lr_batch(Zb, Yb, Pb):
+        res = uot_lowrank(Zb, Yb, Pb, mui, nui, EPS, TAU, TAU, L, img_index=img, txt_index=txt, **lr_kw)
+        return res.score(Zb[img], Yb[txt], tanh=True)
+
+    with torch.no_grad():
+        t_b = per_pair(lambda: lr_batch(Zi, Yi, anchors))
+    rec("conceptot solver+score (batch)", t_b, per_pair(lambda: lr_batch(Zig, Yig, Pg).sum().backward()))
+
+    # full local work of a dense-uot training step: costs from tokens, score, backward
+    def dense_step(Zb, Yb):
+        Cb = 1 - torch.bmm(Zb[img], Yb[txt].transpose(1, 2))
+        return uot_dense_score(Cb, mui[img], nui[txt], EPS, TAU, TAU, L)
+
+    with torch.no_grad():
+        t_ds = per_pair(lambda: dense_step(Zi, Yi))
+    rec("dense-uot step (costs+score)", t_ds, per_pair(lambda: dense_step(Zig, Yig).sum().backward()))
+
+    if not a.quick:
+        print("\nscaling (fwd+bwd ms/pair): batch size (pairs)")
+        out["scaling_batch"] = {}
+        for Bp in (64, 192, 576, 1152):
+            Cb = torch.cat([Cg.detach()] * 2)[:Bp].clone().requires_grad_()
+            mb, nb = torch.cat([mu] * 2)[:Bp], torch.cat([nu] * 2)[:Bp]
+            Zb, Yb = torch.cat([Z] * 2)[:Bp].clone().requires_grad_(), torch.cat([Y] * 2)[:Bp].clone().requires_grad_()
+            td = per_pair(lambda: uot_dense_score(Cb, mb, nb, EPS, TAU, TAU, L).sum().backward(), Bp)
+            tl = per_pair(lambda: uot_lowrank(Zb, Yb, Pg, mb, nb, EPS, TAU, TAU, L, **lr_kw).score(Zb, Yb, tanh=True).sum().backward(), Bp)
+            out["scaling_batch"][Bp] = {"dense": td, "conceptot": tl}
+            print(f"  B={Bp:5d}  dense-uot {td:.4f}  conceptot {tl:.4f}")
+        print("scaling (fwd+bwd ms/pair, 576 pairs): N patches")
+        out["scaling_N"] = {}
+        for Nn in (49, 196, 576):
+            Zn, Yn, mun, nun = make_batch(P_pairs, Nn, M, d, seed=2)
+            Cn = (1 - torch.bmm(Zn, Yn.transpose(1, 2))).requires_grad_()
+            Zn.requires_grad_()
+            td = per_pair(lambda: uot_dense_score(Cn, mun, nun, EPS, TAU, TAU, L).sum().backward())
+            tl = per_pair(lambda: uot_lowrank(Zn, Yn, Pg, mun, nun, EPS, TAU, TAU, L, **lr_kw).score(Zn, Yn, tanh=True).sum().backward())
+            out["scaling_N"][Nn] = {"dense": td, "conceptot": tl}
+            print(f"  N={Nn:5d}  dense-uot {td:.4f}  conceptot {tl:.4f}")
+        print("scaling (conceptot, 576 pairs, fwd / fwd+bwd ms/pair): rank r")
+        out["scaling_r"] = {}
+        for rr in (8, 16, 32, 64, 128):
+            Pr = (torch.randn(rr, d) * 0.02).requires_grad_()
+            with torch.no_grad():
+                tf = per_pair(lambda: uot_lowrank(Z, Y, Pr, mu, nu, EPS, TAU, TAU, L, **lr_kw).score(Z, Y, tanh=True))
+            tb = per_pair(lambda: uot_lowrank(Zg, Yg, Pr, mu, nu, EPS, TAU, TAU, L, **lr_kw).score(Zg, Yg, tanh=True).sum().backward())
+            out["scaling_r"][rr] = {"fwd": tf, "fwd_bwd": tb}
+            print(f"  r={rr:4d}  fwd {tf:.4f}  fwd+bwd {tb:.4f}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Streaming, deterministic, resumable batches over artifact shards.
+
+:class:`ShardStream` turns a list of shards into batches:
+
+* shard order is shuffled per epoch and samples pass through a seeded shuffle buffer of
+  ``shuffle_buffer`` samples, so memory is bounded by the buffer (plus one shard's headers), not
+  by the dataset; the sequence of batches is a pure function of (seed, epoch);
+* ``start`` skips the first batches of an epoch without collating them (resume at the exact data
+  position: with lazy shard readers such as :func:`pipeline.loaders.clip_tokens.read_shard`, a
+  skipped sample costs a header parse, no array read);
+* with ``num_workers`` DataLoader workers, every worker walks the same cheap sample stream and
+  collates (reads the large arrays of) only the batches ``start + w, start + w + n, ...``, so the
+  DataLoader's round-robin yields exactly the single-process batch sequence, for any number of
+  workers;
+* ``joins`` attach columns of other artifacts by ``sample_id`` (:class:`ParquetJoin`), reading
+  only the Parquet files whose sample_id range covers the batch (bounded memory).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from pipeline.io.artifacts import Artifact
+
+
+def epoch_rng(seed: int, epoch: int, salt: int = 0) -> random.Random:
+    return random.Random((int(seed) * 1_000_003 + int(epoch)) * 1_000_033 + int(salt))
+
+
+def buffer_shuffle(stream: Iterable[Any], size: int, rng: random.Random) -> Iterator[Any]:
+    """Seeded reservoir-style shuffle holding at most ``size`` items."""
+    buf: list[Any] = []
+    for item in stream:
+        if len(buf) < size:
+            buf.append(item)
+            continue
+        k = rng.randrange(len(buf))
+        yield buf[k]
+        buf[k] = item
+    rng.shuffle(buf)
+    yield from buf
+
+
+class ParquetJoin:
+    """Columns of a Parquet table of another artifact, looked up by sample_id.
+
+    The files' sample_id ranges come from the Parquet statistics; lookups load only the covering
+    files (``cache_files`` most recently used ones are kept)."""
+
+    def __init__(self, artifact: str | Path | Artifact, table: str, columns: Sequence[str], key: str = "sample_id",
+                 cache_files: int = 2, prefix: str = ""):
+        art = artifact if isinstance(artifact, Artifact) else Artifact(artifact)
+        self.files = [str(f) for f in art.files(table)]
+        self.columns, self.key, self.prefix = list(columns), key, prefix
+        self.ranges = []
+        for f in self.files:
+            md = pq.ParquetFile(f).metadata
+            lo, hi = None, None
+            idx = md.schema.to_arrow_schema().get_field_index(key)
+            for rg in range(md.num_row_groups):
+                st = md.row_group(rg).column(idx).statistics
+                if st is None or not st.has_min_max:
+                    lo, hi = float("-inf"), float("inf")
+                    break
+                lo = st.min if lo is None else min(lo, st.min)
+                hi = st.max if hi is None else max(hi, st.max)
+            self.ranges.append((lo, hi))
+        self.cache: OrderedDict[str, dict] = OrderedDict()
+        self.cache_files = cache_files
+
+    def _load(self, f: str) -> dict:
+        if f in self.cache:
+            self.cache.move_to_end(f)
+            return self.cache[f]
+        t = pq.read_table(f, columns=[self.key, *self.columns]).to_pydict()
+        rows = {k: {c: t[c][i] for c in self.columns} for i, k in enumerate(t[self.key])}
+        self.cache[f] = rows
+        while len(self.cache) > self.cache_files:
+            self.cache.popitem(last=False)
+        return rows
+
+    def lookup(self, sample_id: int) -> dict | None:
+        for f, (lo, hi) in zip(self.files, self.ranges):
+            if lo is not None and lo <= sample_id <= hi:
+                row = self._load(f).get(sample_id)
+                if row is not None:
+                    return {self.prefix + k: v for k, v in row.items()}
+        return None
+
+    def __call__(self, sample: dict) -> dict:
+        row = self.lookup(int(sample["sample_id"]))
+        if row is not None:
+            sample.update(row)
+        return sample
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """Deterministic batches over shards (see the module docstring).
+
+    ``read_shard(shard) -> Iterator[dict]`` yields cheap per-sample dicts with ``sample_id``;
+    ``collate(samples, rng) -> batch`` builds the batch (``rng`` is seeded by (seed, epoch, batch
+    index), e.g. for picking one of several captions). ``keep(sample) -> bool`` filters (a split).
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[Any],
+        read_shard: Callable[[Any], Iterator[dict]],
+        collate: Callable[[list[dict], random.Random], Any],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        shuffle_buffer: int = 512,
+        seed: int = 0,
+        drop_last: bool = True,
+        keep: Callable[[dict], bool] | None = None,
+        joins: Sequence[Callable[[dict], dict]] = (),
+    ):
+        super().__init__()
+        self.shards = list(shards)
+        self.read_shard, self.collate = read_shard, collate
+        self.batch_size, self.shuffle, self.shuffle_buffer = int(batch_size), shuffle, int(shuffle_buffer)
+        self.seed, self.drop_last, self.keep, self.joins = seed, drop_last, keep, list(joins)
+        self.epoch, self.start = 0, 0
+
+    def set_position(self, epoch: int, start: int = 0) -> "ShardStream":
+        self.epoch, self.start = int(epoch), int(start)
+        return self
+
+    def _samples(self, rng: random.Random) -> Iterator[dict]:
+        shards = list(self.shards)
+        if self.shuffle:
+            rng.shuffle(shards)
+        for sh in shards:
+            for s in self.read_shard(sh):
+                if self.keep is None or self.keep(s):
+                    yield s
+
+    def _batches(self) -> Iterator[tuple[int, list[dict]]]:
+        rng = epoch_rng(self.seed, self.epoch)
+        stream = self._samples(rng)
+        if self.shuffle:
+            stream = buffer_shuffle(stream, self.shuffle_buffer, rng)
+        buf: list[dict] = []
+        b = 0
+        for s in stream:
+            buf.append(s)
+            if len(buf) == self.batch_size:
+                yield b, buf
+                b += 1
+                buf = []
+        if buf and not self.drop_last:
+            yield b, buf
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for b, samples in self._batches():
+            if b < self.start or (b - self.start) % nw != wid:
+                continue
+            for j in self.joins:
+                samples = [j(s) for s in samples]
+            yield self.collate(samples, epoch_rng(self.seed, self.epoch, salt=b + 1))
+
+    def count_batches(self) -> int:
+        """Batches per epoch (walks the cheap sample stream once)."""
+        n = sum(1 for sh in self.shards for s in self.read_shard(sh) if self.keep is None or self.keep(s))
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+
+def loader(stream: ShardStream, num_workers: int = 0) -> Iterable[Any]:
+    """Iterate ``stream`` in-process or through a DataLoader with ``num_workers`` workers (same
+    batch sequence either way)."""
+    if num_workers <= 0:
+        return iter(stream)
+    return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=num_workers, in_order=True,
+                                            persistent_workers=False))

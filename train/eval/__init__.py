@@ -1,0 +1,1 @@
+"""Evaluation: retrieval (two-stage, G.4), SugarCrepe-format compositionality."""

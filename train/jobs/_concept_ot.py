@@ -1,0 +1,520 @@
+"""Implementation of the `concept-ot` job (see train/jobs/concept_ot.py for the description)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.io.artifacts import Artifact, ArtifactMissing
+from pipeline.loaders.clip_tokens import collate as ct_collate
+from pipeline.loaders.clip_tokens import read_shard
+from train.data import ParquetJoin, ShardStream, loader
+from train.eval.retrieval import retrieval_report
+from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
+from train.loop import Job
+from train.ot import anchor_diversity, uot_dense, uot_dense_score, uot_lowrank
+
+TRANSPORT = ("conceptot", "dense-uot", "balanced-ot")
+
+
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def _masses(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Eq. 1-2: softplus(w.x + b) normalised over the (valid) tokens."""
+    w = F.softplus(logits)
+    if mask is not None:
+        w = w * mask
+    return w / w.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+
+
+class ConceptOTModel(nn.Module):
+    """Trainable parts: projections W_v, W_t (d -> d_c, no bias), mass heads (Linear d -> 1),
+    anchors P [r, d_c] ~ N(0, 0.02) (conceptot), query/key projections (text-attn)."""
+
+    def __init__(self, cfg, d_v: int, d_t: int):
+        super().__init__()
+        self.cfg = cfg
+        v = cfg.variant
+        self.variant = v
+        if v != "global-only":
+            self.W_v = nn.Linear(d_v, cfg.d_c, bias=False)
+            self.W_t = nn.Linear(d_t, cfg.d_c, bias=False)
+        if v in TRANSPORT:
+            self.mass_v = nn.Linear(d_v, 1)
+            self.mass_t = nn.Linear(d_t, 1)
+        if v == "conceptot":
+            self.anchors = nn.Parameter(torch.randn(cfg.rank, cfg.d_c) * cfg.anchor_init_std)
+        if v == "text-attn":
+            self.W_q = nn.Linear(d_t, cfg.d_c, bias=False)
+            self.W_k = nn.Linear(d_v, cfg.d_c, bias=False)
+
+    # -- features ------------------------------------------------------------------------------
+    def image_features(self, patches: torch.Tensor) -> dict:
+        if self.variant == "global-only":
+            return {}
+        v = patches.float()
+        out = {"z": _normalize(self.W_v(v))}
+        if self.variant in TRANSPORT:
+            out["mu"] = _masses(self.mass_v(v).squeeze(-1), None)
+        if self.variant == "text-attn":
+            out["k"] = self.W_k(v)
+        return out
+
+    def text_features(self, tokens: torch.Tensor, mask: torch.Tensor) -> dict:
+        if self.variant == "global-only":
+            return {}
+        t = tokens.float()
+        m = mask.bool()
+        out = {"y": _normalize(self.W_t(t)) * m[..., None], "mask": m}
+        if self.variant in TRANSPORT:
+            out["nu"] = _masses(self.mass_t(t).squeeze(-1), m)
+        if self.variant == "text-attn":
+            out["q"] = self.W_q(t)
+        return out
+
+    # -- local score s_l(I, x) for pairs (img_idx[p], txt_idx[p]) --------------------------------
+    def score_pairs(self, img: dict, txt: dict, ii: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
+        cfg, v = self.cfg, self.variant
+        if v == "global-only":
+            return torch.zeros(ii.shape[0])
+        with torch.autocast(ii.device.type, enabled=False):
+            mask = txt["mask"][tt]
+            if v == "global-patch":
+                zbar = img["z"].mean(1)
+                ybar = txt["y"].sum(1) / txt["mask"].sum(1, keepdim=True).clamp_min(1)
+                return (zbar[ii] * ybar[tt]).sum(-1)
+            if v == "conceptot":
+                res = uot_lowrank(img["z"], txt["y"], self.anchors, img["mu"], txt["nu"], cfg.eps, cfg.tau_v, cfg.tau_t,
+                                  cfg.n_iter, mask_t=txt["mask"], img_index=ii, txt_index=tt, kpp_reg=cfg.kpp_reg,
+                                  center=cfg.lr_center, clamp=cfg.lr_clamp)
+                return res.score(img["z"][ii], txt["y"][tt], tanh=cfg.score_tanh)
+            if v == "text-attn":
+                logits = torch.bmm(txt["q"][tt], img["k"][ii].transpose(1, 2)) / math.sqrt(cfg.d_c)  # [P,M,N]
+                att = torch.softmax(logits, dim=-1)
+                pooled = _normalize(torch.bmm(att, img["z"][ii]))  # [P,M,dc]
+                sim = (pooled * txt["y"][tt]).sum(-1)
+                return (sim * mask).sum(1) / mask.sum(1).clamp_min(1)
+            S = torch.bmm(img["z"][ii], txt["y"][tt].transpose(1, 2))  # [P,N,M] cosine
+            if v == "filip":
+                i2t = S.masked_fill(~mask[:, None, :], float("-inf")).amax(2).mean(1)
+                t2i = S.amax(1)
+                t2i = (t2i * mask).sum(1) / mask.sum(1).clamp_min(1)
+                return 0.5 * (i2t + t2i)
+            tau = (None, None) if v == "balanced-ot" else (cfg.tau_v, cfg.tau_t)
+            return uot_dense_score(1.0 - S, img["mu"][ii], txt["nu"][tt], cfg.eps, tau[0], tau[1], cfg.n_iter,
+                                   sim=S, mask_t=mask, chunk=cfg.ot_chunk)
+
+    def phrase_heatmap(self, img: dict, txt: dict, i: int, t: int, token_weights: torch.Tensor) -> torch.Tensor:
+        """[N] patch heatmap for a phrase (token weights [M]) of caption t on image i (Sec. 2.6)."""
+        cfg, v = self.cfg, self.variant
+        ii, tt = torch.tensor([i]), torch.tensor([t])
+        mask = txt["mask"][tt]
+        w = token_weights[None].float() * mask
+        if v == "conceptot":
+            res = uot_lowrank(img["z"], txt["y"], self.anchors, img["mu"], txt["nu"], cfg.eps, cfg.tau_v, cfg.tau_t,
+                              cfg.n_iter, mask_t=txt["mask"], img_index=ii, txt_index=tt, kpp_reg=cfg.kpp_reg,
+                              center=cfg.lr_center, clamp=cfg.lr_clamp)
+            return res.heatmap(w)[0]
+        if v in ("dense-uot", "balanced-ot"):
+            S = torch.bmm(img["z"][ii], txt["y"][tt].transpose(1, 2))
+            tau = (None, None) if v == "balanced-ot" else (cfg.tau_v, cfg.tau_t)
+            P = uot_dense(1 - S, img["mu"][ii], txt["nu"][tt], cfg.eps, tau[0], tau[1], cfg.n_iter, mask_t=mask)
+            return (P * w[:, None, :]).sum(-1)[0]
+        if v == "text-attn":
+            logits = torch.bmm(txt["q"][tt], img["k"][ii].transpose(1, 2)) / math.sqrt(cfg.d_c)
+            return (torch.softmax(logits, -1) * w[..., None]).sum(1)[0]
+        if v in ("filip", "global-patch"):
+            S = torch.bmm(img["z"][ii], txt["y"][tt].transpose(1, 2))[0]  # [N,M]
+            return (S.clamp_min(0) * w[0][None, :]).sum(-1)
+        return torch.zeros(0)
+
+
+def _resolve(manifest, p: str) -> Path:
+    q = Path(p)
+    return q if q.is_absolute() else Path(manifest.output) / q
+
+
+class ConceptOTJob(Job):
+    NAME = "concept-ot"
+
+    def __init__(self, cfg, manifest, run_dir, device):
+        super().__init__(cfg, manifest, run_dir, device)
+        self.art = Artifact(_resolve(manifest, cfg.artifact))
+        self.shards = [str(p) for p in self.art.files("shards")]
+        dims = self.art.manifest.get("dims", {})
+        first = next(read_shard(self.shards[0], fields=("patch_tokens", "text_tokens")), None) if self.shards else None
+        if first is None:
+            raise ValueError(f"{self.art.dir}: no samples in the clip_tokens artifact")
+        self.d_v = int(dims.get("vision_dim") or first["patch_tokens"].shape[-1])
+        self.d_t = int(dims.get("text_dim") or first["text_tokens"].shape[-1])
+        self.n_patches = int(first["patch_tokens"].shape[0])
+        try:
+            self.samples = Artifact(_resolve(manifest, cfg.samples_artifact))
+        except ArtifactMissing:
+            self.samples = None
+        self._split_join = None
+        if self.samples is not None and "samples" in self.samples.tables():
+            self._split_join = ParquetJoin(self.samples, "samples", ["split"])
+        self._bpe = None
+
+    # ---------------------------------------------------------------------------------- splits
+    def split_of(self, sample_id: int) -> str:
+        """The samples artifact's split; without one, a stable hash split (sample_id % 20:
+        18 -> val, 19 -> test, as the generated dataset does)."""
+        if self._split_join is not None:
+            row = self._split_join.lookup(int(sample_id))
+            if row is not None and row.get("split"):
+                return str(row["split"])
+        r = int(sample_id) % 20
+        return "val" if r == 18 else "test" if r == 19 else "train"
+
+    def _keep_train(self, s: dict) -> bool:
+        return s["caption_ids"].shape[0] > 0 and self.split_of(s["sample_id"]) in self.cfg.train_splits
+
+    def _stream(self) -> ShardStream:
+        cfg = self.cfg
+
+        def collate(samples, rng: random.Random):
+            b = ct_collate(samples, "random", rng)
+            return {k: v for k, v in b.items()}
+
+        return ShardStream(self.shards, lambda p: read_shard(p, lazy=True), collate, cfg.batch_size,
+                           shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed, drop_last=True,
+                           keep=self._keep_train)
+
+    # ------------------------------------------------------------------------------- interface
+    def build_model(self) -> nn.Module:
+        return ConceptOTModel(self.cfg, self.d_v, self.d_t)
+
+    def batches_per_epoch(self) -> int:
+        if self._bpe is None:
+            self._bpe = self._stream().count_batches()
+        return self._bpe
+
+    def batches(self, epoch: int, start: int):
+        return loader(self._stream().set_position(epoch, start), self.cfg.num_workers)
+
+    def loss(self, model: ConceptOTModel, batch: dict):
+        cfg = self.cfg
+        dev = self.device
+        ie = _normalize(batch["image_embed"].to(dev).float())
+        te = _normalize(batch["text_embed"].to(dev).float())
+        B = ie.shape[0]
+        g = ie @ te.t()  # [B, B] global similarities (frozen)
+        labels = torch.arange(B, device=dev)
+        l_global = 0.5 * (F.cross_entropy(g / cfg.global_temperature, labels)
+                          + F.cross_entropy(g.t() / cfg.global_temperature, labels))
+        logs = {"loss_global": float(l_global)}
+        if cfg.variant == "global-only":
+            return l_global, logs
+        # hard negatives (Alg. 2 line 6): top-K_h over j != i of g[i, j] and of g[j, i]
+        K = min(cfg.k_hard, B - 1)
+        bad = torch.eye(B, dtype=torch.bool, device=dev)
+        if cfg.exclude_duplicate_captions:
+            bad = bad | ((te @ te.t()) > 1 - 1e-6)
+        gx = g.masked_fill(bad, float("-inf"))  # image i vs captions j
+        gi = g.t().masked_fill(bad, float("-inf"))  # caption i vs images j (g[j, i])
+        vx, neg_x = gx.topk(K, dim=1)
+        vi, neg_i = gi.topk(K, dim=1)
+        idx = torch.arange(B, device=dev)
+        ii = torch.cat([idx, idx.repeat_interleave(K), neg_i.reshape(-1)])
+        tt = torch.cat([idx, neg_x.reshape(-1), idx.repeat_interleave(K)])
+        img = model.image_features(batch["patch_tokens"].to(dev))
+        txt = model.text_features(batch["text_tokens"].to(dev), batch["text_mask"].to(dev))
+        s = model.score_pairs(img, txt, ii, tt)
+        s_pos, s_x, s_i = s[:B], s[B:B + B * K].view(B, K), s[B + B * K:].view(B, K)
+        s_x = s_x.masked_fill(~torch.isfinite(vx), float("-inf"))
+        s_i = s_i.masked_fill(~torch.isfinite(vi), float("-inf"))
+        zero = torch.zeros(B, dtype=torch.long, device=dev)
+        l_i2x = F.cross_entropy(torch.cat([s_pos[:, None], s_x], 1) / cfg.tau_local, zero)
+        l_x2i = F.cross_entropy(torch.cat([s_pos[:, None], s_i], 1) / cfg.tau_local, zero)
+        loss = l_global + cfg.lambda_local * 0.5 * (l_i2x + l_x2i)
+        logs.update({"loss_i2x": float(l_i2x), "loss_x2i": float(l_x2i),
+                     "s_pos": float(s_pos.mean()), "s_neg": float(torch.cat([s_x, s_i], 1)[torch.isfinite(torch.cat([s_x, s_i], 1))].mean())})
+        if cfg.variant == "conceptot" and cfg.beta_div > 0:
+            div = anchor_diversity(model.anchors)
+            loss = loss + cfg.beta_div * div
+            logs["anchor_div"] = float(div)
+        return loss, logs
+
+    # ------------------------------------------------------------------------------ evaluation
+    def _eval_samples(self) -> list[dict]:
+        out = []
+        for p in self.shards:
+            for s in read_shard(p, fields=None):
+                if s["caption_ids"].shape[0] == 0 or self.split_of(s["sample_id"]) not in self.cfg.eval_splits:
+                    continue
+                out.append(s)
+                if len(out) >= self.cfg.eval_max_images:
+                    return out
+        return out
+
+    def _encode_eval(self, model, samples: list[dict], chunk: int = 64) -> dict:
+        dev = self.device
+        ie, te, cap_img, cap_ids, imgs, txts = [], [], [], [], [], []
+        for s in range(0, len(samples), chunk):
+            b = ct_collate(samples[s:s + chunk], "all")
+            ie.append(_normalize(b["image_embed"].float()))
+            te.append(_normalize(b["text_embed"].float()))
+            cap_img.append(b["caption_sample"] + s)
+            cap_ids.append(b["caption_id"])
+            imgs.append(model.image_features(b["patch_tokens"].to(dev)))
+            txts.append(model.text_features(b["text_tokens"].to(dev), b["text_mask"].to(dev)))
+        return {"ie": torch.cat(ie), "te": torch.cat(te), "cap_img": torch.cat(cap_img), "caption_id": torch.cat(cap_ids),
+                "img": _cat_feats(imgs), "txt": _cat_feats(txts, pad_dim=1)}
+
+    def evaluate(self, model: ConceptOTModel, out_dir: Path) -> dict:
+        cfg = self.cfg
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        samples = self._eval_samples()
+        res: dict = {}
+        if samples:
+            E = self._encode_eval(model, samples)
+            g = E["ie"] @ E["te"].t()
+            local = None
+            if cfg.variant != "global-only":
+                def local(qi, ti):
+                    return model.score_pairs(E["img"], E["txt"], qi.to(self.device), ti.to(self.device)).cpu()
+            res.update(retrieval_report(g, local, cfg.lambda_local, E["cap_img"], top_k=cfg.rerank_top_k,
+                                        chunk_pairs=cfg.eval_pairs_chunk))
+            res["eval_images"] = len(samples)
+            res["eval_captions"] = int(E["te"].shape[0])
+            if cfg.heatmaps:
+                try:
+                    self._heatmaps(model, samples[: cfg.heatmaps], E, out_dir)
+                except Exception as e:  # visualisation must never fail an evaluation
+                    res["heatmap_error"] = f"{type(e).__name__}: {e}"[:200]
+        res.update(self._sugarcrepe(model))
+        return res
+
+    # SugarCrepe-format pairwise accuracy
+    def _sugarcrepe_dirs(self) -> list[Path]:
+        if self.cfg.sugarcrepe_dirs is not None:
+            return [Path(d) for d in self.cfg.sugarcrepe_dirs]
+        dirs = []
+        ds = self.manifest.dataset
+        if ds.kind == "synthetic":
+            root = Path(ds.synthetic.root) if ds.synthetic.root else Path(self.manifest.output) / "source" / "synthetic"
+            dirs.append(root / "sugarcrepe")
+        dirs.append(Path(__file__).resolve().parents[3] / "shared" / "data" / "sugarcrepe")
+        return dirs
+
+    def _sugarcrepe(self, model: ConceptOTModel) -> dict:
+        data = read_sugarcrepe(self._sugarcrepe_dirs())
+        if not data or self.samples is None:
+            return {}
+        import polars as pl
+
+        tab = self.samples.scan("samples").select("sample_id", "source_id", "image").collect()
+        by_name: dict[str, int] = {}
+        for sid, src, im in tab.iter_rows():
+            for key in (str(src), Path(str(im)).name if im is not None else None):
+                if key:
+                    by_name.setdefault(key, int(sid))
+                    by_name.setdefault(Path(key).stem, int(sid))
+        wanted: dict[str, list[tuple[int, str, str]]] = {}
+        for kind, rows in sorted(data.items()):
+            rows = rows[: self.cfg.sugarcrepe_max_per_kind] if self.cfg.sugarcrepe_max_per_kind else rows
+            for r in rows:
+                sid = by_name.get(r["filename"], by_name.get(Path(r["filename"]).stem))
+                if sid is not None:
+                    wanted.setdefault(kind, []).append((sid, r["caption"], r["negative_caption"]))
+        n_total = sum(len(v) for v in data.values())
+        res: dict = {"sugarcrepe/triples": float(sum(len(v) for v in wanted.values())), "sugarcrepe/available": float(n_total)}
+        if not wanted:
+            return res
+        sids = sorted({s for v in wanted.values() for s, _, _ in v})
+        img_rows = self._load_images(sids)
+        if not img_rows:
+            return res
+        texts = sorted({t for v in wanted.values() for _, a, b in v for t in (a, b)})
+        tok = self._encode_texts(texts)
+        row_of_sid = {s["sample_id"]: k for k, s in enumerate(img_rows)}
+        dev = self.device
+        patches = torch.from_numpy(np.stack([np.asarray(s["patch_tokens"]) for s in img_rows]))
+        ie = _normalize(torch.from_numpy(np.stack([np.asarray(s["image_embed"]) for s in img_rows])).float())
+        img = model.image_features(patches.to(dev))
+        txt = model.text_features(tok["tokens"].to(dev), tok["mask"].to(dev))
+        te = _normalize(tok["embed"].float())
+        t_of = {t: k for k, t in enumerate(texts)}
+        accs_g, accs = [], []
+        for kind, triples in sorted(wanted.items()):
+            triples = [t for t in triples if t[0] in row_of_sid]
+            if not triples:
+                continue
+            ii = torch.tensor([row_of_sid[s] for s, _, _ in triples])
+            tp = torch.tensor([t_of[a] for _, a, _ in triples])
+            tn = torch.tensor([t_of[b] for _, _, b in triples])
+            gp, gn = (ie[ii] * te[tp]).sum(-1), (ie[ii] * te[tn]).sum(-1)
+            lam = self.cfg.lambda_local
+            if self.cfg.variant != "global-only":
+                sp = model.score_pairs(img, txt, ii.to(dev), tp.to(dev)).cpu()
+                sn = model.score_pairs(img, txt, ii.to(dev), tn.to(dev)).cpu()
+            else:
+                sp = sn = torch.zeros(len(triples))
+            a_g = pairwise_accuracy(gp, gn)
+            a = pairwise_accuracy(gp + lam * sp, gn + lam * sn)
+            res[f"sugarcrepe/{kind}"] = a
+            res[f"sugarcrepe_global/{kind}"] = a_g
+            accs.append((a, len(triples)))
+            accs_g.append((a_g, len(triples)))
+        if accs:
+            n = sum(k for _, k in accs)
+            res["sugarcrepe/overall"] = sum(a * k for a, k in accs) / n
+            res["sugarcrepe_global/overall"] = sum(a * k for a, k in accs_g) / n
+        return res
+
+    def _load_images(self, sids: list[int]) -> list[dict]:
+        want = set(sids)
+        out = []
+        tab = None
+        if "images" in self.art.tables():
+            import polars as pl
+
+            tab = self.art.scan("images").select("sample_id", "shard").filter(pl.col("sample_id").is_in(sorted(want))).collect()
+        shards = sorted(set(tab["shard"].to_list())) if tab is not None and tab.height else None
+        paths = [str(self.art.dir / s) for s in shards] if shards else self.shards
+        for p in paths:
+            for s in read_shard(p, fields=("patch_tokens", "image_embed", "caption_ids")):
+                if s["sample_id"] in want:
+                    out.append({"sample_id": s["sample_id"], "patch_tokens": np.array(s["patch_tokens"]),
+                                "image_embed": np.array(s["image_embed"])})
+        return out
+
+    def _encode_texts(self, texts: list[str]) -> dict:
+        """Frozen CLIP text tower (models.clip) for texts that are not in the artifact."""
+        from pipeline.models.clip import encode_texts, load_clip
+
+        model, _, tokenizer, _ = load_clip(self.manifest.models.clip)
+        max_tokens = int(self.art.manifest.get("parameters", {}).get("max_text_tokens", 48))
+        project = bool(self.art.manifest.get("parameters", {}).get("project_tokens", False))
+        toks, masks, embs = [], [], []
+        with torch.no_grad():
+            for s in range(0, len(texts), 128):
+                o = encode_texts(model, tokenizer, texts[s:s + 128], max_tokens, project)
+                toks.append(o["text_tokens"].half().float())  # as stored in the artifact (fp16)
+                masks.append(o["text_mask"].bool())
+                embs.append(o["text_embed"].half().float())
+        M = max(t.shape[1] for t in toks)
+        toks = [F.pad(t, (0, 0, 0, M - t.shape[1])) for t in toks]
+        masks = [F.pad(m, (0, M - m.shape[1])) for m in masks]
+        return {"tokens": torch.cat(toks), "mask": torch.cat(masks), "embed": torch.cat(embs)}
+
+    # phrase heatmaps (Sec. 2.6), one PNG per image: the first caption's words
+    def _heatmaps(self, model: ConceptOTModel, samples: list[dict], E: dict, out_dir: Path) -> None:
+        if self.cfg.variant == "global-only":
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        texts, images = {}, {}
+        if self.samples is not None:
+            import polars as pl
+
+            cids = [int(s["caption_ids"][0]) for s in samples]
+            if "captions" in self.samples.tables():
+                for cid, text in self.samples.scan("captions").select("caption_id", "text").filter(
+                        pl.col("caption_id").is_in(cids)).collect().iter_rows():
+                    texts[int(cid)] = text
+            sids = [int(s["sample_id"]) for s in samples]
+            for sid, im in self.samples.scan("samples").select("sample_id", "image").filter(
+                    pl.col("sample_id").is_in(sids)).collect().iter_rows():
+                images[int(sid)] = im
+        side = int(round(math.sqrt(self.n_patches)))
+        first_cap = {int(c): k for k, c in enumerate(E["caption_id"].tolist())}
+        for k, s in enumerate(samples):
+            cid = int(s["caption_ids"][0])
+            t = first_cap[cid]
+            text = texts.get(cid, "")
+            offs = np.asarray(s["token_offsets"])[0] if "token_offsets" in s else None
+            n_valid = int(E["txt"]["mask"][t].sum())
+            groups = _word_groups(text, offs, n_valid)[:4]
+            if not groups:
+                continue
+            fig, axes = plt.subplots(1, len(groups) + 1, figsize=(3 * (len(groups) + 1), 3.2))
+            pil = None
+            try:
+                from pipeline.readers.images import open_image
+
+                pil = open_image(images[int(s["sample_id"])]).convert("RGB") if int(s["sample_id"]) in images else None
+            except Exception:
+                pil = None
+            axes[0].set_title("image", fontsize=8)
+            if pil is not None:
+                axes[0].imshow(pil)
+            axes[0].axis("off")
+            for ax, (word, idx) in zip(axes[1:], groups):
+                w = torch.zeros(E["txt"]["mask"].shape[1])
+                w[idx] = 1
+                h = model.phrase_heatmap(E["img"], E["txt"], k, t, w.to(self.device)).float().cpu()
+                if h.numel() != side * side:
+                    continue
+                hm = h.view(side, side).numpy()
+                if pil is not None:
+                    ax.imshow(pil)
+                    ax.imshow(hm, cmap="jet", alpha=0.5, extent=(0, pil.width, pil.height, 0))
+                else:
+                    ax.imshow(hm, cmap="jet")
+                ax.set_title(f'"{word}"', fontsize=8)
+                ax.axis("off")
+            fig.suptitle(f"{self.cfg.variant}: {text[:80]}", fontsize=8)
+            fig.tight_layout()
+            fig.savefig(out_dir / f"heatmap_{int(s['sample_id'])}.png", dpi=80)
+            plt.close(fig)
+
+
+def _word_groups(text: str, offsets, n_valid: int) -> list[tuple[str, list[int]]]:
+    """Token indices of each whitespace word of the caption (from the tokens' character spans);
+    without offsets, every non-special token is its own group."""
+    if offsets is None or not text:
+        return [(f"tok{j}", [j]) for j in range(1, max(1, n_valid - 1))]
+    words: dict[tuple[int, int], list[int]] = {}
+    spans = []
+    pos = 0
+    for w in text.split():
+        st = text.index(w, pos)
+        spans.append((st, st + len(w)))
+        pos = st + len(w)
+    for j in range(min(n_valid, len(offsets))):
+        a, b = int(offsets[j][0]), int(offsets[j][1])
+        if a == b:
+            continue
+        for sp in spans:
+            if sp[0] <= a < sp[1]:
+                words.setdefault(sp, []).append(j)
+                break
+    stop = {"a", "an", "the", "of", "and", "is", "are", "with", "to", "in", "on", "at", "its", "there"}
+    out = [(text[a:b].strip(".,"), idx) for (a, b), idx in sorted(words.items())]
+    return [x for x in out if x[0].lower() not in stop]
+
+
+def _cat_feats(parts: list[dict], pad_dim: int | None = None) -> dict:
+    if not parts or not parts[0]:
+        return {}
+    out = {}
+    for k in parts[0]:
+        ts = [p[k] for p in parts]
+        if pad_dim is not None and ts[0].dim() > 1:
+            L = max(t.shape[pad_dim] for t in ts)
+            padded = []
+            for t in ts:
+                shape = list(t.shape)
+                shape[pad_dim] = L
+                z = torch.zeros(shape, dtype=t.dtype, device=t.device)
+                z.narrow(pad_dim, 0, t.shape[pad_dim]).copy_(t)
+                padded.append(z)
+            ts = padded
+        out[k] = torch.cat(ts)
+    return out

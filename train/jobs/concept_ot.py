@@ -1,0 +1,85 @@
+"""`concept-ot`: ConceptOT (Kumar, low-rank unbalanced OT between CLIP patches and text tokens)
+and its baselines, trained on the `clip_tokens` artifact (frozen CLIP, Sec. 2.1 / App. G.1).
+
+Variants (``variant:``), Sec. 3.2:
+  conceptot    low-rank UOT through r learned anchors (Eq. 4-8, Alg. 1), anchor diversity (beta)
+  dense-uot    full-rank entropic UOT (Eq. 3), score = transported-mass-normalised similarity
+  balanced-ot  entropic OT with exact marginals mu, nu
+  filip        token-wise max similarity (FILIP late interaction), both directions averaged
+  text-attn    text-conditioned attention pooling over patches (extra query/key projections)
+  global-patch average patch-token cosine similarity
+  global-only  frozen pooled CLIP embeddings only (nothing to train: `train run` just evaluates)
+
+Loss (Eq. 9-10): L_global (symmetric InfoNCE on the frozen pooled embeddings; constant, logged)
++ lambda_l (L_I->X + L_X->I)/2 + beta Omega_div, with K_h hard negatives mined both ways from the
+global scores of the batch. Defaults are the paper's Tables 6-7 (AdamW lr 1e-4, wd 1e-2, batch
+64, 5% warmup + cosine, clip 1.0, 3 epochs; eps 0.07, tau 0.2, lambda_l 0.5, beta 1e-3,
+tau_l 0.07, L 5, r 32, K_h 4, d_c 256) and Appendix H's stabilisation for the low-rank solver.
+
+Evaluation (App. G.4 and Sec. 2.6): retrieval R@1/5/10 both ways, global only and two-stage
+(global top-128, rerank by g + lambda_l * s_local); SugarCrepe-format pairwise accuracy on every
+folder of ``sugarcrepe_dirs`` (default: the generated dataset's ``sugarcrepe/`` and the shared
+``data/sugarcrepe`` when present; images are matched by file name to the ``samples`` artifact,
+texts are encoded with the frozen CLIP text tower of ``models.clip``, since negatives are not in
+the artifact); phrase heatmaps h_i(J) = sum_{j in J} Pi_ij saved as PNG.
+
+This module stays importable without torch (the manifest loader reads ``Config``); the
+implementation is in :mod:`train.jobs._concept_ot`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from train.config import TrainerConfig
+
+NAME = "concept-ot"
+READS = ["clip_tokens", "samples"]
+
+Variant = Literal["conceptot", "dense-uot", "balanced-ot", "filip", "text-attn", "global-patch", "global-only"]
+
+
+class Config(TrainerConfig):
+    variant: Variant = "conceptot"
+    artifact: str = Field("clip_tokens", description="clip_tokens artifact folder, relative to `output` (or absolute)")
+    samples_artifact: str = Field("samples", description="for splits, captions texts and image files")
+    train_splits: list[str] = ["train"]
+    eval_splits: list[str] = ["val", "test"]
+    d_c: int = Field(256, ge=1, description="concept-space width (App. G.1)")
+    eps: float = Field(0.07, gt=0, description="entropic regularisation (Table 7)")
+    tau_v: float = Field(0.2, gt=0)
+    tau_t: float = Field(0.2, gt=0)
+    lambda_local: float = Field(0.5, ge=0, description="local loss weight, also the rerank weight (G.4)")
+    beta_div: float = Field(1e-3, ge=0, description="anchor diversity weight")
+    tau_local: float = Field(0.07, gt=0, description="local temperature of Eq. 9")
+    n_iter: int = Field(5, ge=1, description="Sinkhorn iterations L")
+    rank: int = Field(32, ge=2, description="anchors r (conceptot)")
+    k_hard: int = Field(4, ge=1, description="hard negatives per direction K_h")
+    anchor_init_std: float = Field(0.02, gt=0, description="anchors ~ N(0, std) (App. G.1)")
+    global_temperature: float = Field(
+        0.01, gt=0, description="temperature of L_global on the frozen embeddings (CLIP's logit scale 100)"
+    )
+    # Appendix H stabilisation of the low-rank solver (all on, as in the paper's runs)
+    kpp_reg: float = Field(1e-2, ge=0, description="K_PP diagonal regularisation")
+    lr_center: bool = Field(True, description="centre the log-scalings every iteration")
+    lr_clamp: float | None = Field(20.0, gt=0, description="clamp the log-scalings to [-c, c]")
+    score_tanh: bool = Field(True, description="tanh soft-clamp of the conceptot score")
+    ot_chunk: int | None = Field(None, ge=1, description="pairs per dense solver chunk (None: ~1 MiB kernels)")
+    exclude_duplicate_captions: bool = Field(
+        True, description="never mine a negative caption identical to the positive (same text embedding)"
+    )
+    # evaluation
+    rerank_top_k: int = Field(128, ge=1)
+    eval_max_images: int = Field(1000, ge=1)
+    eval_pairs_chunk: int = Field(1024, ge=1)
+    sugarcrepe_dirs: list[str] | None = Field(None, description="folders of SugarCrepe-format JSON (None: auto)")
+    sugarcrepe_max_per_kind: int | None = Field(None, ge=1)
+    heatmaps: int = Field(4, ge=0, description="eval images with phrase heatmaps saved as PNG")
+
+
+def make_job(cfg: Config, manifest, run_dir, device):
+    from train.jobs._concept_ot import ConceptOTJob
+
+    return ConceptOTJob(cfg, manifest, run_dir, device)

@@ -1,0 +1,367 @@
+"""The one training loop shared by every job.
+
+Job interface (subclass :class:`Job`; see train/jobs/concept_ot.py for a complete example)::
+
+    class MyJob(Job):
+        def build_model(self) -> torch.nn.Module          # trainable parts (may have no parameters)
+        def batches_per_epoch(self) -> int                # optimizer steps in one epoch
+        def batches(self, epoch: int, start: int) -> Iterable[batch]
+            # the epoch's batches from index ``start`` on; MUST be a pure function of
+            # (cfg.seed, epoch): this is what makes resume exact (train.data.ShardStream does it)
+        def loss(self, model, batch) -> tuple[torch.Tensor, dict[str, float]]
+            # scalar loss to minimise + extra scalars to log (called under autocast when AMP is on)
+        def evaluate(self, model, out_dir: Path) -> dict[str, float]
+            # optional; may write files (plots, heatmaps) into out_dir
+
+    ``self.cfg`` (the job's Config, a :class:`train.config.TrainerConfig`), ``self.manifest``,
+    ``self.run_dir`` and ``self.device`` are set by the constructor.
+
+:func:`train` runs it: AdamW (weight decay on matrices only), linear warmup then cosine decay
+(per step), global-norm gradient clipping, autocast (fp16 + GradScaler on CUDA when
+``amp=auto``; bf16 on request), periodic checkpoints written atomically, resume with exact
+continuation (model, optimizer, scheduler, scaler, RNG states and the data position, i.e. epoch
+and batch index, are restored; ``metrics.jsonl`` lines past the checkpoint are dropped), metric
+lines as JSON (``metrics.jsonl``) and a plot (``metrics.png``), periodic evaluation and a
+progress bar with steps/s and samples/s.
+
+Run folder (``cfg.run_dir`` or ``<output>/train/<job>``)::
+
+    config.json       the resolved job config
+    metrics.jsonl     {"kind": "train"|"eval", "step", "epoch", ...} one line each
+    metrics.png       losses and eval metrics against steps
+    checkpoints/last.pt, checkpoints/final.pt
+    eval/             whatever the job's evaluate() writes (final evaluation: eval/final/)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Job:
+    """Base class of a training job (see the module docstring)."""
+
+    def __init__(self, cfg, manifest, run_dir: Path, device: torch.device):
+        self.cfg, self.manifest, self.run_dir, self.device = cfg, manifest, Path(run_dir), device
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def batches_per_epoch(self) -> int:
+        raise NotImplementedError
+
+    def batches(self, epoch: int, start: int) -> Iterable[Any]:
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, out_dir: Path) -> dict[str, float]:
+        return {}
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def amp_settings(amp: str, device: torch.device) -> tuple[bool, torch.dtype | None, bool]:
+    """(enabled, dtype, use_grad_scaler)."""
+    if amp == "off" or (amp == "auto" and device.type != "cuda"):
+        return False, None, False
+    if amp == "bf16":
+        return True, torch.bfloat16, False
+    # fp16 (explicit, or auto on CUDA)
+    return True, torch.float16, device.type == "cuda"
+
+
+def lr_factor(step: int, total: int, warmup: int, min_frac: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_frac`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    prog = min(1.0, (step - warmup) / span)
+    return min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * prog))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except ValueError:
+            continue
+    path.write_text("".join(k + "\n" for k in keep))
+
+
+def plot_metrics(metrics_path: Path, out_png: Path) -> None:
+    """Train losses (left) and eval metrics (right) against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
+    tr = [r for r in rows if r.get("kind") == "train"]
+    ev = [r for r in rows if r.get("kind") == "eval"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    skip = {"kind", "step", "epoch", "lr", "time", "steps_per_s", "samples_per_s", "grad_norm"}
+    for key in sorted({k for r in tr for k in r} - skip):
+        pts = [(r["step"], r[key]) for r in tr if isinstance(r.get(key), (int, float))]
+        if pts:
+            axes[0].plot(*zip(*pts), label=key)
+    axes[0].set_xlabel("step")
+    axes[0].set_title("training")
+    if tr:
+        axes[0].legend(fontsize=7)
+    for key in sorted({k for r in ev for k in r} - skip):
+        pts = [(r["step"], r[key]) for r in ev if isinstance(r.get(key), (int, float))]
+        if pts:
+            axes[1].plot(*zip(*pts), marker="o", label=key)
+    axes[1].set_xlabel("step")
+    axes[1].set_title("evaluation")
+    if ev:
+        axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+
+
+class _Progress:
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled and total > 0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
+                            mininterval=0.5, smoothing=0.1)
+
+    def update(self, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, dict):
+        for v in batch.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                return int(v.shape[0])
+    return 0
+
+
+def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Train ``job`` to ``cfg.max_steps`` (or ``cfg.epochs``); returns the final eval metrics.
+
+    ``resume``: continue from ``checkpoints/last.pt`` when present. ``stop_after``: return after
+    this many optimizer steps in this call (a checkpoint is written), as an interruption would.
+    """
+    cfg = job.cfg
+    run_dir = job.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = run_dir / "checkpoints"
+    metrics_path = run_dir / "metrics.jsonl"
+    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    device = job.device
+    model = job.build_model().to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    bpe = job.batches_per_epoch() if params else 0
+    if params and bpe <= 0:
+        raise RuntimeError("no training batches: the training split is empty or smaller than one batch")
+    total = int(cfg.max_steps) if cfg.max_steps is not None else int(math.ceil(cfg.epochs * bpe))
+    if not params:
+        total = 0
+    warmup = int(round(cfg.warmup_frac * total))
+
+    opt = sched = scaler = None
+    if params:
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=tuple(cfg.betas),
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, warmup, cfg.min_lr_frac))
+    amp_on, amp_dtype, use_scaler = amp_settings(cfg.amp, device)
+    if use_scaler:
+        scaler = torch.amp.GradScaler(device.type)
+
+    step, epoch, pos = 0, 0, 0
+    last = ckpt_dir / "last.pt"
+    if resume and last.exists() and params:
+        ck = load_checkpoint(last)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        if scaler is not None and ck.get("scaler"):
+            scaler.load_state_dict(ck["scaler"])
+        step, epoch, pos = ck["step"], ck["epoch"], ck["batch_in_epoch"]
+        _set_rng_state(ck["rng"])
+        _truncate_metrics(metrics_path, step)
+        print(f"resumed from {last} at step {step} (epoch {epoch}, batch {pos})", file=sys.stderr)
+    elif not resume or not params:
+        metrics_path.unlink(missing_ok=True)
+
+    def checkpoint(path: Path) -> None:
+        save_checkpoint(path, {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict() if opt else None,
+            "scheduler": sched.state_dict() if sched else None,
+            "scaler": scaler.state_dict() if scaler else None,
+            "step": step, "epoch": epoch, "batch_in_epoch": pos,
+            "rng": _rng_state(), "config": cfg.model_dump(mode="json"),
+            "job": getattr(job, "NAME", type(job).__name__),
+        })
+
+    def log(row: dict) -> None:
+        with metrics_path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def run_eval(tag: str) -> dict:
+        model.eval()
+        with torch.no_grad():
+            res = job.evaluate(model, run_dir / "eval" / tag)
+        model.train()
+        log({"kind": "eval", "step": step, "epoch": epoch, **res})
+        plot_metrics(metrics_path, run_dir / "metrics.png")
+        return res
+
+    bar = _Progress(total, step, progress)
+    model.train()
+    t_last, n_samples, n_steps = time.perf_counter(), 0, 0
+    steps_this_call = 0
+    acc: dict[str, float] = {}
+    interrupted = False
+    while step < total and not interrupted:
+        it = job.batches(epoch, pos)
+        finished_epoch = True
+        for batch in it:
+            ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_on else contextlib.nullcontext()
+            with ctx:
+                loss, extras = job.loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            else:
+                loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            sched.step()
+            step += 1
+            pos += 1
+            steps_this_call += 1
+            n_steps += 1
+            n_samples += _batch_size(batch)
+            for k, v in {"loss": float(loss.detach()), "grad_norm": float(gn), **extras}.items():
+                acc[k] = acc.get(k, 0.0) + float(v)
+            bar.update({"loss": f"{float(loss.detach()):.4f}"})
+            if step % cfg.log_every == 0 or step == total:
+                dt = max(1e-9, time.perf_counter() - t_last)
+                row = {"kind": "train", "step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
+                       **{k: v / n_steps for k, v in acc.items()},
+                       "steps_per_s": n_steps / dt, "samples_per_s": n_samples / dt}
+                log(row)
+                acc, n_steps, n_samples, t_last = {}, 0, 0, time.perf_counter()
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                run_eval(f"step{step:06d}")
+            if step % cfg.ckpt_every == 0 and step < total:
+                checkpoint(last)
+            if step >= total:
+                finished_epoch = pos >= bpe
+                break
+            if stop_after is not None and steps_this_call >= stop_after:
+                interrupted = True
+                finished_epoch = False
+                break
+        if finished_epoch:
+            epoch += 1
+            pos = 0
+    bar.close()
+    if interrupted:
+        checkpoint(last)
+        plot_metrics(metrics_path, run_dir / "metrics.png")
+        return {"interrupted_at": step}
+    if params:
+        checkpoint(last)
+        checkpoint(ckpt_dir / "final.pt")
+    else:
+        save_checkpoint(ckpt_dir / "final.pt", {"model": model.state_dict(), "step": 0, "epoch": 0, "batch_in_epoch": 0,
+                                                 "config": cfg.model_dump(mode="json")})
+    res = run_eval("final")
+    (run_dir / "eval" / "final").mkdir(parents=True, exist_ok=True)
+    (run_dir / "eval" / "final" / "metrics.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def evaluate_checkpoint(job: Job, checkpoint: str | Path, out_dir: Path | None = None) -> dict:
+    model = job.build_model().to(job.device)
+    ck = load_checkpoint(checkpoint, map_location=job.device)
+    model.load_state_dict(ck["model"])
+    model.eval()
+    out = Path(out_dir) if out_dir else job.run_dir / "eval" / f"checkpoint-step{ck.get('step', 0):06d}"
+    with torch.no_grad():
+        res = job.evaluate(model, out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(res, indent=1))
+    return res

@@ -1,0 +1,25 @@
+"""Job registry: every module of train/jobs/ with ``NAME`` and ``make_job``.
+
+A job module exposes ``NAME`` (CLI name), ``Config`` (a :class:`train.config.TrainerConfig`,
+importable without torch, discovered by the manifest loader; manifest section
+``train.<NAME with underscores>``) and ``make_job(cfg, manifest, run_dir, device) ->
+train.loop.Job``."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+
+def registry() -> dict[str, ModuleType]:
+    import train.jobs as pkg
+
+    out: dict[str, ModuleType] = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"train.jobs.{info.name}")
+        if getattr(mod, "NAME", None) and hasattr(mod, "make_job"):
+            out[mod.NAME] = mod
+    return out
