@@ -12,56 +12,61 @@ recall@K = hits / |ground truth|, averaged over images that have ground truth. *
 expected recall of a uniformly random ranking of the same N = V (V - 1) C candidates,
 min(K, N) / N per image, averaged the same way.
 
-Split: an image is held out when ``hash(sample_id) mod 1000 < 1000 * val_fraction`` (stable
-across runs and shard layouts). The relation head's inputs are small (V x width per image), so
-the job holds them in memory.
+The relation head's inputs are small (V x width per image), so the job holds them in memory.
 
-The checkpoint (``torch.save`` dict) holds ``state_dict``, the head's ``config``, the
-``predicates`` vocabulary and the ``embedding`` settings of the artifact it was trained on (the
-stage refuses to use it on other embeddings), ``metrics`` and ``provenance``; point
-``models.relation_head`` at it and set ``stages.extract_visual_tokens.relations: learned``.
+Training runs in the shared loop (``train/loop.py``: AdamW, warmup + cosine, clipping,
+checkpoints and exact resume, metrics.jsonl). Split: the samples artifact's ``split`` column
+(``train_splits`` / ``eval_splits``); without one, ``val_fraction`` of the ids by hash.
 
-The shared trainer loop (``train/loop.py``) was not available when this job was written, so it
-carries a minimal loop of its own: AdamW, linear warmup + cosine decay, gradient clipping,
-metrics as JSON lines, evaluation every ``eval_every`` epochs, checkpoint at the end.
+After the final evaluation the job exports ``<run_dir>/relation_head.pt`` (``torch.save`` dict:
+``state_dict``, the head's ``config``, the ``predicates`` vocabulary and the ``embedding``
+settings of the artifact it was trained on -- the stage refuses it on other embeddings --,
+``metrics``, ``provenance``). Point ``models.relation_head`` at it and set
+``stages.extract_visual_tokens.relations: learned``::
+
+    pipeline run extract-visual-tokens -m manifests/demo.yaml      # demo: relations = annotations
+    train run relation-head -m manifests/demo.yaml
+    pipeline run extract-visual-tokens -m manifests/demo.yaml \
+        --set stages.extract_visual_tokens.relations=learned \
+        --set models.relation_head=runs/demo/train/relation-head/relation_head.pt
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
 from pydantic import Field
 
-from pipeline.config import Section
+from train.config import TrainerConfig
 
 NAME = "relation-head"
 READS = ["visual_tokens"]
 
 
-class Config(Section):
-    artifact: str = Field("visual_tokens", description="visual_tokens artifact (folder under the manifest's output, or a path)")
-    output: str | None = Field(None, description="checkpoint path; default <output>/train/relation-head/relation_head.pt")
-    epochs: int = Field(40, ge=1)
-    batch_size: int = Field(32, ge=1)
+class Config(TrainerConfig):
+    # loop options (train/config.py) with this job's defaults
+    epochs: float = Field(40.0, gt=0)
+    batch_size: int = Field(32, ge=2)
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(1e-4, ge=0)
-    warmup_steps: int = Field(20, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    warmup_frac: float = Field(0.05, ge=0, le=1)
+    threads: int | None = Field(1, ge=1, description="torch threads (1 is fastest for this small model on a shared CPU)")
+    # job options
+    artifact: str = Field("visual_tokens", description="visual_tokens artifact (folder under the manifest's output, or a path)")
+    samples_artifact: str = Field("samples", description="where the train/val/test split of each sample is read")
+    train_splits: list[str] = ["train"]
+    eval_splits: list[str] = ["val", "test"]
+    val_fraction: float = Field(0.2, ge=0, lt=1, description="held-out fraction by sample-id hash when the samples have no split")
     width: int = Field(256, ge=8, description="transformer width (RAM: 768, BERT; smaller here)")
     layers: int = Field(2, ge=1, description="transformer layers (RAM: 2)")
     heads: int = Field(4, ge=1)
     cls_dim: int = Field(64, ge=1, description="per-predicate bilinear width (RAM: 512)")
     use_boxes: bool = Field(True, description="append 8 normalised box numbers to each instance (not in RAM)")
     dropout: float = Field(0.1, ge=0, lt=1)
-    val_fraction: float = Field(0.2, ge=0, lt=1)
     recall_k: list[int] = Field(default_factory=lambda: [20, 50, 100])
-    eval_every: int = Field(10, ge=1)
-    seed: int = 0
-    threads: int = Field(1, ge=1, description="torch threads (1 is fastest for this small model on a shared CPU)")
 
 
 def _held_out(sample_id: int, frac: float) -> bool:
@@ -147,79 +152,34 @@ def evaluate_model(model, items, n_pred: int, d: int, ks: list[int], batch_size:
     return out
 
 
-def _artifact_dir(manifest, cfg: Config) -> Path:
-    p = Path(cfg.artifact)
-    return p if p.is_absolute() or p.exists() and (p / "_manifest.json").exists() else Path(manifest.output) / cfg.artifact
+def _artifact_dir(manifest, name: str) -> Path:
+    p = Path(name)
+    return p if p.is_absolute() else Path(manifest.output) / name
 
 
-def run(manifest, cfg: Config, log=print) -> dict:
-    """Train, evaluate on the held-out images, write the checkpoint; returns the metrics."""
+def _split(manifest, cfg: Config, sample_ids: list[int]) -> tuple[set[int], set[int]]:
+    """(train ids, held-out ids): the samples artifact's split column, else a stable id hash."""
+    import polars as pl
+
+    from pipeline.io.artifacts import Artifact, ArtifactMissing
+
+    try:
+        df = Artifact(_artifact_dir(manifest, cfg.samples_artifact)).scan("samples").select("sample_id", "split").collect()
+        split = dict(zip(df["sample_id"].to_list(), df["split"].to_list()))
+    except (ArtifactMissing, KeyError, pl.exceptions.PolarsError):
+        split = {}
+    if split and any(split.get(i) in cfg.eval_splits for i in sample_ids):
+        return {i for i in sample_ids if split.get(i) in cfg.train_splits}, {i for i in sample_ids if split.get(i) in cfg.eval_splits}
+    held = {i for i in sample_ids if _held_out(i, cfg.val_fraction)}
+    return set(sample_ids) - held, held
+
+
+def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_man: dict, art_dir: Path, cfg: Config, metrics: dict) -> None:
+    """The file ``models.relation_head`` points at (what the stage's ``learned`` backend loads)."""
     import torch
 
-    from pipeline.models.relations import build_relation_head
-
-    torch.set_num_threads(cfg.threads)
-    art_dir = _artifact_dir(manifest, cfg)
-    items, art_man = load_graphs(art_dir)
-    vocab = art_man.get("predicates")
-    if not vocab:
-        raise ValueError(f"{art_dir}: no predicate vocabulary in _manifest.json (not a visual_tokens artifact?)")
-    if art_man.get("parameters", {}).get("relations") != "annotations":
-        log(f"warning: {art_dir} was extracted with relations={art_man.get('parameters', {}).get('relations')!r}, not ground-truth annotations")
-    items = [it for it in items if len(it[1]) > 0]
-    if not items:
-        raise ValueError(f"{art_dir}: no image with instances")
-    d = items[0][1].shape[1]
-    train_items = [it for it in items if not _held_out(it[0], cfg.val_fraction)]
-    val_items = [it for it in items if _held_out(it[0], cfg.val_fraction)]
-    head_cfg = dict(in_dim=d, width=cfg.width, layers=cfg.layers, heads=cfg.heads, cls_dim=cfg.cls_dim,
-                    n_predicates=len(vocab), use_boxes=cfg.use_boxes, dropout=cfg.dropout)  # fmt: skip
-    torch.manual_seed(cfg.seed)
-    model = build_relation_head(**head_cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps_per_epoch = math.ceil(len(train_items) / cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
-
-    def lr_at(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        p = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    out_path = Path(cfg.output) if cfg.output else Path(manifest.output) / "train" / "relation-head" / "relation_head.pt"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    metrics_path = out_path.with_suffix(".metrics.jsonl")
-    rng = np.random.default_rng(cfg.seed)
-    t0 = time.perf_counter()
-    step = 0
-    with metrics_path.open("w") as mf:
-        for epoch in range(cfg.epochs):
-            model.train()
-            order = rng.permutation(len(train_items))
-            losses = []
-            for s in range(0, len(order), cfg.batch_size):
-                emb, box, pad, tgt = _collate([train_items[i] for i in order[s : s + cfg.batch_size]], len(vocab), d)
-                logits = model(emb, box, pad)
-                valid = torch.isfinite(logits)
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits[valid], tgt[valid])
-                opt.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                opt.step()
-                sched.step()
-                step += 1
-                losses.append(loss.item())
-            rec = {"epoch": epoch + 1, "step": step, "loss": float(np.mean(losses)), "lr": sched.get_last_lr()[0], "seconds": round(time.perf_counter() - t0, 2)}
-            if val_items and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs):
-                rec.update({f"val_{k}": v for k, v in evaluate_model(model, val_items, len(vocab), d, cfg.recall_k).items()})
-            mf.write(json.dumps(rec) + "\n")
-            mf.flush()
-    final = evaluate_model(model, val_items, len(vocab), d, cfg.recall_k) if val_items else {}
-    train_m = evaluate_model(model, train_items, len(vocab), d, cfg.recall_k)
-    metrics = {"val": final, "train": train_m, "train_images": len(train_items), "val_images": len(val_items), "seconds": round(time.perf_counter() - t0, 2)}
     ck = {
-        "state_dict": model.state_dict(),
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "config": head_cfg,
         "predicates": list(vocab),
         "embedding": art_man.get("embedding", {}),
@@ -231,25 +191,70 @@ def run(manifest, cfg: Config, log=print) -> dict:
             "job_config": cfg.model_dump(mode="json"),
         },
     }
-    tmp = out_path.with_suffix(".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
     torch.save(ck, tmp)
-    tmp.replace(out_path)
-    log(f"relation-head: checkpoint {out_path}; held-out {json.dumps(final)}")
-    return {"checkpoint": str(out_path), **metrics}
+    tmp.replace(path)
 
 
-def evaluate(manifest, cfg: Config, checkpoint: str, log=print) -> dict:
-    """Recall@K of a checkpoint on the held-out images of the configured artifact."""
+def make_job(cfg: Config, manifest, run_dir, device):
     import torch
 
-    from pipeline.models.relations import load_relation_checkpoint
+    from pipeline.models.relations import build_relation_head
+    from train.loop import Job
 
-    torch.set_num_threads(cfg.threads)
-    model, ck = load_relation_checkpoint(checkpoint)
-    items, art_man = load_graphs(_artifact_dir(manifest, cfg))
-    if list(art_man.get("predicates", [])) != list(ck["predicates"]):
-        raise ValueError("checkpoint and artifact use different predicate vocabularies")
-    val = [it for it in items if len(it[1]) and _held_out(it[0], cfg.val_fraction)]
-    m = evaluate_model(model, val, len(ck["predicates"]), ck["config"]["in_dim"], cfg.recall_k)
-    log(f"relation-head eval: {json.dumps(m)}")
-    return m
+    class RelationHeadJob(Job):
+        NAME = NAME
+
+        def __init__(self):
+            super().__init__(cfg, manifest, run_dir, device)
+            self.art_dir = _artifact_dir(manifest, cfg.artifact)
+            items, self.art_man = load_graphs(self.art_dir)
+            self.vocab = self.art_man.get("predicates")
+            if not self.vocab:
+                raise ValueError(f"{self.art_dir}: no predicate vocabulary in _manifest.json (not a visual_tokens artifact?)")
+            rel = self.art_man.get("parameters", {}).get("relations")
+            if rel != "annotations":
+                print(f"warning: {self.art_dir} was extracted with relations={rel!r}, not ground-truth annotations")
+            items = [it for it in items if len(it[1]) > 0]
+            if not items:
+                raise ValueError(f"{self.art_dir}: no image with instances")
+            self.d = items[0][1].shape[1]
+            tr, ev = _split(manifest, cfg, [it[0] for it in items])
+            self.train_items = [it for it in items if it[0] in tr]
+            self.eval_items = [it for it in items if it[0] in ev]
+            self.head_cfg = dict(in_dim=self.d, width=cfg.width, layers=cfg.layers, heads=cfg.heads, cls_dim=cfg.cls_dim,
+                                 n_predicates=len(self.vocab), use_boxes=cfg.use_boxes, dropout=cfg.dropout)  # fmt: skip
+            self.export_path = Path(run_dir) / "relation_head.pt"
+
+        def build_model(self):
+            return build_relation_head(**self.head_cfg)
+
+        def batches_per_epoch(self):
+            return math.ceil(len(self.train_items) / cfg.batch_size)
+
+        def batches(self, epoch, start):
+            order = np.random.default_rng([cfg.seed, epoch]).permutation(len(self.train_items))
+            for b in range(start, self.batches_per_epoch()):
+                chunk = [self.train_items[i] for i in order[b * cfg.batch_size : (b + 1) * cfg.batch_size]]
+                yield tuple(t.to(self.device) for t in _collate(chunk, len(self.vocab), self.d))
+
+        def loss(self, model, batch):
+            emb, box, pad, tgt = batch
+            logits = model(emb, box, pad)
+            valid = torch.isfinite(logits)
+            return torch.nn.functional.binary_cross_entropy_with_logits(logits[valid], tgt[valid]), {}
+
+        def evaluate(self, model, out_dir):
+            model = model.cpu()
+            res = {f"val_{k}": v for k, v in evaluate_model(model, self.eval_items, len(self.vocab), self.d, cfg.recall_k).items()}
+            res.update({f"train_{k}": v for k, v in evaluate_model(model, self.train_items, len(self.vocab), self.d, cfg.recall_k[:1]).items()})
+            model.to(self.device)
+            out_dir = Path(out_dir)
+            if out_dir.name == "final":  # the loop's final evaluation: export the trained model for the stage
+                export_checkpoint(self.export_path, model, self.head_cfg, self.vocab, self.art_man, self.art_dir, cfg, res)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "relation_head_metrics.json").write_text(json.dumps(res, indent=1))
+            return res
+
+    return RelationHeadJob()
