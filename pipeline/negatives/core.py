@@ -91,7 +91,7 @@ class CaptionResult:
     sample_id: int
     text: str
     words: list[Word]  # feature words (nouns and adjectives) that fit, in caption order
-    features: np.ndarray | None  # float32 [len(words), H]
+    features: np.ndarray  # float32 [len(words), H]
     nouns: list[NounResult]
     problems: list[tuple[str, str]] = field(default_factory=list)
 
@@ -263,9 +263,10 @@ class NegativeMiner:
         results: list[CaptionResult] = []
         for (cid, sid, text), words in zip(captions, tagged):
             fw = [w for w in words if w.pos in o.feature_pos and any(ch.isalnum() for ch in w.text)]
-            results.append(CaptionResult(int(cid), int(sid), text, fw, None, []))
+            results.append(CaptionResult(int(cid), int(sid), text, fw, np.zeros((0, self.we_model.config.hidden_size), np.float32), []))
         live = [r for r in results if r.words]
         if not live:
+            self._flag_nounless(results)
             return results
         enc = self._encode(self.tok, [r.text for r in live], o.max_tokens)
         we_enc = enc if self.shared else self._encode(self.we_tok, [r.text for r in live], o.max_tokens)
@@ -325,7 +326,7 @@ class NegativeMiner:
                 r.features = feats[f0 : f0 + len(r.words)]
                 f0 += len(r.words)
         for r in live:
-            if r.features is None:
+            if len(r.features) != len(r.words):  # positive_features off
                 r.features = np.zeros((len(r.words), self.we_model.config.hidden_size), np.float32)
         if not nouns:
             self._flag_nounless(results)
