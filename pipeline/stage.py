@@ -175,16 +175,18 @@ def run_units(
     pool_size: int | None = None,
     constructor_kwargs: dict | None = None,
     total_rows: int | None = None,
+    live: set[str] | None = None,
 ) -> list[dict]:
     """Run the pending units of ``writer``'s artifact and return all units' markers, in order.
 
     ``units`` holds ``(unit name, what the unit's output depends on, payload)``; the second item
-    is fingerprinted together with the stage's parameters, inputs and models.
+    is fingerprinted together with the stage's parameters, inputs and models. ``live`` names
+    further units of the same artifact that must survive pruning (a stage with several phases).
     """
     names = [u[0] for u in units]
     if len(set(names)) != len(names):
         raise StageError("duplicate unit names")
-    writer.prune(set(names))
+    writer.prune(set(names) | set(live or ()))
     pending, done = [], 0
     for name, unit_input, payload in units:
         fp = writer.unit_fingerprint(name, unit_input)

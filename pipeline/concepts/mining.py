@@ -498,3 +498,40 @@ def mine(sample_ids, texts, params: MiningParams = MiningParams(),
          "partners": pa.array([], pa.list_(pa.int64()))})
     vocab = vocab_table(idx, concepts["concept_id"].to_numpy())
     return concepts, vocab
+
+
+# ----------------------------------------------------------------------------------------------
+# persistence, so that Ray workers (possibly on other machines with shared storage) memory-map
+# the whole-dataset index instead of receiving it by value
+
+_LEVEL_ARRAYS = ("ids", "prank", "df", "stop", "post", "off", "rep")
+
+
+def save_index(idx: NgramIndex, folder) -> None:
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokens", "pos_sample", "sample_pos", "sample_ids"):
+        np.save(folder / f"{name}.npy", getattr(idx, name))
+    for lv in idx.levels:
+        for name in _LEVEL_ARRAYS:
+            np.save(folder / f"level{lv.n}_{name}.npy", getattr(lv, name))
+    (folder / "index.json").write_text(json.dumps({
+        "levels": [{"n": lv.n, "base": lv.base} for lv in idx.levels], "words": idx.words}))
+
+
+def load_index(folder, mmap: bool = True) -> NgramIndex:
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    meta = json.loads((folder / "index.json").read_text())
+    mode = "r" if mmap else None
+    arr = {name: np.load(folder / f"{name}.npy", mmap_mode=mode) for name in ("tokens", "pos_sample", "sample_pos", "sample_ids")}
+    idx = NgramIndex(meta["words"], **arr)
+    for lv in meta["levels"]:
+        a = {name: np.load(folder / f"level{lv['n']}_{name}.npy", mmap_mode=mode) for name in _LEVEL_ARRAYS}
+        idx.levels.append(Level(lv["n"], lv["base"], **a))
+    return idx
