@@ -1,0 +1,424 @@
+"""FAISS indexes over pooled CLIP embeddings and top-K cross-modal hard negatives -> `index`.
+
+Input: the ``images`` and ``captions`` tables of `clip_tokens` (pooled projected embeddings).
+Similarity is CLIP's global similarity, the cosine (vectors are L2-normalised, inner-product
+index). Index choice (``index: auto``): exact ``IndexFlatIP`` up to ``flat_max`` vectors
+(300,000: the issue's "a few hundred thousand"), ``IndexIVFFlat`` beyond, with ``nlist`` =
+4 sqrt(n) lists (FAISS's guideline is 4-16 sqrt(n); the low end keeps lists large so a small
+``nprobe`` reaches the 0.95 recall target) and ``nprobe`` = ``nprobe_fraction`` x nlist lists
+probed per query (default 1/100, 13 of 1265 lists at 100k vectors: recall@10 ~0.97 at ~7x the
+speed of flat on 100k clustered 512-d vectors, see BENCHMARKS.md for the trade-off). Overridable.
+
+Hard negatives (ConceptOT Alg. 2, lines 6: N_X(i) = TopK_{j != i} g_ij, N_I(i) = TopK_{j != i}
+g_ji): for every image the K most similar captions that are not its own, and for every caption
+the K most similar images other than its own. The paper mines K_h = 4 per batch; the artifact
+stores K = 32 (``k``) over the whole dataset so trainers can choose. Rows are sorted by
+decreasing similarity; slots without a candidate (only possible with IVF) hold id -1, score NaN.
+
+Artifact layout (``<output>/index/``)::
+
+    faiss/images.faiss, faiss/captions.faiss     FAISS indexes whose ids are sample_id / caption_id
+    faiss/images.npy, faiss/captions.npy          float32 [n, P] L2-normalised embeddings (query side)
+    faiss/images_ids.npy, faiss/captions_ids.npy  int64 ids in row order; captions_owner.npy: sample_id per caption
+    faiss/*_centroids.npy, faiss/*_assign.npy     IVF only: centroids and each row's list
+    image_negatives/*.parquet    sample_id int64, caption_ids list<int64>[K], scores list<float32>[K]
+    caption_negatives/*.parquet  caption_id int64, sample_id int64, image_ids list<int64>[K], scores list<float32>[K]
+
+Bulk search: flat indexes are searched with FAISS; IVF hard negatives use
+:func:`ivf_search_batched`, the same IVF search (same lists, same ``nprobe``) done list by list
+with BLAS over all queries at once (FAISS's per-query IVF scan is memory-bound; see there).
+The FAISS files are rebuilt only when the embeddings or index options change (``faiss/_build.json``
+holds their fingerprint); search runs in resumable units of ``query_chunk`` queries.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import Field
+
+from pipeline.io.atomic import atomic_path, fingerprint, sha256_file, write_json_atomic
+from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
+
+NAME = "build-index"
+READS = ["clip_tokens"]
+WRITES = ["index"]
+
+
+class Config(StageConfig):
+    k: int = Field(32, ge=1, description="hard negatives stored per image and per caption (ConceptOT mines K_h=4 of them)")
+    index: Literal["auto", "flat", "ivf"] = Field("auto", description="auto: flat up to flat_max vectors, IVF beyond")
+    flat_max: int = Field(300_000, ge=1, description="largest index built exact (flat) under index=auto")
+    nlist: int | None = Field(None, ge=1, description="IVF lists; default 4*sqrt(n), at most n/39 (FAISS training minimum)")
+    nprobe: int | None = Field(None, ge=1, description="IVF lists probed per query; default nprobe_fraction * nlist")
+    nprobe_fraction: float = Field(0.01, gt=0, le=1, description="default nprobe as a fraction of nlist (BENCHMARKS.md)")
+    kmeans_iters: int = Field(10, ge=1, description="IVF k-means iterations (FAISS default 25; 10 loses no recall here, 2.5x faster)")
+    normalize: bool = Field(True, description="L2-normalise embeddings (cosine similarity, CLIP's global score)")
+    query_chunk: int = Field(20_000, ge=1, description="queries per search unit (unit of resume)")
+    train_size: int = Field(64, ge=39, description="IVF k-means training points per list (sampled; FAISS warns below 39)")
+    seed: int = 0
+    threads: int = Field(1, ge=1, description="FAISS threads per search task")
+
+
+NEG_IMAGE_SCHEMA = pa.schema([("sample_id", pa.int64()), ("caption_ids", pa.list_(pa.int64())), ("scores", pa.list_(pa.float32()))])
+NEG_CAPTION_SCHEMA = pa.schema(
+    [("caption_id", pa.int64()), ("sample_id", pa.int64()), ("image_ids", pa.list_(pa.int64())), ("scores", pa.list_(pa.float32()))]
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# index building and search (pure functions, also used by tests and the benchmark)
+
+
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(n, 1e-12)
+
+
+def resolve_kind(n: int, kind: str, flat_max: int) -> str:
+    if kind == "auto":
+        return "flat" if n <= flat_max else "ivf"
+    return kind
+
+
+def default_nlist(n: int) -> int:
+    return int(max(1, min(round(4 * math.sqrt(n)), n // 39 if n >= 39 else 1)))
+
+
+def default_nprobe(nlist: int, fraction: float = 0.01) -> int:
+    return int(max(1, min(nlist, math.ceil(nlist * fraction))))
+
+
+def build_index(
+    x: np.ndarray,
+    ids: np.ndarray,
+    kind: str = "flat",
+    nlist: int | None = None,
+    nprobe: int | None = None,
+    nprobe_fraction: float = 0.01,
+    train_size: int = 64,
+    seed: int = 0,
+    kmeans_iters: int = 10,
+):
+    """Inner-product index over the rows of ``x`` (float32), returning ``ids`` on search."""
+    import faiss
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, d = x.shape
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if kind == "flat":
+        index = faiss.IndexIDMap2(faiss.IndexFlatIP(d))
+        index.add_with_ids(x, ids)
+        return index
+    if kind != "ivf":
+        raise ValueError(f"unknown index kind {kind!r}")
+    nlist = nlist or default_nlist(n)
+    quantizer = faiss.IndexFlatIP(d)
+    index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
+    rng = np.random.default_rng(seed)
+    m = min(n, train_size * nlist)
+    train = x[np.sort(rng.choice(n, m, replace=False))] if m < n else x
+    index.cp.seed = seed
+    index.cp.niter = kmeans_iters
+    index.train(train)
+    index.add_with_ids(x, ids)
+    index.nprobe = nprobe or default_nprobe(nlist, nprobe_fraction)
+    return index
+
+
+def search_excluding(index, queries: np.ndarray, k: int, result_owner: np.ndarray | None, query_owner: np.ndarray, max_excluded: int):
+    """Top-``k`` ids and scores per query, dropping results whose owner equals the query's owner.
+
+    ``result_owner(ids)`` is given as an array aligned with the sorted ids of the index: for the
+    caption index, the sample_id of each caption (``None``: a result's owner is its own id, the
+    image index). Searching ``k + max_excluded`` guarantees k survivors from an exact index."""
+    d_all, i_all = index.search(np.ascontiguousarray(queries, dtype=np.float32), k + max_excluded)
+    if result_owner is None:
+        owner = i_all
+    else:
+        ids_sorted, owners = result_owner
+        pos = np.searchsorted(ids_sorted, np.maximum(i_all, 0))
+        owner = owners[np.minimum(pos, len(owners) - 1)]
+    keep = (i_all >= 0) & (owner != query_owner[:, None])
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :k]
+    ids = np.take_along_axis(i_all, order, axis=1)
+    scores = np.take_along_axis(d_all, order, axis=1).astype(np.float32)
+    valid = np.take_along_axis(keep, order, axis=1)
+    ids = np.where(valid, ids, -1)
+    scores = np.where(valid, scores, np.nan).astype(np.float32)
+    return ids, scores
+
+
+def ivf_lists(index, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Centroids [nlist, d] of an IVF index and the list of every row of ``x`` (as FAISS assigns
+    them when adding: nearest centroid by the quantizer's metric)."""
+    import faiss
+
+    ivf = faiss.extract_index_ivf(index)
+    centroids = ivf.quantizer.reconstruct_n(0, ivf.nlist)
+    _, assign = ivf.quantizer.search(np.ascontiguousarray(x, dtype=np.float32), 1)
+    return centroids, assign[:, 0].astype(np.int64)
+
+
+def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, assign: np.ndarray, queries: np.ndarray, k: int, nprobe: int):
+    """The IVF search for a whole batch of queries, list by list with BLAS.
+
+    Same candidates as FAISS's ``IndexIVFFlat.search`` with the same ``nprobe`` (the ``nprobe``
+    nearest centroids' lists, exact inner products inside them), so the same top-k up to ties,
+    but each inverted list is scored against all queries probing it in one matrix product
+    instead of one query at a time: FAISS's per-query scan is memory-bound and on CPU barely
+    beats a BLAS flat search, which defeats the point of IVF for offline mining where all
+    queries are known up front. Returns (scores [q, k], ids [q, k]); -1 / -inf where fewer."""
+    x = np.asarray(x, dtype=np.float32)
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    nq, nlist = len(queries), len(centroids)
+    nprobe = min(nprobe, nlist)
+    cs = queries @ centroids.T
+    probe = np.argpartition(-cs, nprobe - 1, axis=1)[:, :nprobe] if nprobe < nlist else np.tile(np.arange(nlist), (nq, 1))
+    # inverted view: for each list, the queries probing it
+    flat_lists = probe.reshape(-1)
+    q_of = np.repeat(np.arange(nq), nprobe)
+    order = np.argsort(flat_lists, kind="stable")
+    q_sorted, l_sorted = q_of[order], flat_lists[order]
+    q_bounds = np.searchsorted(l_sorted, np.arange(nlist + 1))
+    # base rows grouped by list
+    rows = np.argsort(assign, kind="stable")
+    r_bounds = np.searchsorted(assign[rows], np.arange(nlist + 1))
+    cand_q, cand_s, cand_i = [], [], []
+    for lst in range(nlist):
+        qa, qb = q_bounds[lst], q_bounds[lst + 1]
+        ra, rb = r_bounds[lst], r_bounds[lst + 1]
+        if qa == qb or ra == rb:
+            continue
+        qi = q_sorted[qa:qb]
+        members = rows[ra:rb]
+        sc = queries[qi] @ x[members].T  # [q_l, n_l]
+        kk = min(k, sc.shape[1])
+        if kk < sc.shape[1]:
+            top = np.argpartition(-sc, kk - 1, axis=1)[:, :kk]
+            sc = np.take_along_axis(sc, top, axis=1)
+            mi = members[top]
+        else:
+            mi = np.broadcast_to(members, sc.shape)
+        cand_q.append(np.repeat(qi, kk))
+        cand_s.append(sc.reshape(-1))
+        cand_i.append(ids[mi].reshape(-1))
+    out_s = np.full((nq, k), -np.inf, np.float32)
+    out_i = np.full((nq, k), -1, np.int64)
+    if not cand_q:
+        return out_s, out_i
+    cq, cs_, ci = np.concatenate(cand_q), np.concatenate(cand_s), np.concatenate(cand_i)
+    o = np.lexsort((-cs_, cq))  # by query, then decreasing score
+    cq, cs_, ci = cq[o], cs_[o], ci[o]
+    starts = np.searchsorted(cq, np.arange(nq))
+    rank = np.arange(len(cq)) - starts[cq]
+    sel = rank < k
+    out_s[cq[sel], rank[sel]] = cs_[sel]
+    out_i[cq[sel], rank[sel]] = ci[sel]
+    return out_s, out_i
+
+
+def clustered_embeddings(n: int, d: int = 512, clusters: int = 1000, noise: float = 1.0, seed: int = 0) -> np.ndarray:
+    """L2-normalised Gaussian-mixture vectors shaped like CLIP embeddings (tests, benchmark):
+    a shared mean direction (the "cone": unrelated pairs have cosine ~0.3, not 0), clusters of
+    Dirichlet-distributed sizes, and anisotropic within-cluster noise (power-law spectrum in a
+    random basis). With noise=1.0 a point's nearest neighbour has cosine ~0.8."""
+    rng = np.random.default_rng(seed)
+    mean = rng.standard_normal(d)
+    mean /= np.linalg.norm(mean)
+    centers = rng.standard_normal((clusters, d)) / np.sqrt(d)
+    labels = rng.choice(clusters, n, p=rng.dirichlet(np.full(clusters, 0.5)))
+    spec = np.arange(1, d + 1) ** -0.5
+    spec /= np.sqrt((spec**2).sum())
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    eps = (rng.standard_normal((n, d)).astype(np.float32) * spec.astype(np.float32)) @ basis.astype(np.float32)
+    return l2_normalize(mean + centers[labels] + noise * eps)
+
+
+class BatchedIVF:
+    """Adapter giving :func:`ivf_search_batched` FAISS's ``search(q, k) -> (D, I)`` shape."""
+
+    def __init__(self, x, ids, centroids, assign, nprobe):
+        self.x, self.ids, self.centroids, self.assign, self.nprobe = x, ids, centroids, assign, nprobe
+
+    def search(self, queries, k):
+        return ivf_search_batched(self.x, self.ids, self.centroids, self.assign, queries, k, self.nprobe)
+
+
+# ---------------------------------------------------------------------------------------------
+# stage
+
+
+def _faiss_write(index, path) -> None:
+    import faiss
+
+    with atomic_path(path) as tmp:
+        faiss.write_index(index, str(tmp))
+
+
+def _npy_write(path, arr) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, arr, allow_pickle=False)
+
+
+def blas_threads(n: int):
+    """Limit BLAS threads (small matrix products thrash with several threads on a busy machine)."""
+    try:
+        from threadpoolctl import threadpool_limits
+
+        return threadpool_limits(n)
+    except ImportError:  # pragma: no cover
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def search_unit(payload: dict) -> dict:
+    """Ray task: hard negatives for queries [start, stop) of one side."""
+    with blas_threads(payload["threads"]):
+        return _search_unit(payload)
+
+
+def _search_unit(payload: dict) -> dict:
+    import faiss
+
+    faiss.omp_set_num_threads(payload["threads"])
+    w = unit_writer(payload)
+    root = os.path.join(payload["artifact_dir"], "faiss")
+    side, start, stop, k = payload["side"], payload["start"], payload["stop"], payload["k"]
+    other = "captions" if side == "images" else "images"
+    if payload["nprobe"]:  # IVF: batched list-by-list scan of the same inverted lists
+        index = BatchedIVF(
+            np.load(os.path.join(root, f"{other}.npy"), mmap_mode="r"),
+            np.load(os.path.join(root, f"{other}_ids.npy")),
+            np.load(os.path.join(root, f"{other}_centroids.npy")),
+            np.load(os.path.join(root, f"{other}_assign.npy")),
+            payload["nprobe"],
+        )
+    else:
+        index = faiss.read_index(os.path.join(root, f"{other}.faiss"))
+    q = np.load(os.path.join(root, f"{side}.npy"), mmap_mode="r")[start:stop]
+    qids = np.load(os.path.join(root, f"{side}_ids.npy"))[start:stop]
+    cap_ids = np.load(os.path.join(root, "captions_ids.npy"))
+    cap_owner = np.load(os.path.join(root, "captions_owner.npy"))
+    order = np.argsort(cap_ids, kind="stable")
+    if side == "images":
+        ids, scores = search_excluding(index, q, k, (cap_ids[order], cap_owner[order]), qids, payload["max_captions"])
+        table = pa.table(
+            {
+                "sample_id": pa.array(qids, pa.int64()),
+                "caption_ids": pa.array(list(ids), pa.list_(pa.int64())),
+                "scores": pa.array(list(scores), pa.list_(pa.float32())),
+            },
+            schema=NEG_IMAGE_SCHEMA,
+        )
+        w.write_table("image_negatives", table)
+    else:
+        owner = cap_owner[start:stop]
+        ids, scores = search_excluding(index, q, k, None, owner, 1)
+        table = pa.table(
+            {
+                "caption_id": pa.array(qids, pa.int64()),
+                "sample_id": pa.array(owner, pa.int64()),
+                "image_ids": pa.array(list(ids), pa.list_(pa.int64())),
+                "scores": pa.array(list(scores), pa.list_(pa.float32())),
+            },
+            schema=NEG_CAPTION_SCHEMA,
+        )
+        w.write_table("caption_negatives", table)
+    missing = int((ids < 0).sum())
+    res = w.commit({"rows": stop - start, "missing_slots": missing})
+    return {"unit": res.unit, "stats": res.stats}
+
+
+def _load_embeddings(ctx: RunContext, normalize: bool):
+    art = ctx.artifact("clip_tokens")
+    imgs = art.read("images", ["sample_id", "image_embed"])
+    caps = art.read("captions", ["caption_id", "sample_id", "text_embed"])
+    if imgs.num_rows == 0:
+        raise StageError("clip_tokens has no image embeddings")
+
+    def mat(col) -> np.ndarray:
+        col = col.combine_chunks()
+        d = col.type.list_size
+        return np.asarray(col.values.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(-1, d)
+
+    xi, xc = mat(imgs["image_embed"]), mat(caps["text_embed"])
+    if normalize:
+        xi, xc = l2_normalize(xi), l2_normalize(xc)
+    img_ids = imgs["sample_id"].to_numpy()
+    cap_ids = caps["caption_id"].to_numpy()
+    cap_owner = caps["sample_id"].to_numpy()
+    oi, oc = np.argsort(img_ids, kind="stable"), np.argsort(cap_ids, kind="stable")
+    return art, xi[oi], img_ids[oi], xc[oc], cap_ids[oc], cap_owner[oc]
+
+
+def run(ctx: RunContext, cfg: Config) -> dict:
+    import faiss
+
+    art, xi, img_ids, xc, cap_ids, cap_owner = _load_embeddings(ctx, cfg.normalize)
+    if len(cap_ids) == 0:
+        raise StageError("clip_tokens has no caption embeddings; hard negatives need captions")
+    params = cfg.model_dump(mode="json", exclude={"enabled", "threads"})
+    writer = ctx.writer("index", NAME, params, inputs={"clip_tokens": art.fingerprint})
+    root = writer.dir / "faiss"
+    build_fp = fingerprint(params, art.fingerprint)
+    info_path = root / "_build.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    sides = {"images": (xi, img_ids), "captions": (xc, cap_ids)}
+    files_ok = all((root / f"{s}.faiss").is_file() for s in sides)
+    if ctx.force or info.get("fingerprint") != build_fp or not files_ok:
+        faiss.omp_set_num_threads(max(1, os.cpu_count() or 1))
+        info = {"fingerprint": build_fp, "indexes": {}}
+        for side, (x, ids) in sides.items():
+            kind = resolve_kind(len(ids), cfg.index, cfg.flat_max)
+            index = build_index(x, ids, kind, cfg.nlist, cfg.nprobe, cfg.nprobe_fraction, cfg.train_size, cfg.seed, cfg.kmeans_iters)
+            _faiss_write(index, root / f"{side}.faiss")
+            _npy_write(root / f"{side}.npy", x)
+            _npy_write(root / f"{side}_ids.npy", ids)
+            entry = {"kind": kind, "n": int(len(ids)), "dim": int(x.shape[1])}
+            if kind == "ivf":
+                ivf = faiss.extract_index_ivf(index)
+                entry.update(nlist=int(ivf.nlist), nprobe=int(ivf.nprobe))
+                centroids, assign = ivf_lists(index, x)
+                _npy_write(root / f"{side}_centroids.npy", centroids)
+                _npy_write(root / f"{side}_assign.npy", assign)
+            info["indexes"][side] = entry
+        _npy_write(root / "captions_owner.npy", cap_owner)
+        for side in sides:
+            info["indexes"][side]["sha256"] = sha256_file(root / f"{side}.faiss")
+        write_json_atomic(info_path, info)
+    max_caps = int(np.bincount(np.searchsorted(img_ids, cap_owner), minlength=len(img_ids)).max()) if len(cap_owner) else 0
+    units = []
+    for side, (x, ids) in sides.items():
+        other = "captions" if side == "images" else "images"
+        for u, start in enumerate(range(0, len(ids), cfg.query_chunk)):
+            stop = min(len(ids), start + cfg.query_chunk)
+            payload = {
+                "side": side,
+                "start": start,
+                "stop": stop,
+                "k": cfg.k,
+                "nprobe": info["indexes"][other].get("nprobe", 0),
+                "max_captions": max_caps,
+                "threads": cfg.threads,
+            }
+            unit_input = [info["indexes"][other]["sha256"], info["indexes"][side]["sha256"], start, stop]
+            units.append((f"{side[:3]}-{u:05d}", unit_input, payload))
+    names = run_units(ctx, writer, units, search_unit, total_rows=len(img_ids) + len(cap_ids))
+    schema = {"image_negatives": str(NEG_IMAGE_SCHEMA), "caption_negatives": str(NEG_CAPTION_SCHEMA)}
+    m = writer.finalize(names, extra={"faiss": info["indexes"], "similarity": "cosine" if cfg.normalize else "inner product"}, schema=schema)
+    return {
+        "images": int(len(img_ids)),
+        "captions": int(len(cap_ids)),
+        "index": {s: e["kind"] for s, e in info["indexes"].items()},
+        "missing_slots": m["stats"].get("missing_slots", 0),
+        "path": str(writer.dir),
+    }
