@@ -20,7 +20,9 @@ Job interface (subclass :class:`Job`; see train/jobs/concept_ot.py for a complet
 (per step), global-norm gradient clipping, autocast (fp16 + GradScaler on CUDA when
 ``amp=auto``; bf16 on request), periodic checkpoints written atomically, resume with exact
 continuation (model, optimizer, scheduler, scaler, RNG states and the data position, i.e. epoch
-and batch index, are restored; ``metrics.jsonl`` lines past the checkpoint are dropped), metric
+and batch index, are restored; ``metrics.jsonl`` lines past the checkpoint are dropped; the loss
+curve is bit-identical when the CPU thread count is fixed, e.g. ``threads: 1``: multithreaded
+BLAS reductions are not bitwise reproducible from run to run, resumed or not), metric
 lines as JSON (``metrics.jsonl``) and a plot (``metrics.png``), periodic evaluation and a
 progress bar with steps/s and samples/s.
 
@@ -215,8 +217,16 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
     ckpt_dir = run_dir / "checkpoints"
     metrics_path = run_dir / "metrics.jsonl"
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
+    prev_threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after) -> dict:
     seed_everything(cfg.seed)
     device = job.device
     model = job.build_model().to(device)

@@ -138,6 +138,21 @@ class ConceptOTModel(nn.Module):
         return torch.zeros(0)
 
 
+def mine_pairs(g: torch.Tensor, K: int, bad: torch.Tensor):
+    """Hard negatives of Alg. 2 line 6 from global scores g [B, B] (g[i, j] = s_g(I_i, x_j)):
+    N_X(i) = top-K_h_{j != i} g[i, j] (captions), N_I(i) = top-K_h_{j != i} g[j, i] (images);
+    ``bad`` [B, B] marks excluded (i, j) (the diagonal, duplicate captions).
+    Returns (img_idx, txt_idx) of the B (1 + 2K) pairs [positives; (i, N_X(i)); (N_I(i), i)],
+    the negative indices [B, K] both ways and their global scores (-inf where excluded)."""
+    B = g.shape[0]
+    vx, neg_x = g.masked_fill(bad, float("-inf")).topk(K, dim=1)
+    vi, neg_i = g.t().masked_fill(bad, float("-inf")).topk(K, dim=1)
+    idx = torch.arange(B, device=g.device)
+    ii = torch.cat([idx, idx.repeat_interleave(K), neg_i.reshape(-1)])
+    tt = torch.cat([idx, neg_x.reshape(-1), idx.repeat_interleave(K)])
+    return ii, tt, neg_x, neg_i, vx, vi
+
+
 def _resolve(manifest, p: str) -> Path:
     q = Path(p)
     return q if q.is_absolute() else Path(manifest.output) / q
@@ -216,18 +231,11 @@ class ConceptOTJob(Job):
         logs = {"loss_global": float(l_global)}
         if cfg.variant == "global-only":
             return l_global, logs
-        # hard negatives (Alg. 2 line 6): top-K_h over j != i of g[i, j] and of g[j, i]
-        K = min(cfg.k_hard, B - 1)
         bad = torch.eye(B, dtype=torch.bool, device=dev)
         if cfg.exclude_duplicate_captions:
             bad = bad | ((te @ te.t()) > 1 - 1e-6)
-        gx = g.masked_fill(bad, float("-inf"))  # image i vs captions j
-        gi = g.t().masked_fill(bad, float("-inf"))  # caption i vs images j (g[j, i])
-        vx, neg_x = gx.topk(K, dim=1)
-        vi, neg_i = gi.topk(K, dim=1)
-        idx = torch.arange(B, device=dev)
-        ii = torch.cat([idx, idx.repeat_interleave(K), neg_i.reshape(-1)])
-        tt = torch.cat([idx, neg_x.reshape(-1), idx.repeat_interleave(K)])
+        ii, tt, neg_x, neg_i, vx, vi = mine_pairs(g, min(cfg.k_hard, B - 1), bad)
+        K = neg_x.shape[1]
         img = model.image_features(batch["patch_tokens"].to(dev))
         txt = model.text_features(batch["text_tokens"].to(dev), batch["text_mask"].to(dev))
         s = model.score_pairs(img, txt, ii, tt)
@@ -238,12 +246,13 @@ class ConceptOTJob(Job):
         l_i2x = F.cross_entropy(torch.cat([s_pos[:, None], s_x], 1) / cfg.tau_local, zero)
         l_x2i = F.cross_entropy(torch.cat([s_pos[:, None], s_i], 1) / cfg.tau_local, zero)
         loss = l_global + cfg.lambda_local * 0.5 * (l_i2x + l_x2i)
-        logs.update({"loss_i2x": float(l_i2x), "loss_x2i": float(l_x2i),
-                     "s_pos": float(s_pos.mean()), "s_neg": float(torch.cat([s_x, s_i], 1)[torch.isfinite(torch.cat([s_x, s_i], 1))].mean())})
+        negs = torch.cat([s_x, s_i], 1).detach()
+        logs.update({"loss_i2x": float(l_i2x.detach()), "loss_x2i": float(l_x2i.detach()),
+                     "s_pos": float(s_pos.detach().mean()), "s_neg": float(negs[torch.isfinite(negs)].mean())})
         if cfg.variant == "conceptot" and cfg.beta_div > 0:
             div = anchor_diversity(model.anchors)
             loss = loss + cfg.beta_div * div
-            logs["anchor_div"] = float(div)
+            logs["anchor_div"] = float(div.detach())
         return loss, logs
 
     # ------------------------------------------------------------------------------ evaluation
@@ -294,7 +303,10 @@ class ConceptOTJob(Job):
                     self._heatmaps(model, samples[: cfg.heatmaps], E, out_dir)
                 except Exception as e:  # visualisation must never fail an evaluation
                     res["heatmap_error"] = f"{type(e).__name__}: {e}"[:200]
-        res.update(self._sugarcrepe(model))
+        try:
+            res.update(self._sugarcrepe(model))
+        except (OSError, ValueError, RuntimeError) as e:  # e.g. the CLIP text tower cannot be loaded
+            res["sugarcrepe/error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         return res
 
     # SugarCrepe-format pairwise accuracy
