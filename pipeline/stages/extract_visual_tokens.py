@@ -171,7 +171,6 @@ class VisualTokenWorker:
         return out
 
     def __call__(self, payload: dict) -> dict:
-        from pipeline.masks import rle_encode
         from pipeline.visual_tokens.graph import build_graph
 
         c = self.cfg
@@ -194,39 +193,23 @@ class VisualTokenWorker:
                     r = kept[0]
                     w.error("segmentation_failed", f"{type(e).__name__}: {e}", sample_id=r["sample_id"], source_id=r["source_id"])
                     segs = []
-                preds = []
+                preds, ok_segs = [], []
                 for r, im, seg in segs:
-                    scores, st = self.predictor.predict(seg, image_size=im.shape[:2], relations=r.get("relations"))
+                    try:
+                        scores, st = self.predictor.predict(seg, image_size=im.shape[:2], relations=r.get("relations"))
+                    except Exception as e:
+                        w.error("relations_failed", f"{type(e).__name__}: {e}", sample_id=r["sample_id"], source_id=r["source_id"])
+                        continue
                     stats["unmapped_predicates"] += st.get("unmapped_predicates", 0)
                     preds.append(scores)
+                    ok_segs.append((r, im, seg))
+                segs = ok_segs
                 t1 = time.perf_counter()
                 t_model += t1 - t0
                 for (r, im, seg), scores in zip(segs, preds):
                     g = build_graph(seg.scores, scores, seg.boxes, threshold=c.relation_threshold, context=c.context_length, max_per_pair=c.max_predicates_per_pair)
                     k = g.keep
-                    fields = {
-                        "tangible.npy": seg.embeddings[k].astype(np.float16),
-                        "intangible.npy": self.pred_emb[g.predicates],
-                        "image_feature.npy": seg.image_feature.astype(np.float16),
-                        "boxes.npy": seg.boxes[k].astype(np.float32),
-                        "masks.json": [rle_encode(m) for m in seg.masks[k]],
-                        "triplets.npy": g.triplets.astype(np.int32),
-                        "triplet_scores.npy": g.triplet_scores.astype(np.float32),
-                        "knn.npy": g.knn.astype(np.int32),
-                        "ranks.npy": g.ranks,
-                        "meta.json": {
-                            "sample_id": int(r["sample_id"]),
-                            "source_id": r["source_id"],
-                            "height": int(im.shape[0]),
-                            "width": int(im.shape[1]),
-                            "instance_ids": [int(x) for x in seg.instance_ids[k]],
-                            "instance_scores": [round(float(x), 6) for x in seg.scores[k]],
-                            "categories": [seg.categories[i] for i in k] if seg.categories else [],
-                            "predicates": [self.vocab[p] for p in g.predicates],
-                            "predicate_ids": [int(p) for p in g.predicates],
-                            "n_candidates": int(len(seg.scores)),
-                        },
-                    }
+                    fields = sample_fields(r, im.shape[:2], seg, g, self.vocab, self.pred_emb)
                     sw.write(sample_key(r["sample_id"]), fields)
                     rows += 1
                     stats["instances"] += len(k)
@@ -238,6 +221,36 @@ class VisualTokenWorker:
         stats.update(rows=rows, rejected=len(w.errors), decode_s=round(t_dec, 4), model_s=round(t_model, 4), post_s=round(t_post, 4))
         res = w.commit(stats)
         return {"unit": res.unit, "stats": res.stats}
+
+
+def sample_fields(record: dict, image_hw: tuple[int, int], seg, g, vocab: list[str], pred_emb: np.ndarray) -> dict:
+    """The WebDataset fields of one sample (see the module docstring) from its segmentation and graph."""
+    from pipeline.masks import rle_encode
+
+    k = g.keep
+    return {
+        "tangible.npy": seg.embeddings[k].astype(np.float16),
+        "intangible.npy": pred_emb[g.predicates],
+        "image_feature.npy": seg.image_feature.astype(np.float16),
+        "boxes.npy": seg.boxes[k].astype(np.float32),
+        "masks.json": [rle_encode(m) for m in seg.masks[k]],
+        "triplets.npy": g.triplets.astype(np.int32),
+        "triplet_scores.npy": g.triplet_scores.astype(np.float32),
+        "knn.npy": g.knn.astype(np.int32),
+        "ranks.npy": g.ranks,
+        "meta.json": {
+            "sample_id": int(record["sample_id"]),
+            "source_id": record.get("source_id"),
+            "height": int(image_hw[0]),
+            "width": int(image_hw[1]),
+            "instance_ids": [int(x) for x in seg.instance_ids[k]],
+            "instance_scores": [round(float(x), 6) for x in seg.scores[k]],
+            "categories": [seg.categories[i] for i in k] if seg.categories else [],
+            "predicates": [vocab[p] for p in g.predicates],
+            "predicate_ids": [int(p) for p in g.predicates],
+            "n_candidates": int(len(seg.scores)),
+        },
+    }
 
 
 def embedding_info(cfg: Config, models: dict) -> dict:
