@@ -25,6 +25,22 @@ class Word:
     lemma: str
 
 
+def spacy_record(name: str = DEFAULT_SPACY) -> dict:
+    """Provenance of a spaCy pipeline from its package metadata (without loading it)."""
+    import spacy
+
+    import json
+
+    meta: dict = {}
+    try:
+        if spacy.util.is_package(name):
+            meta = json.loads((spacy.util.get_package_path(name) / "meta.json").read_text())
+    except Exception:
+        meta = {}
+    return model_record("spacy", name, random_weights=False, version=meta.get("version"),
+                        components=[c for c in meta.get("pipeline", []) if c in NEEDED] or None)
+
+
 class Tagger:
     def __init__(self, name: str = DEFAULT_SPACY, batch_size: int = 256):
         import spacy

@@ -273,9 +273,9 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         records["word_encoder"] = provenance(models.word_encoder, "word_encoder")
     else:
         records["word_encoder"] = dict(records["mlm"], role="word_encoder", shared_with="mlm")
-    from pipeline.models.spacy_tagger import Tagger
+    from pipeline.models.spacy_tagger import spacy_record
 
-    records["spacy"] = Tagger(models.spacy).record
+    records["spacy"] = spacy_record(models.spacy)
     vocab_path, vocab_fp = (None, None)
     if cfg.restrict_to_noun_vocab:
         vocab_path, vocab_fp = _noun_vocab(ctx, entries, samples.dir, cfg, models, out_dir)
