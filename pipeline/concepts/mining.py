@@ -18,6 +18,11 @@ Semantics (shared exactly with :mod:`pipeline.concepts.reference`):
   partner samples drawn uniformly without replacement from the other samples containing it (the
   first K1 hits of a randomly ordered scan, as in Algorithm 1).
 
+Output order and ids: rows per sample in mining order; ``partners`` ascending by sample id.
+``concept_id`` numbers every n-gram with df >= 2 by (n, then lexicographic order of its words),
+a definition that depends only on the dataset, not on chunking or workers; ``vocab`` lists the
+ids actually used.
+
 Exactness: n-grams are never hashed.  Level n keys are the exact pair (dense id of the (n-1)-gram
 prefix, last token id) packed into one int64 (asserted to fit), then renumbered densely among the
 n-grams with df >= 2.  So there are no collisions by construction.  Apriori pruning: an n-gram can

@@ -80,7 +80,11 @@ class Normalizer:
     def token_lists(self, texts: pl.Series) -> pl.Series:
         s = texts.cast(pl.String)
         if self.unicode_form:
-            s = s.str.normalize(self.unicode_form)
+            # ASCII text is invariant under every Unicode normal form: normalise only the others
+            non_ascii = s.str.contains(r"[^\x00-\x7F]")
+            if non_ascii.any():
+                s = pl.select(pl.when(pl.lit(non_ascii)).then(pl.lit(s).str.normalize(self.unicode_form))
+                              .otherwise(pl.lit(s))).to_series().alias(texts.name)
         if self.lowercase:
             s = s.str.to_lowercase()
         return s.str.extract_all(self.token_pattern)

@@ -182,33 +182,41 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     mine_fps = [writer.unit_fingerprint(n, [int(sample_ids[a]), int(sample_ids[b - 1]), b - a]) for n, (a, b) in zip(mine_names, ranges)]
     all_done = all(writer.is_done(n, fp) for n, fp in zip(mine_names, mine_fps))
     index_dir = writer.dir / "_index"
-    idx = None
 
-    def index():
-        nonlocal idx
-        if idx is None:
-            idx = M.prepare(caps["sample_id"].to_numpy(), caps["text"], mp, progress=lambda m: log.info("mine-concepts: %s", m))
-        return idx
+    def saved_index():
+        """The whole-dataset index, built once, saved for the workers and memory-mapped from disk
+        (the driver does not keep a second in-memory copy while the workers run)."""
+        if not (index_dir / "index.json").is_file():
+            shutil.rmtree(index_dir, ignore_errors=True)
+            built = M.prepare(caps["sample_id"].to_numpy(), caps["text"], mp,
+                              progress=lambda msg: log.info("mine-concepts: %s", msg))
+            shutil.rmtree(index_dir.with_name("_index.tmp"), ignore_errors=True)
+            M.save_index(built, index_dir.with_name("_index.tmp"))
+            del built
+            index_dir.with_name("_index.tmp").rename(index_dir)
+        return M.load_index(index_dir, mmap=True)
 
     # 1. mine sample ranges on Ray workers
     state = writer.dir / "_state"
     live = set(mine_names) | {VOCAB_UNIT, HARD_NEG_UNIT} | {p.stem for p in state.glob("emb-*.json")}
     if not all_done:
-        M.save_index(index(), index_dir)
+        shutil.rmtree(index_dir, ignore_errors=True)  # may be from other data or parameters
+        saved_index()
     payload = {"index_dir": str(index_dir), "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in mp.__dict__.items()}}
     units = [(n, [int(sample_ids[a]), int(sample_ids[b - 1]), b - a], dict(payload, range=[a, b])) for n, (a, b) in zip(mine_names, ranges)]
     run_units(ctx, writer, units, mine_unit, total_rows=len(sample_ids), live=live)
-    shutil.rmtree(index_dir, ignore_errors=True)
     concept_shas = [f["sha256"] for f in _unit_files(writer, mine_names)]
 
     # 2. vocabulary of the concepts used
     vocab_fp = writer.unit_fingerprint(VOCAB_UNIT, concept_shas)
     if not writer.is_done(VOCAB_UNIT, vocab_fp):
         cids = pl.scan_parquet([str(writer.dir / f["path"]) for f in _unit_files(writer, mine_names)]).select("concept_id").unique().collect()
-        vocab = M.vocab_table(index(), cids["concept_id"].to_numpy()).cast(VOCAB_SCHEMA)
+        vocab = M.vocab_table(saved_index(), cids["concept_id"].to_numpy()).cast(VOCAB_SCHEMA)
         w = writer.unit_writer(VOCAB_UNIT, vocab_fp)
         w.write_table("vocab", vocab)
         w.commit({"vocab": vocab.num_rows})
+    shutil.rmtree(index_dir, ignore_errors=True)
+    del caps
     names = mine_names + [VOCAB_UNIT]
     vocab_path = writer.dir / _unit_files(writer, [VOCAB_UNIT])[0]["path"]
 
