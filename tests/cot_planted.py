@@ -39,7 +39,7 @@ class Planted:
         self.Et = rng.normal(size=(len(words), d_t)) / np.sqrt(d_t)
         self.Ctx = rng.normal(size=(len(words), d_t)) / np.sqrt(d_t)  # contextual share
         self.Gv = rng.normal(size=(len(words), P)) / np.sqrt(P)
-        self.Gt = rng.normal(size=(len(words), P)) / np.sqrt(P)
+        self.Gt = self.Gv  # pooled embeddings share a joint space (as CLIP projections do)
         self.global_signal, self.noise = global_signal, noise
 
     def scene(self):
@@ -60,7 +60,11 @@ class Planted:
         return v.astype(np.float16), emb.astype(np.float16)
 
     def text(self, text: str):
-        """Tokens [M, d_t] and pooled embedding for a caption made of known words."""
+        """Tokens [M, d_t] and pooled embedding for a caption made of known words (the noise is
+        a function of the text, so encoding the same text twice gives the same arrays)."""
+        import zlib
+
+        rng = np.random.default_rng(zlib.crc32(text.encode()))
         ws = [w.strip(".,").lower() for w in text.split()]
         ws = [w for w in ws if w in self.word]
         toks = [self.Et[self.word["<bos>"]]]
@@ -70,10 +74,10 @@ class Planted:
                 t += 0.7 * self.Ctx[self.word[ws[j + 1]]]
             if w in SHAPES and j > 0 and ws[j - 1] in COLORS:
                 t += 0.7 * self.Ctx[self.word[ws[j - 1]]]
-            toks.append(t + 0.1 * self.rng.normal(size=self.d_t) / np.sqrt(self.d_t))
+            toks.append(t + 0.1 * rng.normal(size=self.d_t) / np.sqrt(self.d_t))
         toks.append(self.Et[self.word["<eos>"]])
         bag = sum(self.Gt[self.word[w]] for w in ws if w in COLORS or w in SHAPES)
-        emb = self.global_signal * bag + self.rng.normal(size=self.P) / np.sqrt(self.P)
+        emb = self.global_signal * bag + rng.normal(size=self.P) / np.sqrt(self.P)
         return np.stack(toks).astype(np.float16), emb.astype(np.float16)
 
     def caption(self, objs):
