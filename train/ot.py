@@ -418,6 +418,25 @@ def dense_score(plan: Tensor, sim: Tensor, tanh: bool = False) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def _grouped_left(W: Tensor, X: Tensor, index: Optional[Tensor]) -> Tensor:
+    """out[p] = W[p] @ X[index[p]] for W [P,r,n], X [G,n,d]; without index, a plain bmm."""
+    if index is None:
+        return torch.bmm(W, X)
+    P, r, n = W.shape
+    order = torch.argsort(index, stable=True)
+    counts = torch.bincount(index, minlength=X.shape[0]).tolist()
+    Ws = W[order]
+    outs, s = [], 0
+    for g, c in enumerate(counts):
+        if c:
+            outs.append((Ws[s:s + c].reshape(c * r, n) @ X[g]).reshape(c, r, -1))
+            s += c
+    out = torch.cat(outs)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(P, device=order.device)
+    return out[inv]
+
+
 @dataclass
 class LowRankUOT:
     """Implicit low-rank plan  Pi~ = diag(a) K_ZP (K_PP + lam I)^-1 K_PY diag(b).
@@ -467,12 +486,19 @@ class LowRankUOT:
             P = P * self.mask_t[:, None, :]
         return P
 
-    def score(self, Z: Tensor, Y: Tensor, tanh: bool = False) -> Tensor:
-        """Implicit Eq. 8: Tr(Z^T Pi~ Y) / 1^T Pi~ 1 without any N x M matrix. Z [B,N,d], Y [B,M,d]."""
+    def score(self, Z: Tensor, Y: Tensor, tanh: bool = False, img_index: Optional[Tensor] = None,
+              txt_index: Optional[Tensor] = None) -> Tensor:
+        """Implicit Eq. 8: Tr(Z^T Pi~ Y) / 1^T Pi~ 1 without any N x M matrix.
+
+        Z [B,N,d], Y [B,M,d] per pair; or, with ``img_index`` / ``txt_index`` (as passed to
+        :func:`uot_lowrank`), Z [Bi,N,d] per image and Y [Bt,M,d] per caption: the products are
+        then one GEMM per image / caption over all its pairs, without gathering Z and Y per pair."""
         a, b = self._ab()
-        A = torch.bmm((self.M1 * a[:, :, None]).transpose(1, 2), Z)  # [B,r,d] = M1^T diag(a) Z
-        Bm = torch.bmm(self.Kpy * b[:, None, :], Y)  # [B,r,d] = Kpy diag(b) Y
-        num = (A * Bm).sum(dim=(1, 2))
+        W = self.M1 * a[:, :, None]  # [B,N,r]: M1^T diag(a) Z = W^T Z
+        Vt = self.Kpy * b[:, None, :]  # [B,r,M]: Kpy diag(b) Y
+        A = _grouped_left(W.transpose(1, 2), Z, img_index)  # [B,r,d]
+        Bm = _grouped_left(Vt, Y, txt_index)  # [B,r,d]
+        num = torch.bmm(A.reshape(A.shape[0], 1, -1), Bm.reshape(Bm.shape[0], -1, 1)).reshape(-1)
         den = (torch.bmm(a[:, None, :], self.M1).squeeze(1) * torch.bmm(self.Kpy, b[:, :, None]).squeeze(-1)).sum(-1)
         # The Nystrom plan can have negative entries; keep the denominator away from 0 with its sign.
         tiny = 1e-12
