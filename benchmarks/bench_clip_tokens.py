@@ -12,7 +12,7 @@
    memory collated by the same function. Target: >= 80%. Files are in the page cache (just
    written): this measures decode + collate overhead, not disk bandwidth.
 
-torch uses 2 threads; the machine is shared, so each timing is the better of two runs.
+torch uses 1 thread; the machine is shared, so each timing is the better of two runs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # 2 threads oversubscribe the shared 2-core box (15x slower text encoding measured)
 
 CAPTIONS = [
     "a red cube to the left of a blue sphere",
@@ -63,7 +63,7 @@ def bench_stage(spec: str, records: list[dict], out: Path, batch_size: int) -> d
     from pipeline.stages import extract_clip_tokens as st
     from pipeline.stages._image_units import image_units
 
-    worker = st.ClipTokenWorker(spec, "cpu", 2, batch_size, 128, 48, False)
+    worker = st.ClipTokenWorker(spec, "cpu", 1, batch_size, 128, 48, False)
     best = None
     for rep in range(2):
         writer = ArtifactWriter(out / f"{spec}-{rep}", "clip_tokens", st.NAME, {}, models={"clip": worker.record})
