@@ -173,6 +173,9 @@ def main():
         return res.score(Zb[img], Yb[txt], tanh=True)
 
     with torch.no_grad():
+        t_sb = per_pair(lambda: uot_lowrank(Zi, Yi, anchors, mui, nui, EPS, TAU, TAU, L, img_index=img, txt_index=txt, **lr_kw))
+    rec("conceptot solver (batch)", t_sb, None)
+    with torch.no_grad():
         t_b = per_pair(lambda: lr_batch(Zi, Yi, anchors))
     rec("conceptot solver+score (batch)", t_b, per_pair(lambda: lr_batch(Zig, Yig, Pg).sum().backward()))
 

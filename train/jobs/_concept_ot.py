@@ -202,13 +202,28 @@ class ConceptOTJob(Job):
             b = ct_collate(samples, "random", rng)
             return {k: v for k, v in b.items()}
 
-        return ShardStream(self.shards, lambda p: read_shard(p, lazy=True), collate, cfg.batch_size,
+        return ShardStream(self.shards, lambda p: read_shard(p, lazy=True), collate, self.batch_size,
                            shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed, drop_last=True,
                            keep=self._keep_train)
 
     # ------------------------------------------------------------------------------- interface
     def build_model(self) -> nn.Module:
         return ConceptOTModel(self.cfg, self.d_v, self.d_t)
+
+    @property
+    def batch_size(self) -> int:
+        """cfg.batch_size, or the whole training split when it is smaller than one batch (the
+        demo's 64 images): a warning says so."""
+        if getattr(self, "_bs", None) is None:
+            self._bs = self.cfg.batch_size
+            n = sum(1 for p in self.shards for s in read_shard(p, fields=("caption_ids",)) if self._keep_train(s))
+            if 2 <= n < self.cfg.batch_size:
+                import sys
+
+                print(f"concept-ot: training split has {n} samples < batch_size {self.cfg.batch_size}; "
+                      f"using batches of {n}", file=sys.stderr)
+                self._bs = n
+        return self._bs
 
     def batches_per_epoch(self) -> int:
         if self._bpe is None:
