@@ -28,7 +28,7 @@ def setup_logging(output: Path | None = None, name: str = "pipeline", verbose: b
     handler.setFormatter(fmt)
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    for noisy in ("ray", "urllib3", "filelock", "httpx", "transformers", "PIL"):
+    for noisy in ("ray", "urllib3", "filelock", "httpx", "transformers", "PIL", "faiss", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if output is not None:
         (output / "_logs").mkdir(parents=True, exist_ok=True)
