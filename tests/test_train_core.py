@@ -226,3 +226,14 @@ def test_cli_run_eval_and_bad_manifest(planted, tmp_path):
     assert list((tmp_path / "cli" / "eval" / "final").glob("heatmap_*.png"))
     r = runner.invoke(app, ["run", "concept-ot", "--manifest", str(man), "--set", "train.concept_ot.varient=x"])
     assert r.exit_code == 2 and "varient" in r.output
+
+
+@pytest.mark.parametrize("variant", ["conceptot", "dense-uot"])
+def test_amp_bf16_step(planted, variant):
+    from train.loop import train
+
+    res = train(_job(planted, f"amp-{variant}", variant=variant, max_steps=2, amp="bf16", eval_max_images=4),
+                resume=False, progress=False)
+    rows = _train_rows(planted / f"amp-{variant}" / "metrics.jsonl")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert "rerank/avg_R@1" in res

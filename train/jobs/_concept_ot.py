@@ -87,6 +87,9 @@ class ConceptOTModel(nn.Module):
         if v == "global-only":
             return torch.zeros(ii.shape[0])
         with torch.autocast(ii.device.type, enabled=False):
+            # solvers and scores in float32 even under AMP (features may come out of autocast)
+            img = {k: (x.float() if x.is_floating_point() else x) for k, x in img.items()}
+            txt = {k: (x.float() if x.is_floating_point() else x) for k, x in txt.items()}
             mask = txt["mask"][tt]
             if v == "global-patch":
                 zbar = img["z"].mean(1)
