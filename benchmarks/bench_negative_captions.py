@@ -217,6 +217,9 @@ def main() -> int:
     n_nouns = neg.num_rows
     print(f"stage:  {wall:8.1f} s  {len(captions) / wall:7.2f} captions/s  ({n_nouns} nouns, "
           f"{stats.get('forward_batches')} forward batches, padding {stats.get('padded_tokens', 0) / max(stats.get('real_tokens', 1), 1) - 1:.1%})")
+    enc_s = stats.get("encoder_seconds", 0.0)
+    print(f"        inside the actors: encoder forwards {enc_s:.1f} s of {2 * wall:.1f} actor-seconds "
+          f"(wall x 2 actors): {enc_s / (2 * wall):.0%} of the stage's CPU time is the bare forward")
 
     torch.set_num_threads(2)
     bare, n_seq = bare_forward_seconds(captions, args.negatives, neg)

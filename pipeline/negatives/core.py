@@ -41,6 +41,7 @@ and at the nouns' positions, never over whole sequences.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,7 +134,9 @@ def gather_forward(encoder, seqs: list[list[int]], positions: list[list[int]], p
         for r, s in enumerate(idx):
             ids[r, : lens[s]] = seqs[s]
             att[r, : lens[s]] = 1
+        t0 = time.perf_counter()
         out = encoder(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(att)).last_hidden_state
+        t_enc = time.perf_counter() - t0
         rows = np.repeat(np.arange(len(idx)), counts[idx])
         cols = np.concatenate([positions[s] for s in idx])
         dest = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in idx])
@@ -144,6 +147,7 @@ def gather_forward(encoder, seqs: list[list[int]], positions: list[list[int]], p
             stats["forward_batches"] = stats.get("forward_batches", 0) + 1
             stats["padded_tokens"] = stats.get("padded_tokens", 0) + int(ids.size)
             stats["real_tokens"] = stats.get("real_tokens", 0) + int(att.sum())
+            stats["encoder_seconds"] = stats.get("encoder_seconds", 0.0) + t_enc
         i = j
     if hidden is None:
         hidden = torch.empty(0, 0)
