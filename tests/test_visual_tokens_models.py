@@ -168,3 +168,28 @@ def test_learned_relations_load_and_refuse_mismatch(tmp_path):
         LearnedRelations(vocab[:10], PredicateMapper(vocab[:10]), checkpoint=str(path), embedding_info=info)
     with pytest.raises(ValueError, match="embeddings"):
         LearnedRelations(vocab, mp, checkpoint=str(path), embedding_info=dict(info, embedding="mask_pool"))
+
+
+def test_batched_rle_equals_reference_encoder():
+    from pipeline.masks import rle_decode, rle_encode
+    from pipeline.visual_tokens.rle import rle_encode_many
+
+    rng = np.random.default_rng(0)
+    cases = [np.zeros((5, 7), bool), np.ones((5, 7), bool)]
+    for idx in [(0, 0), (-1, -1), (slice(None), 1), (-1, slice(None)), (0, slice(None))]:
+        m = np.zeros((6, 4), bool)
+        m[idx] = True
+        cases.append(m)
+    for _ in range(150):
+        h, w = rng.integers(1, 30, 2)
+        cases.append(rng.random((h, w)) < rng.random())
+    big = np.zeros((300, 400), bool)
+    big[10:290, 5:395] = rng.random((280, 390)) < 0.5  # long counts, many runs
+    cases.append(big)
+    for c in cases:
+        got = rle_encode_many(c[None])[0]
+        assert got == rle_encode(c)
+        np.testing.assert_array_equal(rle_decode(got), c)
+    stack = np.stack([c for c in cases if c.shape == (6, 4)])
+    assert rle_encode_many(stack) == [rle_encode(c) for c in stack]
+    assert rle_encode_many(np.zeros((0, 3, 3), bool)) == []

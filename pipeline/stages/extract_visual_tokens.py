@@ -225,7 +225,7 @@ class VisualTokenWorker:
 
 def sample_fields(record: dict, image_hw: tuple[int, int], seg, g, vocab: list[str], pred_emb: np.ndarray) -> dict:
     """The WebDataset fields of one sample (see the module docstring) from its segmentation and graph."""
-    from pipeline.masks import rle_encode
+    from pipeline.visual_tokens.rle import rle_encode_many
 
     k = g.keep
     return {
@@ -233,7 +233,7 @@ def sample_fields(record: dict, image_hw: tuple[int, int], seg, g, vocab: list[s
         "intangible.npy": pred_emb[g.predicates],
         "image_feature.npy": seg.image_feature.astype(np.float16),
         "boxes.npy": seg.boxes[k].astype(np.float32),
-        "masks.json": [rle_encode(m) for m in seg.masks[k]],
+        "masks.json": rle_encode_many(seg.masks[k]),
         "triplets.npy": g.triplets.astype(np.int32),
         "triplet_scores.npy": g.triplet_scores.astype(np.float32),
         "knn.npy": g.knn.astype(np.int32),
