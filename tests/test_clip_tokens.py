@@ -3,11 +3,8 @@ shapes/dtypes/masks, truncation to 48 tokens, errors, resume, and the batch load
 
 from __future__ import annotations
 
-import json
-import os
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
