@@ -3,7 +3,6 @@ shapes/dtypes/masks, truncation to 48 tokens, errors, resume, and the batch load
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
