@@ -21,6 +21,15 @@ from train.ot import (  # noqa: E402
 EPS, TV, TT, L = 0.07, 0.2, 0.2, 5
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensor programs: one thread is fastest and robust to a shared, oversubscribed CPU."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 def _pot_uot(C, mu, nu, eps, tv, tt, n_iter):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -310,7 +319,7 @@ def test_lowrank_converges_to_dense_as_rank_grows():
 
 def test_lowrank_img_index_equals_gather_and_grads():
     rng = np.random.default_rng(8)
-    B, N, M, d, r = 4, 12, 5, 6, 8
+    B, N, M, d, r = 4, 7, 4, 5, 6
     Z, Y, P, mu, nu = _lr_problem(rng, B, N, M, d, r)
     ii = torch.tensor([0, 0, 1, 3, 2, 1])
     tt = torch.tensor([0, 2, 1, 3, 3, 0])
