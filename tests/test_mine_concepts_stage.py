@@ -118,3 +118,15 @@ def test_stage_resume_force_and_readable_inspect(demo_run):
     text = describe(art, 3, lambda v, w: str(v)[:w])
     assert "sample " in text and "hard negatives:" in text
     assert any(len(line.split("'")) > 2 and " " in line.split("'")[1] for line in text.splitlines())  # multi-word concepts shown as text
+
+
+@pytest.mark.slow
+def test_hard_negatives_min_df(demo_run):
+    tmp, ov, _, _ = demo_run
+    m = make_manifest(tmp, ov + ["stages.mine_concepts.hard_negatives_min_df=3"])
+    run_stage("mine-concepts", RunContext(m))
+    art = Artifact(tmp / "run" / "concepts")
+    df = {v["concept_id"]: v["df"] for v in art.read("vocab").to_pylist()}
+    hn = art.read("hard_negatives").to_pylist()
+    assert [r["concept_id"] for r in hn] == [c for c, d in df.items() if d >= 3]
+    assert all(df[c] >= 3 for r in hn for c in r["negatives"])

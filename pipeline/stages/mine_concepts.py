@@ -64,6 +64,7 @@ class Config(StageConfig):
     hard_negatives_k: int = Field(10, ge=1, description="negatives kept per concept")
     hard_negatives_index: Literal["auto", "flat", "hnsw"] = Field("auto", description="FAISS index: flat (exact), hnsw (approximate), auto = flat up to hard_negatives_flat_max concepts")
     hard_negatives_flat_max: int = Field(200_000, ge=1)
+    hard_negatives_min_df: int = Field(2, ge=2, description="only concepts with at least this df get (and serve as) hard negatives; 2 = all. Bounds the encoder pass on very large vocabularies")
     text_encoder: str | None = Field(None, description="encoder of the concept texts; null: models.text_encoder (default the packaged MiniLM)")
     encode_batch: int = Field(256, ge=1)
     encode_unit: int = Field(100_000, ge=1, description="concepts per embedding unit (Ray actor work item)")
@@ -120,7 +121,7 @@ class EmbedWorker:
         import pyarrow.parquet as pq
 
         a, b = payload["range"]
-        vocab = pq.read_table(payload["vocab_path"], columns=["concept_id", "text"]).slice(a, b - a)
+        vocab = _hn_vocab(payload["vocab_path"], payload["min_df"]).slice(a, b - a)
         emb = self.enc.encode(vocab.column("text").to_pylist(), batch_size=self.batch).astype(np.float16)
         table = pa.table({"concept_id": vocab.column("concept_id"),
                           "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1])})
@@ -128,6 +129,15 @@ class EmbedWorker:
         w.write_table("embeddings", table)
         res = w.commit({"rows": len(emb)})
         return {"unit": res.unit, "stats": res.stats}
+
+
+def _hn_vocab(vocab_path, min_df: int) -> pa.Table:
+    """The vocabulary rows that take part in hard-negative mining (concept_id order)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(vocab_path, columns=["concept_id", "text", "df"])
+    return t.filter(pc.greater_equal(t["df"], min_df)) if min_df > 2 else t
 
 
 def read_embeddings(paths) -> np.ndarray:
@@ -225,13 +235,14 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     if cfg.hard_negatives:
         import pyarrow.parquet as pq
 
-        vocab = pq.read_table(vocab_path)
+        vocab = _hn_vocab(vocab_path, cfg.hard_negatives_min_df)
         U = vocab.num_rows
         vsha = _unit_files(writer, [VOCAB_UNIT])[0]["sha256"]
         emb_units = []
         for i, a in enumerate(range(0, max(U, 1), cfg.encode_unit)):
             b = min(U, a + cfg.encode_unit)
-            emb_units.append((f"emb-{i:05d}", [vsha, a, b], {"vocab_path": str(vocab_path), "range": [a, b]}))
+            emb_units.append((f"emb-{i:05d}", [vsha, a, b, cfg.hard_negatives_min_df],
+                              {"vocab_path": str(vocab_path), "range": [a, b], "min_df": cfg.hard_negatives_min_df}))
         emb_names = [u[0] for u in emb_units]
         live |= set(emb_names)
         run_units(ctx, writer, emb_units, EmbedWorker, actor=True, num_cpus=cfg.torch_threads,
