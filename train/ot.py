@@ -61,6 +61,12 @@ __all__ = [
 _NEG = -1e4
 
 
+def _mv(A: Tensor, x: Tensor) -> Tensor:
+    """Batched mat-vec A [B,n,m] @ x [B,m] -> [B,n], written as the row-vector product
+    x^T A^T: on CPU (MKL) the [B,1,m] x [B,m,n] form is ~6x faster than [B,n,m] x [B,m,1]."""
+    return torch.bmm(x.unsqueeze(1), A.transpose(1, 2)).squeeze(1)
+
+
 def _flatten(C: Tensor, mu: Tensor, nu: Tensor, mask_v, mask_t):
     lead = C.shape[:-2]
     N, M = C.shape[-2:]
@@ -128,7 +134,7 @@ def _dense_solve(C, lmu, lnu, mask_v, mask_t, eps, av, at, n_iter, method):
         def half(Kmat, logKmat, lx, lm, fe_side, alpha, mask):
             # log (K x)_i relative to the stabilised kernel, then the damped update.
             c = lx.amax(dim=1, keepdim=True)
-            s = torch.bmm(Kmat, torch.exp(lx - c).unsqueeze(-1)).squeeze(-1)
+            s = _mv(Kmat, torch.exp(lx - c))
             if mask is not None:  # padded rows are exactly 0: keep them out of log / the check
                 s = torch.where(mask, s, torch.ones_like(s))
             if bool((s < tiny).any()):
@@ -171,6 +177,14 @@ def _chunks(B: int, chunk: Optional[int]):
     return [(i, min(i + chunk, B)) for i in range(0, B, chunk)]
 
 
+def _split(x: Optional[Tensor], chunk: int):
+    """Chunks of x along dim 0 as ONE split op: autograd then concatenates the chunk gradients
+    once, instead of materialising a full-size zero gradient per sliced chunk."""
+    if x is None:
+        return None
+    return x.split(chunk)
+
+
 def _default_chunk(N: int, M: int) -> int:
     # keep one chunk's kernel around 1 MiB (fits the per-core L2 cache; measured best on CPU)
     return max(1, (1 << 20) // (4 * N * M))
@@ -206,10 +220,11 @@ def uot_dense(
     lmu = _log_mass(mu, mask_v)
     lnu = _log_mass(nu, mask_t)
     plans, las, lbs = [], [], []
-    for s, e in _chunks(B, chunk if chunk is not None else _default_chunk(N, M)):
-        mv = mask_v[s:e] if mask_v is not None else None
-        mt = mask_t[s:e] if mask_t is not None else None
-        lu, lv, K, valid, fe, ge = _dense_solve(C[s:e], lmu[s:e], lnu[s:e], mv, mt, eps, av, at, n_iter, method)
+    ch = chunk if chunk is not None else _default_chunk(N, M)
+    parts = [_split(x, ch) for x in (C, lmu, lnu, mask_v, mask_t)]
+    for k in range(len(parts[0])):
+        Ck, lmk, lnk, mv, mt = (p[k] if p is not None else None for p in parts)
+        lu, lv, K, valid, fe, ge = _dense_solve(Ck, lmk, lnk, mv, mt, eps, av, at, n_iter, method)
         plans.append(torch.exp(lu)[:, :, None] * K * torch.exp(lv)[:, None, :])
         if return_potentials:
             las.append(lu + fe)
@@ -257,7 +272,7 @@ class _DenseScoreFn(torch.autograd.Function):
         for _ in range(int(n_iter)):
             c = lv.amax(dim=1, keepdim=True)
             x = torch.exp(lv - c)
-            sv = torch.bmm(K, x[:, :, None]).squeeze(-1)
+            sv = _mv(K, x)
             if mask_v is not None:
                 sv = torch.where(mask_v, sv, torch.ones_like(sv))
             if bool((sv < tiny).any()):
@@ -267,7 +282,7 @@ class _DenseScoreFn(torch.autograd.Function):
                 lu = lu.masked_fill(~mask_v, _NEG)
             c2 = lu.amax(dim=1, keepdim=True)
             y = torch.exp(lu - c2)
-            t = torch.bmm(KT, y[:, :, None]).squeeze(-1)
+            t = _mv(KT, y)
             if mask_t is not None:
                 t = torch.where(mask_t, t, torch.ones_like(t))
             if bool((t < tiny).any()):
@@ -286,8 +301,8 @@ class _DenseScoreFn(torch.autograd.Function):
             v = v * mask_t
         Sx = (1.0 - C) if S is None else S
         KS = K * Sx
-        KSv = torch.bmm(KS, v[:, :, None]).squeeze(-1)
-        Kv = torch.bmm(K, v[:, :, None]).squeeze(-1)
+        KSv = _mv(KS, v)
+        Kv = _mv(K, v)
         num = (u * KSv).sum(-1)
         den = (u * Kv).sum(-1).clamp_min(torch.finfo(C.dtype).tiny)
         ctx.save_for_backward(C, S, K, KS, u, v, KSv, Kv, num, den,
@@ -320,7 +335,7 @@ class _DenseScoreFn(torch.autograd.Function):
             dlnu = dlnu + at * glv
             dt = -at * glv / t
             A_cols.append(y); B_rows.append(dt)
-            dy = torch.bmm(K, dt[:, :, None]).squeeze(-1)
+            dy = _mv(K, dt)
             glu = glu + dy * y
             if mask_v is not None:
                 glu = glu * mask_v
@@ -375,24 +390,24 @@ def uot_dense_score(
     lmu = _log_mass(mu, mask_v)
     lnu = _log_mass(nu, mask_t)
     out = []
-    for s, e in _chunks(B, chunk if chunk is not None else _default_chunk(N, M)):
-        mv = mask_v[s:e] if mask_v is not None else None
-        mt = mask_t[s:e] if mask_t is not None else None
-        S = sim[s:e] if sim is not None else None
+    ch = chunk if chunk is not None else _default_chunk(N, M)
+    parts = [_split(x, ch) for x in (C, lmu, lnu, sim, mask_v, mask_t)]
+    for k in range(len(parts[0])):
+        Ck, lmk, lnk, S, mv, mt = (p[k] if p is not None else None for p in parts)
         if method == "fused":
             try:
-                out.append(_DenseScoreFn.apply(C[s:e], lmu[s:e], lnu[s:e], S, mv, mt, eps, av, at, int(n_iter)))
+                out.append(_DenseScoreFn.apply(Ck, lmk, lnk, S, mv, mt, eps, av, at, int(n_iter)))
                 continue
             except _Fallback:
                 pass
         m = "log" if method == "log" else "scaling"
-        lu, lv, K, valid, fe, ge = _dense_solve(C[s:e], lmu[s:e], lnu[s:e], mv, mt, eps, av, at, n_iter, m)
+        lu, lv, K, valid, fe, ge = _dense_solve(Ck, lmk, lnk, mv, mt, eps, av, at, n_iter, m)
         # common per-problem factors cancel in the ratio: shift both scalings to max 0
         u = torch.exp(lu - lu.amax(dim=1, keepdim=True))
         v = torch.exp(lv - lv.amax(dim=1, keepdim=True))
         Ku = torch.bmm(u[:, None, :], K).squeeze(1)  # [b, M] = K^T u
         den = (Ku * v).sum(-1)
-        Sx = (1.0 - C[s:e]) if S is None else S
+        Sx = (1.0 - Ck) if S is None else S
         num = (torch.bmm(u[:, None, :], K * Sx).squeeze(1) * v).sum(-1)
         out.append(num / den.clamp_min(torch.finfo(den.dtype).tiny))
     sc = torch.cat(out).reshape(lead)
@@ -499,7 +514,7 @@ class LowRankUOT:
         A = _grouped_left(W.transpose(1, 2), Z, img_index)  # [B,r,d]
         Bm = _grouped_left(Vt, Y, txt_index)  # [B,r,d]
         num = torch.bmm(A.reshape(A.shape[0], 1, -1), Bm.reshape(Bm.shape[0], -1, 1)).reshape(-1)
-        den = (torch.bmm(a[:, None, :], self.M1).squeeze(1) * torch.bmm(self.Kpy, b[:, :, None]).squeeze(-1)).sum(-1)
+        den = (torch.bmm(a[:, None, :], self.M1).squeeze(1) * _mv(self.Kpy, b)).sum(-1)
         # The Nystrom plan can have negative entries; keep the denominator away from 0 with its sign.
         tiny = 1e-12
         den = torch.where(den.abs() < tiny, torch.full_like(den, tiny), den)
@@ -515,8 +530,8 @@ class LowRankUOT:
             ea = ea * self.mask_v
         if self.mask_t is not None:
             eb = eb * self.mask_t
-        q = torch.bmm(self.Kpy, (eb * token_weights)[:, :, None])
-        return ea * torch.bmm(self.M1, q).squeeze(-1)
+        q = _mv(self.Kpy, eb * token_weights)
+        return ea * _mv(self.M1, q)
 
 
 def _normalize(x: Tensor) -> Tensor:
@@ -646,8 +661,7 @@ def uot_lowrank(
         # log( first @ (second_T @ exp(v_log)) ) with a max shift; floored (Nystrom may be <= 0)
         c = v_log.amax(dim=1, keepdim=True)
         ev = torch.exp(v_log - c)
-        inner = torch.bmm(second_T, ev[:, :, None])  # [B,r,1]
-        q = torch.bmm(first, inner).squeeze(-1)
+        q = _mv(first, _mv(second_T, ev))
         q = q.clamp_min(q_floor * q.detach().abs().amax(dim=1, keepdim=True).clamp_min(1e-30))
         return c + torch.log(q)
 
