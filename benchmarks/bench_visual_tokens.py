@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=4)
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--points", type=int, default=8, help="points per side of the AMG grid (SAM default 32)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no oversubscription on a shared CPU)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4, help="images per encoder call")
     args = ap.parse_args()
