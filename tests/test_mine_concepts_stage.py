@@ -66,6 +66,16 @@ def test_stage_equals_in_process_miner_and_brute_force(demo_run):
     got = art.read("concepts")
     assert art.manifest["units"] > 3  # several units, run by 2 Ray workers
     assert got.to_pylist() == concepts.to_pylist()
+    # and the brute-force reference, on every sample of the generated (synthetic scene) dataset
+    from pipeline.concepts.reference import mine_reference
+    from tests.test_concepts_mining import check_properties
+
+    samples = [(int(sid), list(g["text"])) for (sid,), g in caps.group_by("sample_id", maintain_order=True)]
+    rows, ref_vocab = mine_reference(samples, M.MiningParams())
+    assert list(zip(got["sample_id"].to_pylist(), got["concept_id"].to_pylist(), got["partners"].to_pylist())) == \
+        [(s_, c_, list(p_)) for s_, c_, p_ in rows]
+    assert {r["concept_id"]: (r["text"], r["n"], r["df"]) for r in art.read("vocab").to_pylist()} == ref_vocab
+    check_properties(samples, got, art.read("vocab"), M.MiningParams())
     assert art.read("vocab").to_pylist() == vocab.to_pylist()
     assert summary["concept_rows"] == concepts.num_rows > 100
     # random-weight provenance is recorded
