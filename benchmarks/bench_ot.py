@@ -178,7 +178,7 @@ def main():
 
     def lr_batch(Zb, Yb, Pb):
         res = uot_lowrank(Zb, Yb, Pb, mui, nui, EPS, TAU, TAU, L, img_index=img, txt_index=txt, **lr_kw)
-        return res.score(Zb[img], Yb[txt], tanh=True)
+        return res.score(Zb, Yb, tanh=True, img_index=img, txt_index=txt)
 
     with torch.no_grad():
         t_sb = per_pair(lambda: uot_lowrank(Zi, Yi, anchors, mui, nui, EPS, TAU, TAU, L, img_index=img, txt_index=txt, **lr_kw))

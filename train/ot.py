@@ -440,12 +440,11 @@ def _grouped_left(W: Tensor, X: Tensor, index: Optional[Tensor]) -> Tensor:
     P, r, n = W.shape
     order = torch.argsort(index, stable=True)
     counts = torch.bincount(index, minlength=X.shape[0]).tolist()
-    Ws = W[order]
-    outs, s = [], 0
-    for g, c in enumerate(counts):
-        if c:
-            outs.append((Ws[s:s + c].reshape(c * r, n) @ X[g]).reshape(c, r, -1))
-            s += c
+    # one split / unbind each (not per-group slicing: autograd would build a full-size zero
+    # gradient per slice)
+    Wg = W[order].split(counts)
+    Xg = X.unbind(0)
+    outs = [(Wg[g].reshape(c * r, n) @ Xg[g]).reshape(c, r, -1) for g, c in enumerate(counts) if c]
     out = torch.cat(outs)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(P, device=order.device)

@@ -99,7 +99,7 @@ class ConceptOTModel(nn.Module):
                 res = uot_lowrank(img["z"], txt["y"], self.anchors, img["mu"], txt["nu"], cfg.eps, cfg.tau_v, cfg.tau_t,
                                   cfg.n_iter, mask_t=txt["mask"], img_index=ii, txt_index=tt, kpp_reg=cfg.kpp_reg,
                                   center=cfg.lr_center, clamp=cfg.lr_clamp)
-                return res.score(img["z"][ii], txt["y"][tt], tanh=cfg.score_tanh)
+                return res.score(img["z"], txt["y"], tanh=cfg.score_tanh, img_index=ii, txt_index=tt)
             if v == "text-attn":
                 logits = torch.bmm(txt["q"][tt], img["k"][ii].transpose(1, 2)) / math.sqrt(cfg.d_c)  # [P,M,N]
                 att = torch.softmax(logits, dim=-1)
