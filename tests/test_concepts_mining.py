@@ -78,7 +78,7 @@ def check_properties(samples, concepts: pa.Table, vocab: pa.Table, params: M.Min
         if params.subset_size is None:
             assert len(partners) == min(params.k1, holders - 1)
         if params.skip_stopword_only:
-            assert not all(w in stops for w in g)
+            assert not all(w.lower() in stops for w in g)
         per_sample[sid].append(g)
     for sid, gs in per_sample.items():
         assert len(gs) <= params.k2

@@ -192,7 +192,7 @@ def build_index(
     tok_per_sample = np.bincount(cap_sample, weights=cap_len, minlength=S).astype(np.int64)
     sample_pos = np.concatenate([[0], np.cumsum(tok_per_sample)]).astype(np.int64)
     stops = stopword_set(params.stopwords) if params.skip_stopword_only else frozenset()
-    is_stop_tok = np.fromiter((w in stops for w in tok.words), dtype=bool, count=len(tok.words))
+    is_stop_tok = np.fromiter((w.lower() in stops for w in tok.words), dtype=bool, count=len(tok.words))
 
     idx = NgramIndex(tok.words, tokens, pos_sample, sample_pos, np.asarray(sample_ids, np.int64))
     base = 0

@@ -46,7 +46,8 @@ NLTK_ENGLISH_STOPWORDS = frozenset(
 
 
 def stopword_set(spec: str | Sequence[str] | None) -> frozenset[str]:
-    """``"nltk"`` (default), ``"spacy"`` (spaCy's English list), ``"none"``/None, or a word list."""
+    """``"nltk"`` (default), ``"spacy"`` (spaCy's English list), ``"none"``/None, or a word list.
+    Lower-case words; tokens are compared lower-cased (so ``lowercase=False`` still finds "The")."""
     if spec is None or (isinstance(spec, str) and spec.lower() == "none"):
         return frozenset()
     if isinstance(spec, str):
@@ -57,7 +58,7 @@ def stopword_set(spec: str | Sequence[str] | None) -> frozenset[str]:
 
             return frozenset(w.lower() for w in STOP_WORDS)
         raise ValueError(f"stopwords: expected 'nltk', 'spacy', 'none' or a list of words, got {spec!r}")
-    return frozenset(str(w) for w in spec)
+    return frozenset(str(w).lower() for w in spec)
 
 
 @dataclass(frozen=True)

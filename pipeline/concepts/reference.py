@@ -92,7 +92,7 @@ def mine_reference(samples: Iterable[tuple[int, Sequence[str]]], params: MiningP
             holders = index[g]
             if len(holders) < 2:
                 continue  # no other sample contains it
-            if params.skip_stopword_only and all(w in stops for w in g):
+            if params.skip_stopword_only and all(w.lower() in stops for w in g):
                 continue
             if params.coverage == "contained" and any(len(c) > len(g) and _contains(c, g) for c in accepted):
                 continue  # covered by a longer accepted concept
