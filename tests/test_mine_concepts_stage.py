@@ -140,3 +140,19 @@ def test_hard_negatives_min_df(demo_run):
     hn = art.read("hard_negatives").to_pylist()
     assert [r["concept_id"] for r in hn] == [c for c, d in df.items() if d >= 3]
     assert all(df[c] >= 3 for r in hn for c in r["negatives"])
+
+
+def test_hard_negatives_hnsw_recall_and_exclusions():
+    rng = np.random.default_rng(1)
+    texts = [f"w{i} w{i + 1}" if i % 3 else f"w{i}" for i in range(2000)]
+    emb = rng.normal(size=(len(texts), 24)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    toks = token_matrix(texts, 5)
+    exact, _, _ = mine_hard_negatives(emb, toks, k=10, index="flat")
+    approx, sc, kind = mine_hard_negatives(emb, toks, k=10, index="auto", flat_max=100)
+    assert kind == "hnsw"
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, approx)])
+    assert recall > 0.9
+    q = np.repeat(np.arange(len(texts)), 10)
+    c = approx.reshape(-1)
+    assert (c >= 0).all() and (c != q).all() and not related(toks[q], toks[c]).any()
