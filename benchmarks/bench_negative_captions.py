@@ -9,7 +9,7 @@ features).
 
 * stage: ``run_stage("negative-captions")`` on the embedded Ray (2 actors x 1 torch thread),
   timed from the call to the finished artifact (actor start and model construction included);
-* naive: what the reference implementation did, in-process with 2 torch threads: per noun, the
+* naive: what the reference implementation did, in-process with ``--threads`` (2) torch threads: per noun, the
   masked caption and the unmasked caption each in its own batch-1 pass through the whole masked
   LM (vocabulary head at every position), then per (caption, noun) the caption through the word
   encoder in a batch-1 pass (and, with ``--negatives all``, the 25 negative captions in one call);
@@ -17,7 +17,9 @@ features).
   candidates as the stage;
 * bare: only the encoder forwards of the passes the stage must make (the unmasked captions,
   one masked copy per noun [, the negative captions]), length-bucketed, 2 threads, no head, no
-  tagging, no I/O.
+  tagging, no I/O (``--threads`` torch threads). On an oversubscribed machine 2 threads in one
+  process can be much slower than 2 single-thread processes; ``--threads 1`` gives the per-core
+  view (then the stage uses twice the cores of the baselines).
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ def main() -> int:
     ap.add_argument("--naive-n", type=int, default=100)
     ap.add_argument("--negatives", choices=["none", "all"], default="none")
     ap.add_argument("--shard", type=int, default=250, help="captions per stage unit")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the in-process naive and bare runs")
     args = ap.parse_args()
     if not SUGARCREPE.is_dir():
         print(f"skipped: {SUGARCREPE} not present")
@@ -221,9 +224,9 @@ def main() -> int:
     print(f"        inside the actors: encoder forwards {enc_s:.1f} s of {2 * wall:.1f} actor-seconds "
           f"(wall x 2 actors): {enc_s / (2 * wall):.0%} of the stage's CPU time is the bare forward")
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     bare, n_seq = bare_forward_seconds(captions, args.negatives, neg)
-    print(f"bare:   {bare:8.1f} s  encoder forwards of the {n_seq} sequences the stage runs (2 threads)")
+    print(f"bare:   {bare:8.1f} s  encoder forwards of the {n_seq} sequences the stage runs ({args.threads} threads)")
 
     naive = Naive(args.negatives)
     sub = captions[: args.naive_n]
