@@ -31,7 +31,7 @@ import warnings
 import numpy as np
 import torch
 
-from train.ot import uot_dense, uot_dense_score, uot_lowrank
+from train.ot import pair_similarities, uot_dense, uot_dense_score, uot_lowrank
 
 EPS, TAU, L = 0.07, 0.2, 5
 
@@ -188,9 +188,9 @@ def main():
     rec("conceptot solver+score (batch)", t_b, per_pair(lambda: lr_batch(Zig, Yig, Pg).sum().backward()))
 
     # full local work of a dense-uot training step: costs from tokens, score, backward
-    def dense_step(Zb, Yb):
-        Cb = 1 - torch.bmm(Zb[img], Yb[txt].transpose(1, 2))
-        return uot_dense_score(Cb, mui[img], nui[txt], EPS, TAU, TAU, L)
+    def dense_step(Zb, Yb):  # as the concept-ot job does it: pairs grouped by image
+        S, order = pair_similarities(Zb, Yb, img, txt)
+        return uot_dense_score(1 - S, mui[img[order]], nui[txt[order]], EPS, TAU, TAU, L, sim=S)
 
     with torch.no_grad():
         t_ds = per_pair(lambda: dense_step(Zi, Yi))

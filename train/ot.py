@@ -54,6 +54,7 @@ __all__ = [
     "uot_lowrank",
     "LowRankUOT",
     "anchor_diversity",
+    "pair_similarities",
 ]
 
 # Large negative number used instead of -inf for log-masses of padded tokens: keeps every value and
@@ -684,6 +685,23 @@ def uot_lowrank(
     if la is None:
         la = row_shift.clone()
     return LowRankUOT(la, lb, Kzp, Kpy, M1, row_shift, col_shift, mask_v, mask_t)
+
+
+def pair_similarities(Z: Tensor, Y: Tensor, img_index: Tensor, txt_index: Tensor):
+    """Token similarities of pairs, grouped by image: returns (S, order) with
+    S[k] = Z[img_index[order[k]]] @ Y[txt_index[order[k]]]^T  [P, N, M] and ``order`` the
+    stable sort of the pairs by image. One [N, d] x [d, c*M] GEMM per image instead of P small
+    ones (about 2x faster on CPU); callers gather the other per-pair inputs with ``order`` and
+    scatter their per-pair results back with it."""
+    order = torch.argsort(img_index, stable=True)
+    counts = torch.bincount(img_index, minlength=Z.shape[0]).tolist()
+    N, d = Z.shape[1:]
+    M = Y.shape[1]
+    Ys = Y[txt_index[order]].split(counts)
+    Zs = Z.unbind(0)
+    outs = [(Zs[g] @ Ys[g].reshape(c * M, d).t()).reshape(N, c, M).transpose(0, 1)
+            for g, c in enumerate(counts) if c]
+    return torch.cat(outs), order
 
 
 def anchor_diversity(P: Tensor) -> Tensor:

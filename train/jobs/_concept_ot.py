@@ -19,7 +19,7 @@ from train.data import ParquetJoin, ShardStream, loader
 from train.eval.retrieval import retrieval_report
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
 from train.loop import Job
-from train.ot import anchor_diversity, uot_dense, uot_dense_score, uot_lowrank
+from train.ot import anchor_diversity, pair_similarities, uot_dense, uot_dense_score, uot_lowrank
 
 TRANSPORT = ("conceptot", "dense-uot", "balanced-ot")
 
@@ -106,15 +106,20 @@ class ConceptOTModel(nn.Module):
                 pooled = _normalize(torch.bmm(att, img["z"][ii]))  # [P,M,dc]
                 sim = (pooled * txt["y"][tt]).sum(-1)
                 return (sim * mask).sum(1) / mask.sum(1).clamp_min(1)
-            S = torch.bmm(img["z"][ii], txt["y"][tt].transpose(1, 2))  # [P,N,M] cosine
+            # [P,N,M] cosine similarities, pairs sorted by image (one GEMM per image)
+            S, order = pair_similarities(img["z"], txt["y"], ii, tt)
+            iis, tts = ii[order], tt[order]
+            mask = txt["mask"][tts]
             if v == "filip":
                 i2t = S.masked_fill(~mask[:, None, :], float("-inf")).amax(2).mean(1)
                 t2i = S.amax(1)
                 t2i = (t2i * mask).sum(1) / mask.sum(1).clamp_min(1)
-                return 0.5 * (i2t + t2i)
-            tau = (None, None) if v == "balanced-ot" else (cfg.tau_v, cfg.tau_t)
-            return uot_dense_score(1.0 - S, img["mu"][ii], txt["nu"][tt], cfg.eps, tau[0], tau[1], cfg.n_iter,
-                                   sim=S, mask_t=mask, chunk=cfg.ot_chunk)
+                sc = 0.5 * (i2t + t2i)
+            else:
+                tau = (None, None) if v == "balanced-ot" else (cfg.tau_v, cfg.tau_t)
+                sc = uot_dense_score(1.0 - S, img["mu"][iis], txt["nu"][tts], cfg.eps, tau[0], tau[1], cfg.n_iter,
+                                     sim=S, mask_t=mask, chunk=cfg.ot_chunk)
+            return torch.empty_like(sc).index_put((order,), sc)
 
     def phrase_heatmap(self, img: dict, txt: dict, i: int, t: int, token_weights: torch.Tensor) -> torch.Tensor:
         """[N] patch heatmap for a phrase (token weights [M]) of caption t on image i (Sec. 2.6)."""
