@@ -121,6 +121,14 @@ def map_units(
 
     ensure_ray(ray_cfg)
     size = max(1, min(pool_size or default_pool_size(ray_cfg, num_cpus), len(units)))
+    if num_gpus:
+        import ray
+
+        # More GPU actors than GPUs would wait forever for a device.
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus < num_gpus:
+            raise RuntimeError(f"num_gpus={num_gpus} per actor, but the Ray cluster has {gpus} GPUs")
+        size = min(size, int(gpus // num_gpus))
     items = [{"payload": json.dumps(u, default=str)} for u in units]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     kwargs: dict[str, Any] = dict(batch_size=1, batch_format="pandas", num_cpus=num_cpus)

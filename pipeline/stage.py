@@ -42,6 +42,9 @@ class StageError(RuntimeError):
 class StageConfig(Section):
     enabled: bool = Field(True, description="run this stage in `pipeline run all`")
     shard_size: int = Field(1000, ge=1, description="samples per output shard (unit of resume)")
+    num_gpus: float = Field(
+        0, ge=0, description="GPUs Ray reserves per model actor; set 1 (with device: cuda) on a GPU cluster"
+    )
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class RunContext:
     force: bool = False
     limit: int | None = None
     summaries: dict = field(default_factory=dict)
+    stage_cfg: object = None  # the running stage's Config, for options run_units applies to every stage
 
     @property
     def output(self) -> Path:
@@ -175,6 +179,7 @@ def run_units(
     pool_size: int | None = None,
     constructor_kwargs: dict | None = None,
     total_rows: int | None = None,
+    num_gpus: float | None = None,
     live: set[str] | None = None,
 ) -> list[dict]:
     """Run the pending units of ``writer``'s artifact and return all units' markers, in order.
@@ -207,6 +212,7 @@ def run_units(
             num_cpus=num_cpus,
             pool_size=pool_size,
             constructor_kwargs=constructor_kwargs,
+            num_gpus=(getattr(ctx.stage_cfg, "num_gpus", 0) if actor else 0) if num_gpus is None else num_gpus,
         ):
             progress.update(int(result.get("stats", {}).get("rows", 0)))
     return names
@@ -219,6 +225,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     spec = reg[name]
     cfg = getattr(ctx.manifest.stages, spec.key)
     ensure_ray(ctx.ray_cfg)
+    ctx.stage_cfg = cfg
     t0 = time.perf_counter()
     log.info("stage %s: start (output %s)", name, ctx.output)
     summary = spec.module.run(ctx, cfg) or {}

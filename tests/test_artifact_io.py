@@ -121,3 +121,10 @@ def test_unfinished_artifact_is_reported(tmp_path):
     (tmp_path / "art").mkdir()
     with pytest.raises(ArtifactMissing, match="not a finished artifact"):
         Artifact(tmp_path / "art")
+
+
+def test_execution_only_options_do_not_change_fingerprints(tmp_path):
+    a = ArtifactWriter(tmp_path, "art", "s", {"k": 1, "num_gpus": 0, "num_cpus": 1, "enabled": True})
+    b = ArtifactWriter(tmp_path, "art", "s", {"k": 1, "num_gpus": 1, "num_cpus": 4, "enabled": False})
+    c = ArtifactWriter(tmp_path, "art", "s", {"k": 2, "num_gpus": 0, "num_cpus": 1, "enabled": True})
+    assert a.base_fingerprint == b.base_fingerprint != c.base_fingerprint

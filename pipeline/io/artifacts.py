@@ -35,6 +35,10 @@ from pipeline.io.atomic import fingerprint, sha256_file, write_json_atomic, writ
 
 SCHEMA_VERSION = 1
 
+# Options that change where and how fast work runs, never what it produces: recorded in
+# _manifest.json but left out of fingerprints, so moving a run onto a GPU cluster redoes nothing.
+EXECUTION_ONLY = frozenset({"enabled", "num_gpus", "num_cpus"})
+
 ERROR_SCHEMA = pa.schema(
     [
         ("stage", pa.string()),
@@ -174,7 +178,8 @@ class ArtifactWriter:
         self.params, self.inputs, self.models = params, dict(inputs or {}), dict(models or {})
         self.force = force
         # Everything a unit's content depends on apart from its own input slice.
-        self.base_fingerprint = fingerprint(SCHEMA_VERSION, stage, params, self.inputs, self.models)
+        semantic = {k: v for k, v in params.items() if k not in EXECUTION_ONLY}
+        self.base_fingerprint = fingerprint(SCHEMA_VERSION, stage, semantic, self.inputs, self.models)
         self.dir.mkdir(parents=True, exist_ok=True)
         if force:
             for sub in ("_state", "_errors"):
