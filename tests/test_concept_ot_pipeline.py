@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
-import pytest
 
 from tests.test_clip_tokens import run_in_process
 
 
-@pytest.mark.slow
 def test_concept_ot_on_generated_clip_tokens(tmp_path):
     from typer.testing import CliRunner
 
