@@ -14,7 +14,7 @@ from torch import nn
 
 from pipeline.io.artifacts import Artifact, ArtifactMissing
 from pipeline.loaders.clip_tokens import collate as ct_collate
-from pipeline.loaders.clip_tokens import read_shard
+from pipeline.loaders.clip_tokens import read_shard, shard_reader
 from train.data import ParquetJoin, ShardStream, loader
 from train.eval.retrieval import retrieval_report
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
@@ -210,7 +210,7 @@ class ConceptOTJob(Job):
             b = ct_collate(samples, "random", rng)
             return {k: v for k, v in b.items()}
 
-        return ShardStream(self.shards, lambda p: read_shard(p, lazy=True), collate, self.batch_size,
+        return ShardStream(self.shards, shard_reader(self.shards), collate, self.batch_size,
                            shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed, drop_last=True,
                            keep=self._keep_train)
 
