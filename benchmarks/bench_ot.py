@@ -17,7 +17,9 @@ Reported per pair (best of --reps runs; the CPU is shared, so timings are noisy)
 * balanced-ot: the same with hard marginals.
 * conceptot: ``uot_lowrank`` from Z, Y, P (sub-kernels + K_PP solve + iterations), with the
   implicit Eq. 8 score, forward and forward+backward; independent pairs, and the training-batch
-  structure (64 images x 64 captions shared across the 576 pairs via img_index / txt_index).
+  structure (64 images x 64 captions shared across the 576 pairs via img_index / txt_index);
+  autograd through the iterations (``uot_lowrank(...).score(...)``) and the fused training path
+  (``uot_lowrank_score``, hand-written backward).
 * a full training step's local work: cost matrices from the projected tokens + score + backward.
 """
 
@@ -31,7 +33,7 @@ import warnings
 import numpy as np
 import torch
 
-from train.ot import pair_similarities, uot_dense, uot_dense_score, uot_lowrank
+from train.ot import pair_similarities, uot_dense, uot_dense_score, uot_lowrank, uot_lowrank_score
 
 EPS, TAU, L = 0.07, 0.2, 5
 
@@ -186,6 +188,19 @@ def main():
     with torch.no_grad():
         t_b = per_pair(lambda: lr_batch(Zi, Yi, anchors))
     rec("conceptot solver+score (batch)", t_b, per_pair(lambda: lr_batch(Zig, Yig, Pg).sum().backward()))
+
+    # the training path (train/jobs/_concept_ot.py): the same function, fused, hand-written backward
+    def lr_fused(Zb, Yb, Pb):
+        return uot_lowrank_score(Zb, Yb, Pb, mui, nui, EPS, TAU, TAU, L, img_index=img, txt_index=txt,
+                                 tanh=True, **lr_kw)
+
+    with torch.no_grad():
+        t_f = per_pair(lambda: lr_fused(Zi, Yi, anchors))
+    rec("conceptot score [fused] (batch)", t_f, per_pair(lambda: lr_fused(Zig, Yig, Pg).sum().backward()))
+    with torch.no_grad():
+        t_fp = per_pair(lambda: uot_lowrank_score(Z, Y, anchors, mu, nu, EPS, TAU, TAU, L, tanh=True, **lr_kw))
+    rec("conceptot score [fused] (pairs)", t_fp, per_pair(
+        lambda: uot_lowrank_score(Zg, Yg, Pg, mu, nu, EPS, TAU, TAU, L, tanh=True, **lr_kw).sum().backward()))
 
     # full local work of a dense-uot training step: costs from tokens, score, backward
     def dense_step(Zb, Yb):  # as the concept-ot job does it: pairs grouped by image

@@ -19,7 +19,7 @@ from train.data import ParquetJoin, ShardStream, loader
 from train.eval.retrieval import retrieval_report
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
 from train.loop import Job
-from train.ot import anchor_diversity, pair_similarities, uot_dense, uot_dense_score, uot_lowrank
+from train.ot import anchor_diversity, pair_similarities, uot_dense, uot_dense_score, uot_lowrank, uot_lowrank_score
 
 TRANSPORT = ("conceptot", "dense-uot", "balanced-ot")
 
@@ -96,10 +96,12 @@ class ConceptOTModel(nn.Module):
                 ybar = txt["y"].sum(1) / txt["mask"].sum(1, keepdim=True).clamp_min(1)
                 return (zbar[ii] * ybar[tt]).sum(-1)
             if v == "conceptot":
-                res = uot_lowrank(img["z"], txt["y"], self.anchors, img["mu"], txt["nu"], cfg.eps, cfg.tau_v, cfg.tau_t,
-                                  cfg.n_iter, mask_t=txt["mask"], img_index=ii, txt_index=tt, kpp_reg=cfg.kpp_reg,
-                                  center=cfg.lr_center, clamp=cfg.lr_clamp)
-                return res.score(img["z"], txt["y"], tanh=cfg.score_tanh, img_index=ii, txt_index=tt)
+                # fused solver + score (hand-written backward); same function as
+                # uot_lowrank(...).score(...)
+                return uot_lowrank_score(img["z"], txt["y"], self.anchors, img["mu"], txt["nu"], cfg.eps, cfg.tau_v,
+                                         cfg.tau_t, cfg.n_iter, mask_t=txt["mask"], img_index=ii, txt_index=tt,
+                                         kpp_reg=cfg.kpp_reg, center=cfg.lr_center, clamp=cfg.lr_clamp,
+                                         tanh=cfg.score_tanh)
             if v == "text-attn":
                 logits = torch.bmm(txt["q"][tt], img["k"][ii].transpose(1, 2)) / math.sqrt(cfg.d_c)  # [P,M,N]
                 att = torch.softmax(logits, dim=-1)
