@@ -466,6 +466,15 @@ def _groups(index: Optional[Tensor], G: int):
     return order, inv, counts
 
 
+def _spans(counts):
+    """(group, start, end) of the non-empty groups of pairs sorted by group."""
+    s = 0
+    for g, c in enumerate(counts):
+        if c:
+            yield g, s, s + c
+            s += c
+
+
 def _gl(W: Tensor, X: Tensor, grp) -> Tensor:
     """out[p] = W[p] @ X[index[p]] for W [P,r,n], X [G,n,d] (grp = _groups(index)): one GEMM per
     group written in place; without grp, a plain bmm."""
@@ -576,40 +585,77 @@ class _LowRankScoreFn(torch.autograd.Function):
         Wt = torch.empty(B, r, N, dtype=M1.dtype, device=M1.device)
         torch.mul(M1.transpose(1, 2), a[:, None, :], out=Wt)  # [B,r,N] = (diag(a) M1)^T
         Vt = Kpy * b[:, None, :]
-        A = _gl(Wt, Z, gi)  # [B,r,d]
-        Bm = _gl(Vt, Y, gt)  # [B,r,d]
-        num = torch.bmm(A.reshape(A.shape[0], 1, -1), Bm.reshape(Bm.shape[0], -1, 1)).reshape(-1)
+        M = Kpy.shape[2]
+        d = Z.shape[2]
+        A = _gl(Wt, Z, gi)  # [B,r,d] = M1^T diag(a) Z: image side, one GEMM per image
+        # caption side in caption order: num = <A Y^T, diag-scaled Kpy> (A Y^T is [B,r,M]; the
+        # [B,r,d] product Kpy diag(b) Y is only formed in the backward)
+        if gt is None:
+            ot = inv_t = None
+            A_c, Vt_c = A, Vt
+            G_c = torch.bmm(A, Y.transpose(1, 2))
+        else:
+            ot, inv_t, ct = gt
+            A_c = A if ot is None else A[ot]
+            Vt_c = Vt if ot is None else Vt[ot]
+            G_c = A.new_empty(B, r, M)
+            for g, s0, s1 in _spans(ct):
+                torch.mm(A_c[s0:s1].view(-1, d), Y[g].t(), out=G_c[s0:s1].view(-1, M))
+        num = (G_c * Vt_c).sum((1, 2))
+        if inv_t is not None:
+            num = num[inv_t]
         u1 = torch.bmm(a[:, None, :], M1).squeeze(1)
         w1 = _mv(Kpy, b)
         den = (u1 * w1).sum(-1)
         if bool((den.abs() < 1e-12).any()):
             raise _Fallback()
-        ctx.save_for_backward(M1, Kpy, Z, Y, a, b, Wt, Vt, A, Bm, u1, w1, num, den)
+        ctx.save_for_backward(M1, Kpy, Z, Y, a, b, Wt, Vt_c, A_c, G_c, u1, w1, num, den)
         ctx.saved = saved
-        ctx.extra = (mask_v, mask_t, gi, gt)
+        ctx.extra = (mask_v, mask_t, gi, gt, ot, inv_t)
         ctx.consts = consts
         return num / den
 
     @staticmethod
     def backward(ctx, g):
-        M1, Kpy, Z, Y, a, b, Wt, Vt, A, Bm, u1, w1, num, den = ctx.saved_tensors
-        mask_v, mask_t, gi, gt = ctx.extra
+        M1, Kpy, Z, Y, a, b, Wt, Vt_c, A_c, G_c, u1, w1, num, den = ctx.saved_tensors
+        mask_v, mask_t, gi, gt, ot, inv_t = ctx.extra
         av, at, n_iter, center, clamp, q_floor = ctx.consts
         gn = g / den
         gd = -g * num / den ** 2
         # --- score ----------------------------------------------------------------------------
-        dA = Bm * gn[:, None, None]
-        dBm = A * gn[:, None, None]
-        dWt = _gl(dA, Z.transpose(1, 2), gi)  # [B,r,N]
-        dVt = _gl(dBm, Y.transpose(1, 2), gt)  # [B,r,M]
-        dZ = _gt(Wt, dA, gi, Z.shape[0]) if ctx.needs_input_grad[6] else None
-        dY = _gt(Vt, dBm, gt, Y.shape[0]) if ctx.needs_input_grad[7] else None
+        # num = <A, Bm>, A = Wt Z (image side), Bm = Vt Y (caption side); Bmg = gn * Bm
+        gn_c = gn if ot is None else gn[ot]
+        dVt = G_c * gn_c[:, None, None]  # gn A Y^T
+        if ot is not None:
+            dVt = dVt[inv_t]
+        Vg_c = Vt_c * gn_c[:, None, None]
+        need_y = ctx.needs_input_grad[7]
+        dY = None
+        if gt is None:
+            Bmg = torch.bmm(Vg_c, Y)
+            if need_y:
+                dY = torch.bmm(Vg_c.transpose(1, 2), A_c)
+        else:
+            B, r, M = Vg_c.shape
+            d = Y.shape[2]
+            Bmg = Vg_c.new_empty(B, r, d)
+            if need_y:
+                dY = Vg_c.new_zeros(Y.shape)
+            for g, s0, s1 in _spans(gt[2]):
+                Vg = Vg_c[s0:s1].view(-1, M)
+                torch.mm(Vg, Y[g], out=Bmg[s0:s1].view(-1, d))
+                if need_y:
+                    torch.mm(Vg.t(), A_c[s0:s1].view(-1, d), out=dY[g])
+            if ot is not None:
+                Bmg = Bmg[inv_t]
+        dWt = _gl(Bmg, Z.transpose(1, 2), gi)  # [B,r,N]
+        dZ = _gt(Wt, Bmg, gi, Z.shape[0]) if ctx.needs_input_grad[6] else None
         du1 = gd[:, None] * w1
         dw1 = gd[:, None] * u1
-        dW = dWt.transpose(1, 2)
-        dM1 = dW * a[:, :, None]
+        M1T = M1.transpose(1, 2).contiguous()
+        dM1 = (dWt * a[:, None, :]).transpose(1, 2)
         dKpy = dVt * b[:, None, :]
-        da = (dW * M1).sum(-1) + _mv(M1, du1)
+        da = (dWt * M1T).sum(1) + _mv(M1, du1)
         db = (dVt * Kpy).sum(1) + torch.bmm(dw1[:, None, :], Kpy).squeeze(1)
         # rank-1 kernel terms, summed at the end as one product each
         m1_l, m1_r, kp_l, kp_r = [a], [du1], [dw1], [b]
@@ -668,8 +714,8 @@ class _LowRankScoreFn(torch.autograd.Function):
         if mask_t is not None:
             glb = glb * mask_t
         gcs = gcs + glb
-        dM1 = dM1 + torch.bmm(torch.stack(m1_l, 2), torch.stack(m1_r, 1))
-        dKpy = dKpy + torch.bmm(torch.stack(kp_l, 2), torch.stack(kp_r, 1))
+        dM1 = torch.baddbmm(dM1, torch.stack(m1_l, 2), torch.stack(m1_r, 1))
+        dKpy = torch.baddbmm(dKpy, torch.stack(kp_l, 2), torch.stack(kp_r, 1))
         return dM1, dKpy, grs, gcs, glmu, glnu, dZ, dY, None, None, None, None, None
 
 
