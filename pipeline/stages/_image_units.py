@@ -95,6 +95,18 @@ def prefetched_batches(
             yield result
 
 
+def decoded_batches(w, records: list[dict], batch_size: int, decode, times: dict) -> Iterator[tuple[list[dict], object]]:
+    """:func:`prefetched_batches` for a unit writer ``w``: unreadable images become the unit's
+    ``unreadable_image`` errors, empty batches are skipped, decode time accumulates in
+    ``times["decode_s"]``. Yields ``(kept records, decoded batch)``."""
+    for kept, batch, failed, dt in prefetched_batches(records, batch_size, decode):
+        times["decode_s"] = times.get("decode_s", 0.0) + dt
+        for r, reason in failed:
+            w.error("unreadable_image", f"{r['image']}: {reason}", sample_id=r["sample_id"], source_id=r["source_id"])
+        if kept:
+            yield kept, batch
+
+
 def open_images(records: list[dict]):
     """Open each record's image; returns (kept records, PIL images, failures)."""
     from pipeline.readers.images import open_image

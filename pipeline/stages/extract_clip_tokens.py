@@ -37,7 +37,7 @@ from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.stage import RunContext, StageConfig, run_units, unit_writer
-from pipeline.stages._image_units import image_units, load_samples, open_images, prefetched_batches
+from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 
 NAME = "extract-clip-tokens"
 READS = ["samples"]
@@ -124,15 +124,11 @@ class ClipTokenWorker:
         from pipeline.models.clip import encode_images
 
         w = unit_writer(payload)
-        t_dec = t_img = t_txt = t_write = 0.0
+        t_img = t_txt = t_write = 0.0
+        times = {"decode_s": 0.0}
         encoded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         kept_records = []
-        for kept, pixels, failed, dt in prefetched_batches(payload["records"], self.batch_size, self._decode):
-            t_dec += dt
-            for r, reason in failed:
-                w.error("unreadable_image", f"{r['image']}: {reason}", sample_id=r["sample_id"], source_id=r["source_id"])
-            if not kept:
-                continue
+        for kept, pixels in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
             t0 = time.perf_counter()
             out = encode_images(self.model, pixels, self.project_tokens)
             patches = out["patch_tokens"].float().cpu().numpy().astype(np.float16)
@@ -220,7 +216,7 @@ class ClipTokenWorker:
             "rows": len(kept_records),
             "captions": len(flat),
             "rejected": len(w.errors),
-            "decode_s": round(t_dec, 4),
+            "decode_s": round(times["decode_s"], 4),
             "encode_image_s": round(t_img, 4),
             "encode_text_s": round(t_txt, 4),
             "write_s": round(t_write, 4),

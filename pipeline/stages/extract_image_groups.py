@@ -28,7 +28,7 @@ from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.stage import RunContext, StageConfig, run_units, unit_writer
-from pipeline.stages._image_units import image_units, load_samples, open_images, prefetched_batches
+from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 from pipeline.stages.extract_clip_tokens import _f16_list
 
 NAME = "extract-image-groups"
@@ -74,14 +74,10 @@ class GroupWorker:
         from pipeline.models.groupvit import encode_groups
 
         w = unit_writer(payload)
-        t_dec = t_enc = 0.0
+        t_enc = 0.0
+        times = {"decode_s": 0.0}
         results = []
-        for kept, pixels, failed, dt in prefetched_batches(payload["records"], self.batch_size, self._decode):
-            t_dec += dt
-            for r, reason in failed:
-                w.error("unreadable_image", f"{r['image']}: {reason}", sample_id=r["sample_id"], source_id=r["source_id"])
-            if not kept:
-                continue
+        for kept, pixels in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
             t0 = time.perf_counter()
             out = {k: _np16(v) for k, v in encode_groups(self.model, pixels).items()}
             t_enc += time.perf_counter() - t0
@@ -107,7 +103,7 @@ class GroupWorker:
         )
         t_write = time.perf_counter() - t0
         res = w.commit(
-            {"rows": len(results), "rejected": len(w.errors), "decode_s": round(t_dec, 4), "encode_s": round(t_enc, 4), "write_s": round(t_write, 4)}
+            {"rows": len(results), "rejected": len(w.errors), "decode_s": round(times["decode_s"], 4), "encode_s": round(t_enc, 4), "write_s": round(t_write, 4)}
         )
         return {"unit": res.unit, "stats": res.stats}
 

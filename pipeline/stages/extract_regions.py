@@ -30,7 +30,7 @@ from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.stage import RunContext, StageConfig, run_units, unit_writer
-from pipeline.stages._image_units import image_units, load_samples, open_images, prefetched_batches
+from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 
 NAME = "extract-regions"
 READS = ["samples"]
@@ -77,14 +77,10 @@ class RegionWorker:
 
     def __call__(self, payload: dict) -> dict:
         w = unit_writer(payload)
-        t_dec = t_enc = 0.0
+        t_enc = 0.0
+        times = {"decode_s": 0.0}
         results = []
-        for kept, images, failed, dt in prefetched_batches(payload["records"], self.batch_size, self._decode):
-            t_dec += dt
-            for r, reason in failed:
-                w.error("unreadable_image", f"{r['image']}: {reason}", sample_id=r["sample_id"], source_id=r["source_id"])
-            if not kept:
-                continue
+        for kept, images in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
             t0 = time.perf_counter()
             if self.backend == "detector":
                 regions = self.det.detect(images)
@@ -126,7 +122,7 @@ class RegionWorker:
                 "rows": len(results),
                 "boxes": boxes,
                 "rejected": len(w.errors),
-                "decode_s": round(t_dec, 4),
+                "decode_s": round(times["decode_s"], 4),
                 "encode_s": round(t_enc, 4),
                 "write_s": round(t_write, 4),
             }
