@@ -28,24 +28,11 @@ import pyarrow.parquet as pq
 import torch
 
 from pipeline.io.artifacts import Artifact
+from pipeline.loaders import buffer_shuffle
 
 
 def epoch_rng(seed: int, epoch: int, salt: int = 0) -> random.Random:
     return random.Random((int(seed) * 1_000_003 + int(epoch)) * 1_000_033 + int(salt))
-
-
-def buffer_shuffle(stream: Iterable[Any], size: int, rng: random.Random) -> Iterator[Any]:
-    """Seeded reservoir-style shuffle holding at most ``size`` items."""
-    buf: list[Any] = []
-    for item in stream:
-        if len(buf) < size:
-            buf.append(item)
-            continue
-        k = rng.randrange(len(buf))
-        yield buf[k]
-        buf[k] = item
-    rng.shuffle(buf)
-    yield from buf
 
 
 class ParquetJoin:

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from pipeline.io.artifacts import Artifact
+from pipeline.loaders import buffer_shuffle
 
 DEFAULT_FIELDS = ("patch_tokens", "image_embed", "text_tokens", "text_mask", "text_embed", "caption_ids")
 
@@ -466,7 +467,7 @@ class ClipTokenBatches(torch.utils.data.IterableDataset):
     def _batches(self, paths: list[Path], rng: random.Random) -> Iterator[dict[str, torch.Tensor]]:
         stream = self._samples(paths, rng)
         if self.shuffle:
-            stream = _buffer_shuffle(stream, self.shuffle_buffer, rng)
+            stream = buffer_shuffle(stream, self.shuffle_buffer, rng)
         buf: list[dict] = []
         for s in stream:
             buf.append(s)
@@ -475,16 +476,3 @@ class ClipTokenBatches(torch.utils.data.IterableDataset):
                 buf = []
         if buf and not self.drop_last:
             yield collate(buf, self.captions, rng)
-
-
-def _buffer_shuffle(stream: Iterator[dict], size: int, rng: random.Random) -> Iterator[dict]:
-    buf: list[dict] = []
-    for s in stream:
-        if len(buf) < size:
-            buf.append(s)
-            continue
-        k = rng.randrange(len(buf))
-        yield buf[k]
-        buf[k] = s
-    rng.shuffle(buf)
-    yield from buf
