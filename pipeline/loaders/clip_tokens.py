@@ -221,6 +221,52 @@ def read_shard(path: str | Path, fields: Iterable[str] | None = DEFAULT_FIELDS, 
         yield dict(sample) if keep is None else {k: v for k, v in sample.items() if k in keep}
 
 
+def read_sample(path: str | Path, position: int, fields: Iterable[str] | None = DEFAULT_FIELDS,
+                lazy: bool = False) -> dict:
+    """The ``position``-th sample of a shard (random access, e.g. an index neighbour), in the form
+    :func:`read_shard` yields it. ``lazy=False``: views into the kept map (the shard's headers are
+    parsed once per mapping); ``lazy=True``: one pass over the tar headers per shard is cached
+    (8 bytes per sample), then only this sample's members are read, big arrays as
+    :class:`FileArray`."""
+    wanted = None if fields is None else {f"{f}.npy" for f in fields}
+    offsets = None
+    if lazy:
+        st = os.stat(path)
+        offsets = _sample_offsets(str(path), st.st_size, st.st_mtime_ns)
+    if offsets is None:  # mapped, or a tar with pax/GNU headers (the generic reader's case)
+        sample = _parsed(path)[position]
+        keep = None if wanted is None else {"__key__", "sample_id"} | {w[:-4] for w in wanted}
+        return dict(sample) if keep is None else {k: v for k, v in sample.items() if k in keep}
+    return next(_read_shard_pread(path, wanted, start=int(offsets[position]), first_only=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _sample_offsets(path: str, size: int, mtime_ns: int) -> np.ndarray | None:
+    """Byte offset of each sample's first tar header, in shard order (size/mtime: cache key);
+    None for archives with pax/GNU extension headers."""
+    out, last = [], None
+    with open(path, "rb") as fh:
+        fd = fh.fileno()
+        pos = 0
+        while pos + 512 <= size:
+            hdr = os.pread(fd, 512, pos)
+            if hdr[0] == 0:
+                break
+            name = hdr[0:100].split(b"\0", 1)[0].decode()
+            if hdr[257:262] == b"ustar" and hdr[345] != 0:
+                name = hdr[345:500].split(b"\0", 1)[0].decode() + "/" + name
+            n = int(hdr[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
+            if hdr[156:157] not in (b"0", b"\0", b"5"):
+                return None
+            if hdr[156:157] in (b"0", b"\0"):
+                key = name.partition(".")[0]
+                if key != last:
+                    out.append(pos)
+                    last = key
+            pos += 512 + (n + 511) // 512 * 512
+    return np.asarray(out, np.int64)
+
+
 def _parsed(path: str | Path) -> list[dict]:
     """Every sample of a kept map as views (parsed once per mapping, like the map itself)."""
     mm, members = _mapped(path)
@@ -245,12 +291,13 @@ def _parsed(path: str | Path) -> list[dict]:
 _SMALL = 8192  # members up to this size are read with their tar header in one pread
 
 
-def _read_shard_pread(path, wanted: set[str] | None) -> Iterator[dict]:
+def _read_shard_pread(path, wanted: set[str] | None, start: int = 0, first_only: bool = False) -> Iterator[dict]:
     """The lazy reader: one ``pread`` per member (tar header + npy header + small data), big
-    arrays left as :class:`FileArray`. Cheaper than touching a memory map page by page."""
+    arrays left as :class:`FileArray`. Cheaper than touching a memory map page by page.
+    ``start``: byte offset of a sample's first header; ``first_only``: stop after that sample."""
     file = _ShardFile(path)
     fd, end = file.fd, os.fstat(file.fd).st_size
-    pos = 0
+    pos = int(start)
     current: dict | None = None
     while pos + 512 <= end:
         chunk = os.pread(fd, 512 + _SMALL, pos)
@@ -272,6 +319,8 @@ def _read_shard_pread(path, wanted: set[str] | None) -> Iterator[dict]:
         if current is None or current["__key__"] != key:
             if current is not None:
                 yield current
+                if first_only:
+                    return
             current = {"__key__": key, "sample_id": int(key)}
         if wanted is not None and fname not in wanted:
             continue
