@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -14,10 +15,11 @@ from torch import nn
 
 from pipeline.io.artifacts import Artifact, ArtifactMissing
 from pipeline.loaders.clip_tokens import collate as ct_collate
-from pipeline.loaders.clip_tokens import read_shard, shard_reader
+from pipeline.loaders.clip_tokens import fits_in_memory, read_sample, read_shard
 from train.data import ParquetJoin, ShardStream, loader
 from train.eval.retrieval import retrieval_report
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
+from train.index_negatives import IndexMissing, IndexNeighbours, IndexNeighbourStream, SampleTable, index_hits
 from train.loop import Job
 from train.ot import anchor_diversity, pair_similarities, uot_dense, uot_dense_score, uot_lowrank, uot_lowrank_score
 
@@ -148,6 +150,12 @@ class ConceptOTModel(nn.Module):
         return torch.zeros(0)
 
 
+def _collate_random(samples, rng: random.Random, attach=None):
+    """One random caption per image (a module-level function: DataLoader workers pickle it)."""
+    b = ct_collate(samples, "random", rng)
+    return attach(b) if attach is not None else b
+
+
 def mine_pairs(g: torch.Tensor, K: int, bad: torch.Tensor):
     """Hard negatives of Alg. 2 line 6 from global scores g [B, B] (g[i, j] = s_g(I_i, x_j)):
     N_X(i) = top-K_h_{j != i} g[i, j] (captions), N_I(i) = top-K_h_{j != i} g[j, i] (images);
@@ -190,6 +198,33 @@ class ConceptOTJob(Job):
         if self.samples is not None and "samples" in self.samples.tables():
             self._split_join = ParquetJoin(self.samples, "samples", ["split"])
         self._bpe = None
+        self._lazy = not fits_in_memory(self.shards)
+        self.index_dir = _resolve(manifest, cfg.index_artifact)
+        self._nb: IndexNeighbours | None | bool = False  # False: not loaded yet
+        if cfg.hard_negatives == "index":
+            if not (self.index_dir / "_manifest.json").is_file():
+                raise IndexMissing(
+                    f"hard_negatives: index needs the index artifact, but {self.index_dir} is missing (no "
+                    f"_manifest.json): run `pipeline run build-index --manifest <manifest>` (or enable "
+                    f"stages.build_index in the manifest and run `pipeline run all`), or set hard_negatives: batch")
+            self.neighbours()  # errors (an index of another clip_tokens) surface before training
+
+    def neighbours(self) -> IndexNeighbours | None:
+        """The index neighbours (hard_negatives: index), or, in batch mode, when an index artifact
+        is present and matches (only for the hn_index_hit metric); None otherwise."""
+        if self._nb is False:
+            table = SampleTable(self.shards, functools.partial(read_shard, fields=("caption_ids",), lazy=True),
+                                self._keep_train) if (self.index_dir / "_manifest.json").is_file() else None
+            if table is None:
+                self._nb = None
+            elif self.cfg.hard_negatives == "index":
+                self._nb = IndexNeighbours(self.index_dir, table, self.cfg.index_top)
+            else:
+                try:
+                    self._nb = IndexNeighbours(self.index_dir, table, self.cfg.index_top, log=lambda m: None)
+                except (OSError, ValueError, KeyError):
+                    self._nb = None  # batch mode: the metric is optional
+        return self._nb
 
     # ---------------------------------------------------------------------------------- splits
     def split_of(self, sample_id: int) -> str:
@@ -208,11 +243,16 @@ class ConceptOTJob(Job):
     def _stream(self) -> ShardStream:
         cfg = self.cfg
 
-        def collate(samples, rng: random.Random):
-            b = ct_collate(samples, "random", rng)
-            return {k: v for k, v in b.items()}
-
-        return ShardStream(self.shards, shard_reader(self.shards), collate, self.batch_size,
+        nb = self.neighbours()
+        read = functools.partial(read_shard, lazy=self._lazy)
+        if cfg.hard_negatives == "index":
+            return IndexNeighbourStream(self.shards, read, _collate_random, self.batch_size, neighbours=nb,
+                                        m=cfg.index_neighbours,
+                                        read_sample=functools.partial(read_sample, lazy=self._lazy),
+                                        shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed,
+                                        keep=self._keep_train)
+        collate = _collate_random if nb is None else functools.partial(_collate_random, attach=nb.attach)
+        return ShardStream(self.shards, read, collate, self.batch_size,
                            shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed, drop_last=True,
                            keep=self._keep_train)
 
@@ -274,6 +314,17 @@ class ConceptOTJob(Job):
         negs = torch.cat([s_x, s_i], 1).detach()
         logs.update({"loss_i2x": float(l_i2x.detach()), "loss_x2i": float(l_x2i.detach()),
                      "s_pos": float(s_pos.detach().mean()), "s_neg": float(negs[torch.isfinite(negs)].mean())})
+        if "index_neighbours" in batch:
+            # share of the mined negatives (both directions) that are index neighbours of their anchor
+            sid, nbs = batch["sample_id"], batch["index_neighbours"]
+            hx, nx_ = index_hits(sid, neg_x, torch.isfinite(vx), nbs)
+            hi, ni_ = index_hits(sid, neg_i, torch.isfinite(vi), nbs)
+            hits, mined = (hx + hi).cpu(), (nx_ + ni_).cpu()
+            logs["hn_index_hit"] = float(hits.sum()) / max(1, int(mined.sum()))
+            if "seed_mask" in batch:  # the rows whose neighbours were brought into the batch
+                sm = batch["seed_mask"]
+                logs["hn_index_hit_seeds"] = float(hits[sm].sum()) / max(1, int(mined[sm].sum()))
+                logs["seed_batch_share"] = float(sm.float().mean())
         if cfg.variant == "conceptot" and cfg.beta_div > 0:
             div = anchor_diversity(model.anchors)
             loss = loss + cfg.beta_div * div

@@ -10,6 +10,19 @@ Variants (``variant:``), Sec. 3.2:
   global-patch average patch-token cosine similarity
   global-only  frozen pooled CLIP embeddings only (nothing to train: `train run` just evaluates)
 
+Hard negatives (``hard_negatives:``): ``batch`` (default) mines them inside random mini-batches,
+as Alg. 2 does. ``index`` keeps that mining and the loss but composes each batch from
+``batch_size // (1 + index_neighbours)`` seeds of the shuffled stream plus, for each seed,
+``index_neighbours`` samples drawn from its dataset-level hard negatives in the `index` artifact
+(`pipeline run build-index`): the owners of its top-``index_top`` hard captions and its
+top-``index_top`` hard images, training split only (see :mod:`train.index_negatives`). Every
+train log line records ``hn_index_hit``, the share of the mined in-batch negatives (both
+directions) that are index neighbours of their anchor, whenever an index artifact is present
+(also in batch mode, for comparison); in index mode also ``hn_index_hit_seeds`` (the same over
+the seed rows) and ``seed_batch_share``. A missing index is an error naming the folder; an index
+whose image ids are mostly (> 50%) not in the clip_tokens shards is an error (built for another
+artifact), a few unknown ids are skipped with a logged count.
+
 Loss (Eq. 9-10): L_global (symmetric InfoNCE on the frozen pooled embeddings; constant, logged)
 + lambda_l (L_I->X + L_X->I)/2 + beta Omega_div, with K_h hard negatives mined both ways from the
 global scores of the batch. Defaults are the paper's Tables 6-7 (AdamW lr 1e-4, wd 1e-2, batch
@@ -36,7 +49,7 @@ from pydantic import Field
 from train.config import TrainerConfig
 
 NAME = "concept-ot"
-READS = ["clip_tokens", "samples"]
+READS = ["clip_tokens", "samples", "index"]  # `index` only with hard_negatives: index (else optional, for hn_index_hit)
 
 Variant = Literal["conceptot", "dense-uot", "balanced-ot", "filip", "text-attn", "global-patch", "global-only"]
 
@@ -57,6 +70,14 @@ class Config(TrainerConfig):
     n_iter: int = Field(5, ge=1, description="Sinkhorn iterations L")
     rank: int = Field(32, ge=2, description="anchors r (conceptot)")
     k_hard: int = Field(4, ge=1, description="hard negatives per direction K_h")
+    hard_negatives: Literal["batch", "index"] = Field(
+        "batch", description="batch: random mini-batches (Alg. 2 as is); index: each batch = seeds + index_neighbours "
+        "of each seed's dataset-level hard negatives from the `index` artifact (same in-batch mining and loss)")
+    index_artifact: str = Field("index", description="build-index artifact folder, relative to `output` (or absolute)")
+    index_neighbours: int = Field(1, ge=1, description="m: index neighbours brought into the batch per seed "
+                                  "(batch_size // (1 + m) seeds per batch)")
+    index_top: int = Field(8, ge=1, le=32, description="neighbours are drawn from the first index_top entries of the "
+                           "stored lists (also the list hn_index_hit is measured against)")
     anchor_init_std: float = Field(0.02, gt=0, description="anchors ~ N(0, std) (App. G.1)")
     global_temperature: float = Field(
         0.01, gt=0, description="temperature of L_global on the frozen embeddings (CLIP's logit scale 100)"
