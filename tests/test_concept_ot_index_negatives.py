@@ -219,6 +219,7 @@ def test_missing_index_and_foreign_index_errors(planted, tmp_path):
 
 
 def test_cli_run_logs_index_hits_higher_than_batch_mode(planted, tmp_path):
+    """(filip: the cheapest trained variant; mining, and so the hit rate, does not depend on it)"""
     from typer.testing import CliRunner
 
     from train.cli import app
@@ -233,7 +234,7 @@ def test_cli_run_logs_index_hits_higher_than_batch_mode(planted, tmp_path):
                                      "--set", f"output={out}", "--set", f"train.concept_ot.hard_negatives={mode}",
                                      "--set", "train.concept_ot.max_steps=5", "--set", "train.concept_ot.batch_size=16",
                                      "--set", "train.concept_ot.index_top=2", "--set", "train.concept_ot.index_neighbours=3",
-                                     "--set", "train.concept_ot.d_c=16",
+                                     "--set", "train.concept_ot.d_c=16", "--set", "train.concept_ot.variant=filip",
                                      "--set", "train.concept_ot.rank=8", "--set", "train.concept_ot.log_every=1",
                                      "--set", "train.concept_ot.eval_splits=[test]", "--set", "train.concept_ot.eval_max_images=8",
                                      "--set", "train.concept_ot.heatmaps=0", "--set", "train.concept_ot.sugarcrepe_dirs=[]",
@@ -266,3 +267,23 @@ def test_index_hits_bruteforce():
     for i in range(5):
         exp = sum(1 for k in range(3) if valid[i, k] and int(sid[neg[i, k]]) in set(nbs[i].tolist()) - {-1})
         assert int(hits[i]) == exp and int(n[i]) == int(valid[i].sum())
+
+
+def test_trainer_resume_exact_in_index_mode(planted):
+    """An interrupted index-mode run continues exactly (across an epoch boundary)."""
+    from train.loop import train
+
+    out, _ = planted
+    kw = dict(variant="filip", threads=1, eval_max_images=4, index_neighbours=3, batch_size=32)
+    bpe = _job(out, "r0", **kw).batches_per_epoch()
+    kw["max_steps"] = bpe + 2
+    train(_job(out, "straight", **kw), resume=False, progress=False)
+    assert train(_job(out, "resumed", ckpt_every=100, **kw), resume=False, progress=False, stop_after=bpe - 1) == {
+        "interrupted_at": bpe - 1}
+    train(_job(out, "resumed", **kw), resume=True, progress=False)
+    rows = [[json.loads(x) for x in (out / r / "metrics.jsonl").read_text().splitlines()] for r in ("straight", "resumed")]
+    a, b = ([x for x in rs if x["kind"] == "train"] for rs in rows)
+    assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, bpe + 3))
+    assert a[-1]["epoch"] == 1
+    for x, y in zip(a, b):
+        assert x["loss"] == y["loss"] and x["hn_index_hit"] == y["hn_index_hit"]
