@@ -19,7 +19,8 @@ Reported per pair (best of --reps runs; the CPU is shared, so timings are noisy)
   implicit Eq. 8 score, forward and forward+backward; independent pairs, and the training-batch
   structure (64 images x 64 captions shared across the 576 pairs via img_index / txt_index);
   autograd through the iterations (``uot_lowrank(...).score(...)``) and the fused training path
-  (``uot_lowrank_score``, hand-written backward).
+  (``uot_lowrank_score``, hand-written backward), in float32 and with the score's large products
+  in bfloat16 (``gemm_dtype=torch.bfloat16``: concept-ot's ``ot_gemm_dtype``, or ``amp: bf16``).
 * a full training step's local work: cost matrices from the projected tokens + score + backward.
 """
 
@@ -197,6 +198,17 @@ def main():
     with torch.no_grad():
         t_f = per_pair(lambda: lr_fused(Zi, Yi, anchors))
     rec("conceptot score [fused] (batch)", t_f, per_pair(lambda: lr_fused(Zig, Yig, Pg).sum().backward()))
+
+    # the same with the score's N x r x d / M x r x d products in bfloat16 (concept-ot's
+    # ot_gemm_dtype=bfloat16, or amp: bf16); everything else float32
+    def lr_fused16(Zb, Yb, Pb):
+        return uot_lowrank_score(Zb, Yb, Pb, mui, nui, EPS, TAU, TAU, L, img_index=img, txt_index=txt,
+                                 tanh=True, gemm_dtype=torch.bfloat16, **lr_kw)
+
+    with torch.no_grad():
+        t_f16 = per_pair(lambda: lr_fused16(Zi, Yi, anchors))
+    rec("conceptot score [fused, bf16 GEMMs] (batch)", t_f16,
+        per_pair(lambda: lr_fused16(Zig, Yig, Pg).sum().backward()))
     with torch.no_grad():
         t_fp = per_pair(lambda: uot_lowrank_score(Z, Y, anchors, mu, nu, EPS, TAU, TAU, L, tanh=True, **lr_kw))
     rec("conceptot score [fused] (pairs)", t_fp, per_pair(

@@ -453,17 +453,6 @@ def _grouped_left(W: Tensor, X: Tensor, index: Optional[Tensor]) -> Tensor:
     return out[inv]
 
 
-def _groups(index: Optional[Tensor], G: int):
-    """(order or None when already sorted, inverse order, counts) of pairs grouped by index."""
-    if index is None:
-        return None
-    order = torch.argsort(index, stable=True)
-    counts = torch.bincount(index, minlength=G).tolist()
-    if bool((order == torch.arange(order.shape[0], device=order.device)).all()):
-        return None, None, counts
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.shape[0], device=order.device)
-    return order, inv, counts
 
 
 def _spans(counts):
@@ -475,67 +464,152 @@ def _spans(counts):
             s += c
 
 
-def _gl(W: Tensor, X: Tensor, grp) -> Tensor:
-    """out[p] = W[p] @ X[index[p]] for W [P,r,n], X [G,n,d] (grp = _groups(index)): one GEMM per
-    group written in place; without grp, a plain bmm."""
-    if grp is None:
-        return torch.bmm(W, X)
-    order, inv, counts = grp
-    P, r, n = W.shape
-    d = X.shape[2]
-    Ws = (W if order is None else W[order]).contiguous()
-    out = W.new_empty(P, r, d)
-    s = 0
-    for g, c in enumerate(counts):
-        if c:
-            torch.mm(Ws[s:s + c].view(c * r, n), X[g], out=out[s:s + c].view(c * r, d))
-            s += c
-    return out if order is None else out[inv]
 
 
-def _gt(W: Tensor, D: Tensor, grp, G: int) -> Tensor:
-    """out[g] = sum_{p: index[p] = g} W[p]^T @ D[p] for W [P,r,n], D [P,r,d] -> [G,n,d] (the
-    adjoint of :func:`_gl` in X); without grp, a plain bmm."""
-    if grp is None:
-        return torch.bmm(W.transpose(1, 2), D)
-    order, inv, counts = grp
-    P, r, n = W.shape
-    d = D.shape[2]
-    Ws = (W if order is None else W[order]).contiguous()
-    Ds = (D if order is None else D[order]).contiguous()
-    out = W.new_empty(G, n, d)
-    s = 0
-    for g, c in enumerate(counts):
-        if c:
-            torch.mm(Ws[s:s + c].view(c * r, n).t(), Ds[s:s + c].view(c * r, d), out=out[g])
-            s += c
-        else:
-            out[g].zero_()
-    return out
 
 
-def _amax_grad(x: Tensor, c: Tensor, gc: Tensor) -> Tensor:
+class _Layout:
+    """Pairs grouped by an index (image or caption) for the fused low-rank path.
+
+    Per-pair vectors are moved into a zero-padded [G, cmax, .] layout so that a per-group matrix
+    (M1 of an image, K_PY of a caption) multiplies all its pairs' vectors in one batched product:
+    each matrix is read once per group instead of being copied once per pair (gathering M1 per
+    pair streamed 14 MB per mat-vec at the benchmark size, and autograd's backward of that gather
+    cost more than the mat-vecs). All data movement is by ``index_select`` (a gather; on CPU it
+    runs 5-10x faster than an indexed write of the same size). Without an index (independent
+    pairs) every pair is its own group and the products are plain bmm's."""
+
+    def __init__(self, index: Optional[Tensor], G: int, P: int):
+        self.index = index
+        self.G = G if index is not None else P
+        self.slot = None
+        self.order = self.inv = None
+        self.spans = []
+        if index is None:
+            self.cmax = 1
+            return
+        dev = index.device
+        counts = torch.bincount(index, minlength=G)
+        self.cmax = max(int(counts.max()), 1) if P else 1
+        order = torch.argsort(index, stable=True)
+        start = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(index)
+        rank[order] = torch.arange(P, device=dev) - start[index[order]]
+        self.slot = index * self.cmax + rank  # padded position of each pair
+        self.src = torch.full((self.G * self.cmax,), P, dtype=index.dtype, device=dev)
+        self.src[self.slot] = torch.arange(P, device=dev)  # pair of each padded position (P: empty)
+        if not bool((order == torch.arange(P, device=dev)).all()):
+            self.order = order
+            self.inv = torch.empty_like(order)
+            self.inv[order] = torch.arange(P, device=dev)
+        self.spans = list(_spans(counts.tolist()))
+
+    def gather(self, x: Tensor) -> Tensor:
+        """Per-group rows -> per-pair rows."""
+        return x if self.index is None else x.index_select(0, self.index)
+
+    def segsum(self, x: Tensor) -> Tensor:
+        """Per-pair rows -> per-group sums (the adjoint of :meth:`gather`)."""
+        if self.index is None:
+            return x
+        return x.new_zeros((self.G,) + tuple(x.shape[1:])).index_add_(0, self.index, x)
+
+    def take(self, x: Tensor, s0: int, s1: int) -> Tensor:
+        """Rows of x (pairs in the caller's order) of the pairs at sorted positions s0:s1."""
+        return x[s0:s1] if self.order is None else x.index_select(0, self.order[s0:s1])
+
+    def sorted(self, x: Tensor) -> Tensor:
+        return x if self.order is None else x.index_select(0, self.order)
+
+    def unsorted(self, x: Tensor) -> Tensor:
+        return x if self.inv is None else x.index_select(0, self.inv)
+
+    def pad(self, v: Tensor) -> Tensor:
+        """[P, ...] -> [G, cmax, ...] (zeros in unused slots)."""
+        if self.slot is None:
+            return v.unsqueeze(1)
+        tail = tuple(v.shape[1:])
+        ext = torch.cat([v, v.new_zeros((1,) + tail)])
+        return ext.index_select(0, self.src).view((self.G, self.cmax) + tail)
+
+    def unpad(self, x: Tensor) -> Tensor:
+        if self.slot is None:
+            return x.squeeze(1)
+        return x.reshape((self.G * self.cmax,) + tuple(x.shape[2:])).index_select(0, self.slot)
+
+    def mv(self, X: Tensor, v: Tensor) -> Tensor:
+        """out[p] = X[g_p] @ v[p] for X [G,n,m], v [P,m] -> [P,n]."""
+        return self.unpad(torch.bmm(self.pad(v), X.transpose(1, 2)))
+
+    def mvt(self, X: Tensor, w: Tensor) -> Tensor:
+        """out[p] = X[g_p]^T @ w[p] for X [G,n,m], w [P,n] -> [P,m]."""
+        return self.unpad(torch.bmm(self.pad(w), X))
+
+    def outer_sum(self, Lm: Tensor, Rm: Tensor) -> Tensor:
+        """out[g] = sum_{p in g} Lm[p]^T @ Rm[p] for Lm [P,k,n], Rm [P,k,m] -> [G,n,m]."""
+        if self.slot is None:
+            return torch.bmm(Lm.transpose(1, 2), Rm)
+        if self.order is None:  # pairs already grouped: one GEMM per group, no padding
+            k, n, m = Lm.shape[1], Lm.shape[2], Rm.shape[2]
+            out = Lm.new_zeros(self.G, n, m)
+            for g, s0, s1 in self.spans:
+                torch.mm(Lm[s0:s1].reshape(-1, n).t(), Rm[s0:s1].reshape(-1, m), out=out[g])
+            return out
+        k = Lm.shape[1]
+        Lp = self.pad(Lm).reshape(self.G, self.cmax * k, -1)
+        Rp = self.pad(Rm).reshape(self.G, self.cmax * k, -1)
+        return torch.bmm(Lp.transpose(1, 2), Rp)
+
+
+def _amax_grad(x: Tensor, c: Tensor, gc: Tensor, dim: int = 1) -> Tensor:
     # autograd's amax backward: the gradient is shared evenly between tied maxima
     hit = (x == c).to(x.dtype)
-    return hit * (gc / hit.sum(dim=1, keepdim=True))
+    return hit * (gc / hit.sum(dim=dim, keepdim=True))
 
 
 class _LowRankScoreFn(torch.autograd.Function):
-    """Fused low-rank iterations (Algorithm 1, as in :func:`uot_lowrank`) + implicit Eq. 8 score
-    with a hand-written backward of the L unrolled iterations. The same operations as the
-    autograd path (including the amax shifts, the q floor, centring and clamping, and their
-    autograd sub-gradients); the kernel gradients of all 2L mat-vec pairs are two batched
-    [.., 2L+1] x [2L+1, ..] products. The score's products are grouped per image / caption
-    (one GEMM each) forward and backward. Raises _Fallback when the score's denominator is
-    clamped (the caller then uses the autograd path). Checked against autograd by
-    tests/test_ot.py (gradcheck in float64)."""
+    """The whole conceptot training computation in one Function with a hand-written backward:
+    sub-kernels (K_ZP per image, K_PY per caption, K_PP^-1 once for the shared anchors), the L
+    low-rank iterations (Algorithm 1, as in :func:`uot_lowrank`) and the implicit Eq. 8 score.
+    The same operations as the autograd path (including the amax shifts, the q floor, centring and
+    clamping, and their autograd sub-gradients), except that kernel entries and products below
+    the dtype's smallest normal number are flushed to 0 (denormals made the GEMMs ~10x slower).
+    Inputs: Z [Bi,N,d] per image, Y [Bt,M,d] per caption, unit anchors Pn [r,d], per-pair log
+    masses; pairs must be sorted by image. The iterations' mat-vecs use :class:`_Layout` (each
+    M1 / K_PY read once per image / caption), the kernel gradients of all 2L mat-vec pairs are
+    one product per image / caption, and the score's N x r x d and M x r x d products are one
+    GEMM per image / caption, forward and backward, optionally in bfloat16 (``gemm_dtype``; the
+    sub-kernels, iterations, denominator and all reductions stay in the input dtype). Raises
+    _Fallback when K_PP cannot be inverted or the score's denominator is clamped (the caller
+    then uses the autograd path). Checked against autograd by tests/test_ot.py (values and
+    float64 gradients to 1e-9, gradcheck)."""
 
     @staticmethod
-    def forward(ctx, M1, Kpy, row_shift, col_shift, lmu, lnu, Z, Y, mask_v, mask_t, img_index,
-                txt_index, consts):
-        av, at, n_iter, center, clamp, q_floor = consts
-        M1T = M1.transpose(1, 2)
-        KpyT = Kpy.transpose(1, 2)
+    def forward(ctx, Z, Y, Pn, lmu, lnu, mask_v, mask_t, img_index, txt_index, consts):
+        av, at, n_iter, center, clamp, q_floor, gemm_dtype, eps, kpp_reg = consts
+        P = lmu.shape[0]
+        im = _Layout(img_index, Z.shape[0], P)
+        tx = _Layout(txt_index, Y.shape[0], P)
+        if im.order is not None:
+            raise ValueError("_LowRankScoreFn: pairs must be sorted by image")
+        # sub-kernels as in uot_lowrank (log domain, max-subtracted), once per image / caption
+        r = Pn.shape[0]
+        tiny = torch.finfo(Z.dtype).tiny
+        logZP = torch.matmul(Z, Pn.t()).sub_(1.0).div_(eps)  # [Bi,N,r]
+        rs_i = logZP.amax(dim=2)
+        Kzp = torch.exp(logZP - rs_i[..., None])
+        Kzp.masked_fill_(Kzp < tiny, 0.0)  # no denormals (they run ~10x slower in the GEMMs)
+        logPY = torch.matmul(Pn, Y.transpose(1, 2)).sub_(1.0).div_(eps)  # [Bt,r,M]
+        cs_t = logPY.amax(dim=1)
+        Kpy = torch.exp(logPY - cs_t[:, None, :])
+        Kpy.masked_fill_(Kpy < tiny, 0.0)
+        Kpp_e = torch.exp((Pn @ Pn.t() - 1.0) / eps)
+        inv, info = torch.linalg.inv_ex(Kpp_e + kpp_reg * torch.eye(r, dtype=Z.dtype, device=Z.device))
+        if int(info) != 0 or not bool(torch.isfinite(inv).all()):
+            raise _Fallback()
+        M1 = torch.matmul(Kzp, inv)  # Kzp K_PP^-1 (K_PP^-1 symmetric)
+        row_shift = im.gather(rs_i)
+        col_shift = tx.gather(cs_t)
 
         def post(x, mask):
             keep = None
@@ -552,15 +626,27 @@ class _LowRankScoreFn(torch.autograd.Function):
                 x = x.masked_fill(~mask, _NEG)
             return x, keep
 
-        def logq(v_log, first, second_T):
+        def logq(v_log, inner, outer):
             c = v_log.amax(dim=1, keepdim=True)
             ev = torch.exp(v_log - c)
-            h = _mv(second_T, ev)
-            q = _mv(first, h)
+            h = inner(ev)
+            q = outer(h)
             thr = q_floor * q.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
             ok = q >= thr
             q = q.clamp_min(thr)
             return c + torch.log(q), (v_log, c, ev, h, q, ok)
+
+        def kpy_ev(ev):
+            return tx.mv(Kpy, ev)
+
+        def m1_h(h):
+            return im.mv(M1, h)
+
+        def m1t_ev(ev):
+            return im.mvt(M1, ev)
+
+        def kpyt_h(h):
+            return tx.mvt(Kpy, h)
 
         lb = col_shift
         if mask_t is not None:
@@ -568,9 +654,9 @@ class _LowRankScoreFn(torch.autograd.Function):
         saved = []
         la = None
         for _ in range(int(n_iter)):
-            Lq, s1 = logq(lb, M1, Kpy)
+            Lq, s1 = logq(lb, kpy_ev, m1_h)
             la, k1 = post(av * (lmu - row_shift - Lq) + row_shift, mask_v)
-            Lq, s2 = logq(la, KpyT, M1T)
+            Lq, s2 = logq(la, m1t_ev, kpyt_h)
             lb, k2 = post(at * (lnu - col_shift - Lq) + col_shift, mask_t)
             saved.append((s1, k1, s2, k2))
         a = torch.exp(la - la.amax(dim=1, keepdim=True))
@@ -579,85 +665,130 @@ class _LowRankScoreFn(torch.autograd.Function):
             a = a * mask_v
         if mask_t is not None:
             b = b * mask_t
-        B, N, r = M1.shape
-        gi = _groups(img_index, Z.shape[0])
-        gt = _groups(txt_index, Y.shape[0])
-        Wt = torch.empty(B, r, N, dtype=M1.dtype, device=M1.device)
-        torch.mul(M1.transpose(1, 2), a[:, None, :], out=Wt)  # [B,r,N] = (diag(a) M1)^T
-        Vt = Kpy * b[:, None, :]
+
+        # --- score numerator <A_p, Kpy_t diag(b_p) Y_t>, A_p = M1_g^T diag(a_p) Z_g -----------
+        N, r = M1.shape[1:]
         M = Kpy.shape[2]
         d = Z.shape[2]
-        A = _gl(Wt, Z, gi)  # [B,r,d] = M1^T diag(a) Z: image side, one GEMM per image
-        # caption side in caption order: num = <A Y^T, diag-scaled Kpy> (A Y^T is [B,r,M]; the
-        # [B,r,d] product Kpy diag(b) Y is only formed in the backward)
-        if gt is None:
-            ot = inv_t = None
-            A_c, Vt_c = A, Vt
-            G_c = torch.bmm(A, Y.transpose(1, 2))
+        gd = gemm_dtype or Z.dtype
+        M1T = M1.transpose(1, 2).contiguous()  # [G, r, N]: per-pair slices below are contiguous
+        # Z in the GEMM dtype: whole for independent pairs, else one image at a time (no Z-sized copy)
+        Zc = Z.to(gd) if im.slot is None else None
+        Yc = Y.to(gd)
+        A = Z.new_empty(P, r, d, dtype=gd)  # image order
+        if im.slot is None:
+            torch.bmm((M1T * a[:, None, :]).to(gd), Zc, out=A)
         else:
-            ot, inv_t, ct = gt
-            A_c = A if ot is None else A[ot]
-            Vt_c = Vt if ot is None else Vt[ot]
-            G_c = A.new_empty(B, r, M)
-            for g, s0, s1 in _spans(ct):
-                torch.mm(A_c[s0:s1].view(-1, d), Y[g].t(), out=G_c[s0:s1].view(-1, M))
-        num = (G_c * Vt_c).sum((1, 2))
-        if inv_t is not None:
-            num = num[inv_t]
-        u1 = torch.bmm(a[:, None, :], M1).squeeze(1)
-        w1 = _mv(Kpy, b)
+            wbuf = A.new_empty(im.cmax * r * N)  # W_p = M1_g^T diag(a_p), written in the GEMM dtype
+            for g, s0, s1 in im.spans:
+                Wg = wbuf[:(s1 - s0) * r * N].view(s1 - s0, r, N)
+                torch.mul(M1T[g], a[s0:s1, None, :], out=Wg)
+                torch.mm(Wg.view(-1, N), Z[g].to(gd), out=A[s0:s1].view(-1, d))
+        # caption side, one GEMM per caption over its pairs: G_p = A_p Y_t^T [r, M], then
+        # GK_p = sum_k G_p[k, :] * Kpy_t[k, :] and num_p = GK_p . b_p
+        # G and GK are kept in caption order (tx.sorted); A is read per caption by a gather
+        if tx.slot is None:
+            G = torch.bmm(A, Yc.transpose(1, 2)).to(Z.dtype)
+            GK = (G * Kpy).sum(1)
+        else:
+            G = a.new_empty(P, r, M)
+            GK = a.new_empty(P, M)
+            for t, s0, s1 in tx.spans:
+                Gt = (tx.take(A, s0, s1).view(-1, d) @ Yc[t].t()).view(s1 - s0, r, M)
+                G[s0:s1] = Gt
+                torch.sum(G[s0:s1] * Kpy[t], 1, out=GK[s0:s1])
+            GK = tx.unsorted(GK)
+        num = (GK * b).sum(1)
+        u1 = im.mvt(M1, a)  # a^T M1
+        w1 = tx.mv(Kpy, b)  # Kpy b
         den = (u1 * w1).sum(-1)
         if bool((den.abs() < 1e-12).any()):
             raise _Fallback()
-        ctx.save_for_backward(M1, Kpy, Z, Y, a, b, Wt, Vt_c, A_c, G_c, u1, w1, num, den)
+        ctx.save_for_backward(M1, M1T, Kpy, Z, Y, Zc if Zc is not None else Z, Yc, a, b, A, G, GK, u1, w1, num, den,
+                              Pn, logZP, rs_i, Kzp, logPY, cs_t, Kpp_e, inv)
         ctx.saved = saved
-        ctx.extra = (mask_v, mask_t, gi, gt, ot, inv_t)
+        ctx.extra = (mask_v, mask_t, im, tx)
         ctx.consts = consts
         return num / den
 
     @staticmethod
     def backward(ctx, g):
-        M1, Kpy, Z, Y, a, b, Wt, Vt_c, A_c, G_c, u1, w1, num, den = ctx.saved_tensors
-        mask_v, mask_t, gi, gt, ot, inv_t = ctx.extra
-        av, at, n_iter, center, clamp, q_floor = ctx.consts
+        (M1, M1T, Kpy, Z, Y, Zc, Yc, a, b, A, G, GK, u1, w1, num, den,
+         Pn, logZP, rs_i, Kzp, logPY, cs_t, Kpp_e, inv) = ctx.saved_tensors
+        mask_v, mask_t, im, tx = ctx.extra
+        av, at, n_iter, center, clamp, q_floor, gemm_dtype, eps, kpp_reg = ctx.consts
+        gdt = gemm_dtype or Z.dtype
+        P = a.shape[0]
+        N, r = M1.shape[1:]
+        M, d = Y.shape[1:]
         gn = g / den
         gd = -g * num / den ** 2
-        # --- score ----------------------------------------------------------------------------
-        # num = <A, Bm>, A = Wt Z (image side), Bm = Vt Y (caption side); Bmg = gn * Bm
-        gn_c = gn if ot is None else gn[ot]
-        dVt = G_c * gn_c[:, None, None]  # gn A Y^T
-        if ot is not None:
-            dVt = dVt[inv_t]
-        Vg_c = Vt_c * gn_c[:, None, None]
-        need_y = ctx.needs_input_grad[7]
-        dY = None
-        if gt is None:
-            Bmg = torch.bmm(Vg_c, Y)
+        need_z, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # --- score, caption side: Vg_p = gn_p Kpy_t diag(b_p); Bmg_p = Vg_p Y_t = dnum/dA_p;
+        # dY_t = sum_p Vg_p^T A_p; dKpy_t = sum_p gn_p G_p diag(b_p); db_p = gn_p GK_p
+        gb = gn[:, None] * b  # [P, M]
+        db = gn[:, None] * GK
+        dY = Y.new_zeros(Y.shape) if need_y else None
+        if tx.slot is None:
+            Vg = (Kpy * gb[:, None, :])
+            Bmg = torch.bmm(Vg.to(gdt), Yc)
+            dKpy = G * gb[:, None, :]
             if need_y:
-                dY = torch.bmm(Vg_c.transpose(1, 2), A_c)
+                dY = torch.bmm(Vg.to(gdt).transpose(1, 2), A).to(Y.dtype)
         else:
-            B, r, M = Vg_c.shape
-            d = Y.shape[2]
-            Bmg = Vg_c.new_empty(B, r, d)
-            if need_y:
-                dY = Vg_c.new_zeros(Y.shape)
-            for g, s0, s1 in _spans(gt[2]):
-                Vg = Vg_c[s0:s1].view(-1, M)
-                torch.mm(Vg, Y[g], out=Bmg[s0:s1].view(-1, d))
+            Bmg_c = A.new_empty(P, r, d)  # caption order
+            dKpy = Kpy.new_zeros(Kpy.shape)
+            gb_c = tx.sorted(gb)
+            for t, s0, s1 in tx.spans:
+                c = s1 - s0
+                gbt = gb_c[s0:s1, None, :]  # [c, 1, M]
+                Vg = (Kpy[t] * gbt).to(gdt).view(-1, M)  # [c*r, M]
+                torch.mm(Vg, Yc[t], out=Bmg_c[s0:s1].view(-1, d))
+                torch.sum(G[s0:s1] * gbt, 0, out=dKpy[t])
                 if need_y:
-                    torch.mm(Vg.t(), A_c[s0:s1].view(-1, d), out=dY[g])
-            if ot is not None:
-                Bmg = Bmg[inv_t]
-        dWt = _gl(Bmg, Z.transpose(1, 2), gi)  # [B,r,N]
-        dZ = _gt(Wt, Bmg, gi, Z.shape[0]) if ctx.needs_input_grad[6] else None
+                    dY[t] = (Vg.t() @ tx.take(A, s0, s1).view(-1, d)).to(Y.dtype)
+        # --- score, image side (pairs in image order): dWt_p = Bmg_p Z_g^T [r, N];
+        # dM1_g = sum_p (dWt_p diag(a_p))^T; da_p = sum_k dWt_p * M1_g^T; dZ_g = sum_p Wt_p^T Bmg_p
+        dZ = None
+        if im.slot is None:
+            if tx.slot is not None:
+                Bmg = tx.unsorted(Bmg_c)
+            D = torch.bmm(Bmg, Zc.transpose(1, 2))  # [P, r, N]
+            dM1 = (D * a[:, None, :]).transpose(1, 2)
+            da = (D * M1T).sum(1)
+            if need_z:
+                dZ = torch.bmm((M1T * a[:, None, :]).to(gdt).transpose(1, 2), Bmg).to(Z.dtype)
+        else:
+            dM1 = M1.new_zeros(M1.shape)
+            da = a.new_empty(a.shape)
+            if need_z:
+                # in the GEMM dtype (one conversion at the end); images without pairs stay 0
+                dZ = Z.new_empty(Z.shape, dtype=gdt)
+                covered = torch.zeros(im.G, dtype=torch.bool)
+                covered[[s[0] for s in im.spans]] = True
+                if not bool(covered.all()):
+                    dZ[~covered] = 0
+            wbuf = A.new_empty(im.cmax * r * N)
+            for gi, s0, s1 in im.spans:
+                if tx.slot is None:
+                    Bg = Bmg[s0:s1].view(-1, d)
+                elif tx.inv is None:
+                    Bg = Bmg_c[s0:s1].view(-1, d)
+                else:
+                    Bg = Bmg_c.index_select(0, tx.inv[s0:s1]).view(-1, d)  # [c*r, d]
+                D = (Bg @ Z[gi].to(gdt).t()).view(s1 - s0, r, N)  # GEMM dtype; promoted in the products
+                ag = a[s0:s1, None, :]
+                torch.sum(D * ag, 0, out=dM1[gi].t())
+                torch.sum(D * M1T[gi], 1, out=da[s0:s1])
+                if need_z:
+                    Wg = wbuf[:(s1 - s0) * r * N].view(-1, N)
+                    torch.mul(M1T[gi], ag, out=Wg.view(s1 - s0, r, N))
+                    torch.mm(Wg.t(), Bg, out=dZ[gi])
         du1 = gd[:, None] * w1
         dw1 = gd[:, None] * u1
-        M1T = M1.transpose(1, 2).contiguous()
-        dM1 = (dWt * a[:, None, :]).transpose(1, 2)
-        dKpy = dVt * b[:, None, :]
-        da = (dWt * M1T).sum(1) + _mv(M1, du1)
-        db = (dVt * Kpy).sum(1) + torch.bmm(dw1[:, None, :], Kpy).squeeze(1)
-        # rank-1 kernel terms, summed at the end as one product each
+        da = da + im.mv(M1, du1)
+        db = db + tx.mvt(Kpy, dw1)
+        # rank-1 kernel terms, summed at the end as one product per side
         m1_l, m1_r, kp_l, kp_r = [a], [du1], [dw1], [b]
         gla = da * a  # the max shift of a, b cancels exactly in the ratio
         glb = db * b
@@ -686,37 +817,61 @@ class _LowRankScoreFn(torch.autograd.Function):
 
         for l in range(int(n_iter) - 1, -1, -1):
             s1, k1, s2, k2 = ctx.saved[l]
-            # b half: lb = post(at * (lnu - cs - Lq2) + cs)
+            # b half: lb = post(at * (lnu - cs - Lq2) + cs); q2 = Kpy^T h, h = M1^T ev
             gp = post_back(glb, k2, mask_t)
             glnu = glnu + at * gp
             gcs = gcs + (1.0 - at) * gp
             gq, gc, v_log, c, ev, h = logq_back(-at * gp, s2)
-            # q = Kpy^T h, h = M1^T ev
-            dh = _mv(Kpy, gq)
-            kp_l.append(h); kp_r.append(gq)
-            dev = _mv(M1, dh)
-            m1_l.append(ev); m1_r.append(dh)
+            dh = tx.mv(Kpy, gq)
+            kp_l.append(h)
+            kp_r.append(gq)
+            dev = im.mv(M1, dh)
+            m1_l.append(ev)
+            m1_r.append(dh)
             t = dev * ev
             gla = gla + t + _amax_grad(v_log, c, gc - t.sum(1, keepdim=True))
-            # a half: la = post(av * (lmu - rs - Lq1) + rs)
+            # a half: la = post(av * (lmu - rs - Lq1) + rs); q1 = M1 h, h = Kpy ev
             gp = post_back(gla, k1, mask_v)
             glmu = glmu + av * gp
             grs = grs + (1.0 - av) * gp
             gq, gc, v_log, c, ev, h = logq_back(-av * gp, s1)
-            # q = M1 h, h = Kpy ev
-            dh = torch.bmm(gq[:, None, :], M1).squeeze(1)
-            m1_l.append(gq); m1_r.append(h)
-            dev = torch.bmm(dh[:, None, :], Kpy).squeeze(1)
-            kp_l.append(dh); kp_r.append(ev)
+            dh = im.mvt(M1, gq)
+            m1_l.append(gq)
+            m1_r.append(h)
+            dev = tx.mvt(Kpy, dh)
+            kp_l.append(dh)
+            kp_r.append(ev)
             t = dev * ev
             glb = t + _amax_grad(v_log, c, gc - t.sum(1, keepdim=True))
             gla = torch.zeros_like(gla)
         if mask_t is not None:
             glb = glb * mask_t
         gcs = gcs + glb
-        dM1 = torch.baddbmm(dM1, torch.stack(m1_l, 2), torch.stack(m1_r, 1))
-        dKpy = torch.baddbmm(dKpy, torch.stack(kp_l, 2), torch.stack(kp_r, 1))
-        return dM1, dKpy, grs, gcs, glmu, glnu, dZ, dY, None, None, None, None, None
+        dM1 = dM1 + im.outer_sum(torch.stack(m1_l, 1), torch.stack(m1_r, 1))
+        dKpy = dKpy + tx.outer_sum(torch.stack(kp_l, 1), torch.stack(kp_r, 1))
+        # --- sub-kernels: M1 = Kzp K_PP^-1, Kzp = exp(logZP - rs), rs = max_k logZP,
+        # logZP = (Z Pn^T - 1)/eps; the same for K_PY (max over anchors); K_PP = exp((Pn Pn^T - 1)/eps) + lam I
+        tiny = torch.finfo(Z.dtype).tiny
+        r = Pn.shape[0]
+        dKzp = torch.matmul(dM1, inv)
+        dinv = Kzp.reshape(-1, r).t() @ dM1.reshape(-1, r)
+        tz = dKzp * Kzp
+        tz.masked_fill_(tz.abs() < tiny, 0.0)
+        drs = im.segsum(grs) - tz.sum(2)
+        dlogZP = tz + _amax_grad(logZP, rs_i[..., None], drs[..., None], dim=2)
+        tp = dKpy * Kpy
+        tp.masked_fill_(tp.abs() < tiny, 0.0)
+        dcs = tx.segsum(gcs) - tp.sum(1)
+        dlogPY = tp + _amax_grad(logPY, cs_t[:, None, :], dcs[:, None, :], dim=1)
+        dS = -(inv @ dinv @ inv) * Kpp_e / eps
+        dPn = ((dlogZP.reshape(-1, r).t() @ Z.reshape(-1, d) + torch.einsum("tkj,tjd->kd", dlogPY, Y)) / eps
+               + (dS + dS.t()) @ Pn)
+        if need_z:
+            dZ = dZ.to(Z.dtype)
+            dZ.view(-1, d).addmm_(dlogZP.reshape(-1, r), Pn, alpha=1.0 / eps)
+        if need_y:
+            dY.view(-1, d).addmm_(dlogPY.transpose(1, 2).reshape(-1, r), Pn, alpha=1.0 / eps)
+        return dZ, dY, dPn, glmu, glnu, None, None, None, None, None
 
 
 @dataclass
@@ -806,12 +961,19 @@ def _normalize(x: Tensor) -> Tensor:
 
 
 def _solve_right(Kpp: Tensor, Kzp: Tensor) -> Tensor:
-    """Kzp @ Kpp^-1 for symmetric Kpp [r,r] (shared) or [B,r,r]; linalg.solve, lstsq fallback."""
+    """Kzp @ Kpp^-1 for symmetric Kpp [r,r] (shared) or [B,r,r].
+
+    Shared anchors: the r x r inverse once, then one GEMM (a triangular solve with B*N right-hand
+    sides ran about 10x slower than the GEMM on CPU, forward and backward); per-problem anchors:
+    ``linalg.solve``. Either falls back to ``lstsq`` when the factorisation fails or is not finite."""
     r = Kpp.shape[-1]
     if Kpp.dim() == 2:
-        rhs = Kzp.reshape(-1, r).t()  # [r, B*N]
-    else:
-        rhs = Kzp.transpose(-1, -2)
+        inv, info = torch.linalg.inv_ex(Kpp)
+        if int(info) == 0 and bool(torch.isfinite(inv).all()):
+            return torch.matmul(Kzp, inv)  # Kpp^-1 is symmetric
+        sol = torch.linalg.lstsq(Kpp, Kzp.reshape(-1, r).t()).solution
+        return sol.t().reshape(Kzp.shape)
+    rhs = Kzp.transpose(-1, -2)
     sol = None
     try:
         sol = torch.linalg.solve(Kpp, rhs)
@@ -821,8 +983,6 @@ def _solve_right(Kpp: Tensor, Kzp: Tensor) -> Tensor:
         sol = None
     if sol is None:
         sol = torch.linalg.lstsq(Kpp, rhs).solution
-    if Kpp.dim() == 2:
-        return sol.t().reshape(Kzp.shape)
     return sol.transpose(-1, -2)
 
 
@@ -847,6 +1007,7 @@ def uot_lowrank(
     q_floor: float = 1e-8,
     normalize_anchors: bool = True,
     _score: Optional[bool] = None,
+    _gemm_dtype: Optional[torch.dtype] = None,
 ) -> LowRankUOT:
     """Low-rank generalised Sinkhorn with r concept anchors (Algorithm 1), batched.
 
@@ -875,6 +1036,31 @@ def uot_lowrank(
     shared_P = P.dim() == 2
     r = P.shape[-2]
 
+    if _score is not None and shared_P and int(n_iter) >= 1:
+        # fused path (the training path): sub-kernels, iterations and score in one Function with a
+        # hand-written backward; M1 stays per image and K_PY per caption (see _Layout). Pairs in
+        # image order, so that the score's per-image GEMMs read contiguous slices (results are
+        # scattered back to the caller's order at the end).
+        im_i, tx_i, unsort = img_index, txt_index, None
+        if im_i is not None:
+            unsort = torch.argsort(im_i, stable=True)
+            im_i = im_i[unsort]
+            if tx_i is not None:
+                tx_i = tx_i[unsort]
+        mu_p = mu if im_i is None else mu[im_i]
+        mv_p = mask_v if (mask_v is None or im_i is None) else mask_v[im_i]
+        nu_p = nu if tx_i is None else nu[tx_i]
+        mt_p = mask_t if (mask_t is None or tx_i is None) else mask_t[tx_i]
+        mv_p = None if mv_p is None else mv_p.to(torch.bool)
+        mt_p = None if mt_p is None else mt_p.to(torch.bool)
+        try:
+            s = _LowRankScoreFn.apply(Z, Y, P, _log_mass(mu_p, mv_p), _log_mass(nu_p, mt_p), mv_p, mt_p, im_i, tx_i,
+                                      (av, at, int(n_iter), center, clamp, q_floor, _gemm_dtype, eps, float(kpp_reg)))
+            s = torch.tanh(s) if _score else s
+            return s if unsort is None else torch.empty_like(s).index_put((unsort,), s)
+        except _Fallback:
+            pass
+
     # --- sub-kernels (log domain, max-subtracted) --------------------------------------------
     if shared_P:
         logZP = (torch.matmul(Z, P.t()) - 1.0) / eps  # [Bi,N,r]
@@ -892,18 +1078,10 @@ def uot_lowrank(
     Kzp = torch.exp(logZP - row_shift[..., None])
     Kpy = torch.exp(logPY - col_shift[:, None, :])
 
-    # M1 = Kzp Kpp^-1 (K_PP symmetric): M1^T = solve(Kpp, Kzp^T). With shared anchors this is ONE
-    # factorisation and one multi-right-hand-side solve for the whole batch.
+    # M1 = Kzp Kpp^-1 (K_PP symmetric). With shared anchors: ONE r x r inverse and one GEMM for the
+    # whole batch.
     M1 = _solve_right(Kpp, Kzp)
 
-    unsort = None
-    if _score is not None and img_index is not None and int(n_iter) >= 1:
-        # fused path: pairs in image order, so that the score's per-image GEMMs read contiguous
-        # slices (results are scattered back to the caller's order at the end)
-        unsort = torch.argsort(img_index, stable=True)
-        img_index = img_index[unsort]
-        if txt_index is not None:
-            txt_index = txt_index[unsort]
     if img_index is not None:
         Kzp, M1, row_shift, mu = Kzp[img_index], M1[img_index], row_shift[img_index], mu[img_index]
         if mask_v is not None:
@@ -919,14 +1097,6 @@ def uot_lowrank(
 
     lmu = _log_mass(mu, mask_v)
     lnu = _log_mass(nu, mask_t)
-    if _score is not None and int(n_iter) >= 1:
-        try:
-            s = _LowRankScoreFn.apply(M1, Kpy, row_shift, col_shift, lmu, lnu, Z, Y, mask_v, mask_t,
-                                      img_index, txt_index, (av, at, int(n_iter), center, clamp, q_floor))
-            s = torch.tanh(s) if _score else s
-            return s if unsort is None else torch.empty_like(s).index_put((unsort,), s)
-        except _Fallback:
-            pass
 
     def post(x, mask):
         if center:
@@ -969,9 +1139,8 @@ def uot_lowrank(
     if la is None:
         la = row_shift.clone()
     res = LowRankUOT(la, lb, Kzp, Kpy, M1, row_shift, col_shift, mask_v, mask_t)
-    if _score is not None:
-        s = res.score(Z, Y, tanh=_score, img_index=img_index, txt_index=txt_index)
-        return s if unsort is None else torch.empty_like(s).index_put((unsort,), s)
+    if _score is not None:  # the fused path fell back (clamped denominator or singular K_PP)
+        return res.score(Z, Y, tanh=_score, img_index=img_index, txt_index=txt_index)
     return res
 
 
@@ -988,19 +1157,27 @@ def uot_lowrank_score(
     *,
     tanh: bool = False,
     method: str = "fused",
+    gemm_dtype: Optional[torch.dtype] = None,
     **kw,
 ) -> Tensor:
     """``uot_lowrank(Z, Y, P, ...).score(Z, Y, tanh, img_index, txt_index)`` (the same function,
     same keyword options as :func:`uot_lowrank`) computed by one fused pass with a hand-written
     backward of the iterations and of the score (``method="fused"``, the training path), falling
     back to the autograd path when the score's denominator is clamped; ``method="autograd"`` is
-    the reference path. Returns [B] scores."""
+    the reference path. Returns [B] scores.
+
+    ``gemm_dtype`` (fused path only): dtype of the score's N x r x d and M x r x d products, the
+    bulk of the arithmetic (forward and backward). None keeps the input dtype; torch.bfloat16
+    runs them 3-5x faster on CPUs with native bf16 (AVX512-BF16 / AMX) and on GPUs, with float32
+    accumulation inside each product; the Sinkhorn iterations, the denominator and all
+    reductions stay in the input dtype (mixed precision, as under autocast)."""
     if method not in ("fused", "autograd"):
         raise ValueError(f"method must be 'fused' or 'autograd', got {method!r}")
     if method == "autograd":
         res = uot_lowrank(Z, Y, P, mu, nu, eps, tau_v, tau_t, n_iter, **kw)
         return res.score(Z, Y, tanh=tanh, img_index=kw.get("img_index"), txt_index=kw.get("txt_index"))
-    return uot_lowrank(Z, Y, P, mu, nu, eps, tau_v, tau_t, n_iter, _score=bool(tanh), **kw)
+    return uot_lowrank(Z, Y, P, mu, nu, eps, tau_v, tau_t, n_iter, _score=bool(tanh), _gemm_dtype=gemm_dtype,
+                       **kw)
 
 
 def pair_similarities(Z: Tensor, Y: Tensor, img_index: Tensor, txt_index: Tensor):

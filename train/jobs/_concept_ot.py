@@ -47,6 +47,10 @@ class ConceptOTModel(nn.Module):
         self.cfg = cfg
         v = cfg.variant
         self.variant = v
+        g = cfg.ot_gemm_dtype
+        if g == "auto":  # follow the trainer's mixed precision
+            g = "bfloat16" if cfg.amp == "bf16" else "float32"
+        self.gemm_dtype = torch.bfloat16 if g == "bfloat16" else None
         if v != "global-only":
             self.W_v = nn.Linear(d_v, cfg.d_c, bias=False)
             self.W_t = nn.Linear(d_t, cfg.d_c, bias=False)
@@ -103,7 +107,7 @@ class ConceptOTModel(nn.Module):
                 return uot_lowrank_score(img["z"], txt["y"], self.anchors, img["mu"], txt["nu"], cfg.eps, cfg.tau_v,
                                          cfg.tau_t, cfg.n_iter, mask_t=txt["mask"], img_index=ii, txt_index=tt,
                                          kpp_reg=cfg.kpp_reg, center=cfg.lr_center, clamp=cfg.lr_clamp,
-                                         tanh=cfg.score_tanh)
+                                         tanh=cfg.score_tanh, gemm_dtype=self.gemm_dtype)
             if v == "text-attn":
                 logits = torch.bmm(txt["q"][tt], img["k"][ii].transpose(1, 2)) / math.sqrt(cfg.d_c)  # [P,M,N]
                 att = torch.softmax(logits, dim=-1)
