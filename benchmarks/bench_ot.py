@@ -120,6 +120,7 @@ def main():
     global CLOCK
     CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(True)  # as the trainer runs (TrainerConfig.flush_denormal)
     reps = 2 if a.quick else a.reps
     N, M, d, r, Bimg, Kh = 196, 48, 256, 32, 64, 4
     img, txt = training_pairs(Bimg, Kh)

@@ -220,10 +220,14 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
     prev_threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    # torch has no getter for the denormal mode: set it for the run, back to the default (off) after
+    flush = bool(cfg.flush_denormal) and torch.set_flush_denormal(True)
     try:
         return _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after)
     finally:
         torch.set_num_threads(prev_threads)
+        if flush:
+            torch.set_flush_denormal(False)
 
 
 def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after) -> dict:

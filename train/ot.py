@@ -728,7 +728,7 @@ class _LowRankScoreFn(torch.autograd.Function):
         # dY_t = sum_p Vg_p^T A_p; dKpy_t = sum_p gn_p G_p diag(b_p); db_p = gn_p GK_p
         gb = gn[:, None] * b  # [P, M]
         db = gn[:, None] * GK
-        dY = Y.new_zeros(Y.shape) if need_y else None
+        dY = Y.new_zeros(Y.shape) if (need_y and tx.slot is not None) else None
         if tx.slot is None:
             Vg = (Kpy * gb[:, None, :])
             Bmg = torch.bmm(Vg.to(gdt), Yc)
@@ -757,7 +757,7 @@ class _LowRankScoreFn(torch.autograd.Function):
             dM1 = (D * a[:, None, :]).transpose(1, 2)
             da = (D * M1T).sum(1)
             if need_z:
-                dZ = torch.bmm((M1T * a[:, None, :]).to(gdt).transpose(1, 2), Bmg).to(Z.dtype)
+                dZ = torch.bmm((M1 * a[:, :, None]).to(gdt), Bmg).to(Z.dtype)  # (diag(a) M1) Bmg
         else:
             dM1 = M1.new_zeros(M1.shape)
             da = a.new_empty(a.shape)
@@ -864,7 +864,8 @@ class _LowRankScoreFn(torch.autograd.Function):
         dcs = tx.segsum(gcs) - tp.sum(1)
         dlogPY = tp + _amax_grad(logPY, cs_t[:, None, :], dcs[:, None, :], dim=1)
         dS = -(inv @ dinv @ inv) * Kpp_e / eps
-        dPn = ((dlogZP.reshape(-1, r).t() @ Z.reshape(-1, d) + torch.einsum("tkj,tjd->kd", dlogPY, Y)) / eps
+        dPn = ((dlogZP.reshape(-1, r).t() @ Z.reshape(-1, d)
+                + dlogPY.transpose(0, 1).reshape(r, -1) @ Y.reshape(-1, d)) / eps
                + (dS + dS.t()) @ Pn)
         if need_z:
             dZ = dZ.to(Z.dtype)
