@@ -762,8 +762,9 @@ class _LowRankScoreFn(torch.autograd.Function):
             dM1 = M1.new_zeros(M1.shape)
             da = a.new_empty(a.shape)
             if need_z:
-                # in the GEMM dtype (one conversion at the end); images without pairs stay 0
-                dZ = Z.new_empty(Z.shape, dtype=gdt)
+                # images without pairs stay 0; in bf16 each image's product goes through a small scratch
+                dZ = Z.new_empty(Z.shape)
+                zbuf = None if gdt == Z.dtype else Z.new_empty((N, d), dtype=gdt)
                 covered = torch.zeros(im.G, dtype=torch.bool)
                 covered[[s[0] for s in im.spans]] = True
                 if not bool(covered.all()):
@@ -783,7 +784,10 @@ class _LowRankScoreFn(torch.autograd.Function):
                 if need_z:
                     Wg = wbuf[:(s1 - s0) * r * N].view(-1, N)
                     torch.mul(M1T[gi], ag, out=Wg.view(s1 - s0, r, N))
-                    torch.mm(Wg.t(), Bg, out=dZ[gi])
+                    if zbuf is None:
+                        torch.mm(Wg.t(), Bg, out=dZ[gi])
+                    else:
+                        dZ[gi].copy_(torch.mm(Wg.t(), Bg, out=zbuf))
         du1 = gd[:, None] * w1
         dw1 = gd[:, None] * u1
         da = da + im.mv(M1, du1)
@@ -868,7 +872,6 @@ class _LowRankScoreFn(torch.autograd.Function):
                 + dlogPY.transpose(0, 1).reshape(r, -1) @ Y.reshape(-1, d)) / eps
                + (dS + dS.t()) @ Pn)
         if need_z:
-            dZ = dZ.to(Z.dtype)
             dZ.view(-1, d).addmm_(dlogZP.reshape(-1, r), Pn, alpha=1.0 / eps)
         if need_y:
             dY.view(-1, d).addmm_(dlogPY.transpose(1, 2).reshape(-1, r), Pn, alpha=1.0 / eps)
