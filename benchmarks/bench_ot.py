@@ -225,35 +225,48 @@ def main():
     rec("dense-uot step (costs+score)", t_ds, per_pair(lambda: dense_step(Zig, Yig).sum().backward()))
 
     if not a.quick:
-        print("\nscaling (fwd+bwd ms/pair): batch size (pairs)")
+        # conceptot here is the training path: batch structure (B images, B captions, K_h=4 hard
+        # negatives both ways -> 9B pairs), fused, float32 / bf16 score GEMMs
+        def lr_train(Bimg_, N_, r_, gemm):
+            img_, txt_ = training_pairs(Bimg_, Kh)
+            Zs, Ys, mus, nus = make_batch(Bimg_, N_, M, d, seed=2)
+            Zs.requires_grad_()
+            Ys.requires_grad_()
+            Ps = (torch.randn(r_, d, generator=torch.Generator().manual_seed(1)) * 0.02).requires_grad_()
+            return len(img_), lambda: uot_lowrank_score(Zs, Ys, Ps, mus, nus, EPS, TAU, TAU, L, img_index=img_,
+                                                        txt_index=txt_, tanh=True, gemm_dtype=gemm,
+                                                        **lr_kw).sum().backward()
+
+        def lr_row(Bimg_, N_, r_):
+            n32, f32 = lr_train(Bimg_, N_, r_, None)
+            n16, f16 = lr_train(Bimg_, N_, r_, torch.bfloat16)
+            return per_pair(f32, n32), per_pair(f16, n16)
+
+        print("\nscaling (fwd+bwd ms/pair): batch size (pairs); conceptot = training path, float32 / bf16 GEMMs")
         out["scaling_batch"] = {}
-        for Bp in (64, 192, 576, 1152):
+        for Bi in (8, 32, 64, 128):
+            Bp = Bi * (1 + 2 * Kh)
             Cb = torch.cat([Cg.detach()] * 2)[:Bp].clone().requires_grad_()
             mb, nb = torch.cat([mu] * 2)[:Bp], torch.cat([nu] * 2)[:Bp]
-            Zb, Yb = torch.cat([Z] * 2)[:Bp].clone().requires_grad_(), torch.cat([Y] * 2)[:Bp].clone().requires_grad_()
             td = per_pair(lambda: uot_dense_score(Cb, mb, nb, EPS, TAU, TAU, L).sum().backward(), Bp)
-            tl = per_pair(lambda: uot_lowrank(Zb, Yb, Pg, mb, nb, EPS, TAU, TAU, L, **lr_kw).score(Zb, Yb, tanh=True).sum().backward(), Bp)
-            out["scaling_batch"][Bp] = {"dense": td, "conceptot": tl}
-            print(f"  B={Bp:5d}  dense-uot {td:.4f}  conceptot {tl:.4f}")
+            tl, tl16 = lr_row(Bi, N, r)
+            out["scaling_batch"][Bp] = {"dense": td, "conceptot": tl, "conceptot_bf16": tl16}
+            print(f"  B={Bp:5d}  dense-uot {td:.4f}  conceptot {tl:.4f} / {tl16:.4f}")
         print("scaling (fwd+bwd ms/pair, 576 pairs): N patches")
         out["scaling_N"] = {}
         for Nn in (49, 196, 576):
             Zn, Yn, mun, nun = make_batch(P_pairs, Nn, M, d, seed=2)
             Cn = (1 - torch.bmm(Zn, Yn.transpose(1, 2))).requires_grad_()
-            Zn.requires_grad_()
             td = per_pair(lambda: uot_dense_score(Cn, mun, nun, EPS, TAU, TAU, L).sum().backward())
-            tl = per_pair(lambda: uot_lowrank(Zn, Yn, Pg, mun, nun, EPS, TAU, TAU, L, **lr_kw).score(Zn, Yn, tanh=True).sum().backward())
-            out["scaling_N"][Nn] = {"dense": td, "conceptot": tl}
-            print(f"  N={Nn:5d}  dense-uot {td:.4f}  conceptot {tl:.4f}")
-        print("scaling (conceptot, 576 pairs, fwd / fwd+bwd ms/pair): rank r")
+            tl, tl16 = lr_row(Bimg, Nn, r)
+            out["scaling_N"][Nn] = {"dense": td, "conceptot": tl, "conceptot_bf16": tl16}
+            print(f"  N={Nn:5d}  dense-uot {td:.4f}  conceptot {tl:.4f} / {tl16:.4f}")
+        print("scaling (conceptot training path, 576 pairs, fwd+bwd ms/pair float32 / bf16): rank r")
         out["scaling_r"] = {}
         for rr in (8, 16, 32, 64, 128):
-            Pr = (torch.randn(rr, d) * 0.02).requires_grad_()
-            with torch.no_grad():
-                tf = per_pair(lambda: uot_lowrank(Z, Y, Pr, mu, nu, EPS, TAU, TAU, L, **lr_kw).score(Z, Y, tanh=True))
-            tb = per_pair(lambda: uot_lowrank(Zg, Yg, Pr, mu, nu, EPS, TAU, TAU, L, **lr_kw).score(Zg, Yg, tanh=True).sum().backward())
-            out["scaling_r"][rr] = {"fwd": tf, "fwd_bwd": tb}
-            print(f"  r={rr:4d}  fwd {tf:.4f}  fwd+bwd {tb:.4f}")
+            tl, tl16 = lr_row(Bimg, N, rr)
+            out["scaling_r"][rr] = {"fwd_bwd": tl, "fwd_bwd_bf16": tl16}
+            print(f"  r={rr:4d}  fwd+bwd {tl:.4f} / {tl16:.4f}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -33,7 +33,7 @@ def data(tmp_path_factory):
     return out, pl_
 
 
-def _run(out: Path, pl_, variant: str) -> dict:
+def _run(out: Path, pl_, variant: str, extra: tuple[str, ...] = (), name: str | None = None) -> dict:
     from pipeline.config import load_manifest
     from train.jobs.concept_ot import make_job
     from train.loop import train
@@ -42,9 +42,9 @@ def _run(out: Path, pl_, variant: str) -> dict:
         f"output={out}", f"train.concept_ot.variant={variant}", "train.concept_ot.batch_size=32",
         "train.concept_ot.d_c=32", "train.concept_ot.rank=16", "train.concept_ot.max_steps=80",
         "train.concept_ot.lr=1e-2", "train.concept_ot.eval_splits=[test]", "train.concept_ot.threads=1",
-        f"train.concept_ot.sugarcrepe_dirs=[{out / 'sugarcrepe'}]", "train.concept_ot.heatmaps=1",
+        f"train.concept_ot.sugarcrepe_dirs=[{out / 'sugarcrepe'}]", "train.concept_ot.heatmaps=1", *extra,
     ])
-    job = make_job(m.train.concept_ot, m, out / "train" / variant, torch.device("cpu"))
+    job = make_job(m.train.concept_ot, m, out / "train" / (name or variant), torch.device("cpu"))
 
     def encode_texts(texts):  # the planted "text encoder" stands in for the CLIP text tower
         enc = [pl_.text(t) for t in texts]
@@ -64,13 +64,15 @@ def test_planted_signal_retrieval_and_compositionality(data):
     chance = base["chance/t2i_R@1"]
     assert base["global/avg_R@1"] > 3 * chance  # the pooled embeddings are informative, weakly
     print("global-only", {k: round(v, 1) for k, v in base.items() if isinstance(v, float)})
-    for variant in ("dense-uot", "conceptot"):
-        res = _run(out, pl_, variant)
-        print(variant, {k: round(v, 1) for k, v in res.items() if isinstance(v, float)})
+    # conceptot-bf16: mixed precision (bf16 autocast, bf16 score products in the fused solver)
+    for name, variant, extra in (("dense-uot", "dense-uot", ()), ("conceptot", "conceptot", ()),
+                                 ("conceptot-bf16", "conceptot", ("train.concept_ot.amp=bf16",))):
+        res = _run(out, pl_, variant, extra, name)
+        print(name, {k: round(v, 1) for k, v in res.items() if isinstance(v, float)})
         assert res["global/avg_R@1"] == pytest.approx(base["global/avg_R@1"])
         assert res["rerank/avg_R@1"] >= base["global/avg_R@1"] + 10
         assert res["rerank/i2t_R@1"] > 5 * chance and res["rerank/t2i_R@1"] > 5 * chance
         assert res["sugarcrepe/triples"] > 50
         assert res["sugarcrepe/overall"] >= 62
         assert res["sugarcrepe/overall"] >= base["sugarcrepe/overall"] + 5
-        assert list((out / "train" / variant / "eval" / "final").glob("heatmap_*.png"))
+        assert list((out / "train" / name / "eval" / "final").glob("heatmap_*.png"))
