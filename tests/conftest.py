@@ -51,3 +51,15 @@ def make_manifest(tmp_path: Path, overrides: list[str] | None = None, path: str 
 
     base = [f"output={tmp_path / 'run'}", "ray.num_cpus=2", "ray.object_store_memory=134217728"]
     return load_manifest(path or REPO / "manifests" / "demo.yaml", base + list(overrides or []))
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensor programs: one torch thread is fastest and robust to a shared, oversubscribed
+    CPU (used by the OT / trainer test modules through ``pytestmark``)."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

@@ -22,12 +22,7 @@ from pipeline.io.artifacts import Artifact, ArtifactWriter, unit_name  # noqa: E
 K = 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_index(out: Path, name: str = "index", id_offset: int = 0, files: int = 2) -> dict:

@@ -17,13 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cot_planted import write_planted  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensor programs: one thread is fastest and robust to a shared, oversubscribed CPU."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ from train.ot import (  # noqa: E402
 EPS, TV, TT, L = 0.07, 0.2, 0.2, 5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensor programs: one thread is fastest and robust to a shared, oversubscribed CPU."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pot_uot(C, mu, nu, eps, tv, tt, n_iter):

@@ -24,13 +24,7 @@ from train.loop import lr_factor  # noqa: E402
 SHARED_SC = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small tensor programs: one thread is fastest and robust to a shared, oversubscribed CPU."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
