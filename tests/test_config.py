@@ -21,6 +21,18 @@ def test_set_overrides_use_yaml_scalars():
     assert m.dataset.synthetic.n_images == 7 and m.ray.address is None and m.name == "x y"
 
 
+def test_trainer_amp_off_survives_yaml(tmp_path):
+    """YAML 1.1 reads a bare `off` as false: `amp: off` must still mean "off", from a file or --set."""
+    m = load_manifest(None, ["train.concept_ot.amp=off"])
+    assert m.train.concept_ot.amp == "off"
+    f = tmp_path / "m.yaml"
+    f.write_text("train:\n  concept_ot:\n    amp: off\n")
+    assert load_manifest(f).train.concept_ot.amp == "off"
+    assert load_manifest(None, ["train.concept_ot.amp=bf16"]).train.concept_ot.amp == "bf16"
+    with pytest.raises(ManifestError, match="amp"):
+        load_manifest(None, ["train.concept_ot.amp=true"])
+
+
 def test_unknown_key_is_named(tmp_path):
     p = tmp_path / "m.yaml"
     p.write_text("name: x\nstages:\n  ingest: {shard_sise: 3}\n")

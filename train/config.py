@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pipeline.config import Section
 
@@ -24,8 +24,8 @@ class TrainerConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0, description="max global gradient norm (None: off)")
     amp: Literal["auto", "off", "fp16", "bf16"] = Field(
         "auto",
-        description="auto: fp16 autocast + loss scaling on CUDA, off on CPU; bf16: bfloat16 autocast (fast on CPUs "
-        "with AVX512-BF16 / AMX and on recent GPUs; concept-ot then also runs its OT score products in bf16)",
+        description="auto: fp16 autocast + loss scaling on CUDA, bf16 autocast on CPUs with native bf16 (AVX512-BF16 "
+        "/ AMX), off on other CPUs; bf16: bfloat16 autocast (concept-ot then also runs its OT score products in bf16)",
     )
     flush_denormal: bool = Field(
         True, description="CPU: flush denormal floats to zero while training (denormals slowed the OT products up to 10x)"
@@ -39,3 +39,9 @@ class TrainerConfig(Section):
     eval_every: int | None = Field(None, ge=1, description="steps between evaluations (None: at the end only)")
     ckpt_every: int = Field(200, ge=1, description="steps between checkpoints (always one at the end)")
     run_dir: str | None = Field(None, description="default <output>/train/<job>")
+
+    @field_validator("amp", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        # YAML 1.1 reads a bare `amp: off` (or `--set ...amp=off`) as the boolean false
+        return "off" if v is False else v

@@ -17,8 +17,8 @@ Job interface (subclass :class:`Job`; see train/jobs/concept_ot.py for a complet
     ``self.run_dir`` and ``self.device`` are set by the constructor.
 
 :func:`train` runs it: AdamW (weight decay on matrices only), linear warmup then cosine decay
-(per step), global-norm gradient clipping, autocast (fp16 + GradScaler on CUDA when
-``amp=auto``; bf16 on request), periodic checkpoints written atomically, resume with exact
+(per step), global-norm gradient clipping, autocast (``amp=auto``: fp16 + GradScaler on CUDA,
+bf16 on CPUs with native bf16, off elsewhere), periodic checkpoints written atomically, resume with exact
 continuation (model, optimizer, scheduler, scaler, RNG states and the data position, i.e. epoch
 and batch index, are restored; ``metrics.jsonl`` lines past the checkpoint are dropped; the loss
 curve is bit-identical when the CPU thread count is fixed, e.g. ``threads: 1``: multithreaded
@@ -80,8 +80,26 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 GEMMs run 3-5x faster than float32 there (BENCHMARKS.md, OT solvers);
+    elsewhere torch emulates bf16 on the CPU, slower than float32."""
+    cpu = getattr(torch, "cpu", None)
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        f = getattr(cpu, probe, None)
+        try:
+            if f is not None and f():
+                return True
+        except Exception:  # a probe missing from this torch build
+            pass
+    return False
+
+
 def amp_settings(amp: str, device: torch.device) -> tuple[bool, torch.dtype | None, bool]:
-    """(enabled, dtype, use_grad_scaler)."""
+    """(enabled, dtype, use_grad_scaler). ``auto``: fp16 + loss scaling on CUDA, bf16 on a CPU with
+    native bf16, off on other CPUs (the paper trains in mixed precision; DESIGN.md: "mixed
+    precision where available")."""
+    if amp == "auto" and device.type == "cpu" and cpu_has_native_bf16():
+        amp = "bf16"
     if amp == "off" or (amp == "auto" and device.type != "cuda"):
         return False, None, False
     if amp == "bf16":

@@ -20,7 +20,7 @@ from train.data import ParquetJoin, ShardStream, loader
 from train.eval.retrieval import retrieval_report
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
 from train.index_negatives import IndexMissing, IndexNeighbours, IndexNeighbourStream, SampleTable, index_hits
-from train.loop import Job
+from train.loop import Job, amp_settings
 from train.ot import anchor_diversity, pair_similarities, uot_dense, uot_dense_score, uot_lowrank, uot_lowrank_score
 
 TRANSPORT = ("conceptot", "dense-uot", "balanced-ot")
@@ -42,14 +42,15 @@ class ConceptOTModel(nn.Module):
     """Trainable parts: projections W_v, W_t (d -> d_c, no bias), mass heads (Linear d -> 1),
     anchors P [r, d_c] ~ N(0, 0.02) (conceptot), query/key projections (text-attn)."""
 
-    def __init__(self, cfg, d_v: int, d_t: int):
+    def __init__(self, cfg, d_v: int, d_t: int, device: torch.device | None = None):
         super().__init__()
         self.cfg = cfg
         v = cfg.variant
         self.variant = v
         g = cfg.ot_gemm_dtype
-        if g == "auto":  # follow the trainer's mixed precision
-            g = "bfloat16" if cfg.amp == "bf16" else "float32"
+        if g == "auto":  # follow the trainer's mixed precision (train.loop.amp_settings)
+            on, dt, _ = amp_settings(cfg.amp, device or torch.device("cpu"))
+            g = "bfloat16" if on and dt == torch.bfloat16 else "float32"
         self.gemm_dtype = torch.bfloat16 if g == "bfloat16" else None
         if v != "global-only":
             self.W_v = nn.Linear(d_v, cfg.d_c, bias=False)
@@ -262,7 +263,7 @@ class ConceptOTJob(Job):
 
     # ------------------------------------------------------------------------------- interface
     def build_model(self) -> nn.Module:
-        return ConceptOTModel(self.cfg, self.d_v, self.d_t)
+        return ConceptOTModel(self.cfg, self.d_v, self.d_t, self.device)
 
     @property
     def batch_size(self) -> int:
