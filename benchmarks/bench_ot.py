@@ -31,7 +31,6 @@ import json
 import time
 import warnings
 
-import numpy as np
 import torch
 
 from train.ot import pair_similarities, uot_dense, uot_dense_score, uot_lowrank, uot_lowrank_score

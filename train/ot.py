@@ -550,7 +550,7 @@ class _Layout:
         if self.slot is None:
             return torch.bmm(Lm.transpose(1, 2), Rm)
         if self.order is None:  # pairs already grouped: one GEMM per group, no padding
-            k, n, m = Lm.shape[1], Lm.shape[2], Rm.shape[2]
+            n, m = Lm.shape[2], Rm.shape[2]
             out = Lm.new_zeros(self.G, n, m)
             for g, s0, s1 in self.spans:
                 torch.mm(Lm[s0:s1].reshape(-1, n).t(), Rm[s0:s1].reshape(-1, m), out=out[g])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import math
 import random
 from pathlib import Path
@@ -406,8 +405,6 @@ class ConceptOTJob(Job):
         data = read_sugarcrepe(self._sugarcrepe_dirs())
         if not data or self.samples is None:
             return {}
-        import polars as pl
-
         tab = self.samples.scan("samples").select("sample_id", "source_id", "image").collect()
         by_name: dict[str, int] = {}
         for sid, src, im in tab.iter_rows():
