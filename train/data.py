@@ -130,11 +130,18 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if self.keep is None or self.keep(s):
                     yield s
 
-    def _batches(self) -> Iterator[tuple[int, list[dict]]]:
+    def _stream(self) -> Iterator[dict]:
+        """The epoch's (filtered, shuffled) sample stream."""
         rng = epoch_rng(self.seed, self.epoch)
         stream = self._samples(rng)
         if self.shuffle:
             stream = buffer_shuffle(stream, self.shuffle_buffer, rng)
+        return stream
+
+    def _batches(self) -> Iterator[tuple[int, Any]]:
+        """(batch index, payload) for the epoch; the payload is turned into samples by :meth:`_load`
+        only for the batches this worker collates (subclasses compose batches differently)."""
+        stream = self._stream()
         buf: list[dict] = []
         b = 0
         for s in stream:
@@ -149,12 +156,19 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        for b, samples in self._batches():
+        for b, payload in self._batches():
             if b < self.start or (b - self.start) % nw != wid:
                 continue
+            samples = self._load(payload)
             for j in self.joins:
                 samples = [j(s) for s in samples]
-            yield self.collate(samples, epoch_rng(self.seed, self.epoch, salt=b + 1))
+            yield self._finish(self.collate(samples, epoch_rng(self.seed, self.epoch, salt=b + 1)), payload)
+
+    def _load(self, payload) -> list[dict]:
+        return payload
+
+    def _finish(self, batch, payload):
+        return batch
 
     def count_batches(self) -> int:
         """Batches per epoch (walks the cheap sample stream once)."""

@@ -58,7 +58,6 @@ import pyarrow.parquet as pq
 import torch
 
 from pipeline.io.artifacts import Artifact
-from pipeline.loaders import buffer_shuffle
 from train.data import ShardStream, epoch_rng
 
 NEIGHBOUR_SALT = -1  # rng salt of the neighbour draws (ShardStream's per-batch salts are >= 1)
@@ -258,14 +257,11 @@ class IndexNeighbourStream(ShardStream):
         self.nb, self.m, self.read_sample = neighbours, int(m), read_sample
         self.n_seeds = max(1, self.batch_size // (1 + self.m))
 
-    def _composed(self) -> Iterator[tuple[int, list, list[bool]]]:
-        """(batch index, entries, seed flags): an entry is a stream sample (dict) or a table row
-        (int) of a neighbour, read only when the batch is collated."""
-        rng = epoch_rng(self.seed, self.epoch)
+    def _batches(self) -> Iterator[tuple[int, tuple[list, list[bool]]]]:
+        """(batch index, (entries, seed flags)): an entry is a stream sample (dict) or a table row
+        (int) of a neighbour, read only when the batch is collated (:meth:`_load`)."""
         pick = epoch_rng(self.seed, self.epoch, salt=NEIGHBOUR_SALT)
-        stream = self._samples(rng)
-        if self.shuffle:
-            stream = buffer_shuffle(stream, self.shuffle_buffer, rng)
+        stream = self._stream()
         ids, B = self.nb.table.ids, self.batch_size
         entries: list = []
         flags: list[bool] = []
@@ -287,7 +283,7 @@ class IndexNeighbourStream(ShardStream):
                     present.add(int(ids[r]))
                     flags.append(False)
             if len(entries) == B:
-                yield b, entries, flags
+                yield b, (entries, flags)
                 b += 1
                 entries, flags, present, seeds = [], [], set(), 0
 
@@ -297,27 +293,21 @@ class IndexNeighbourStream(ShardStream):
         t = self.nb.table
         return self.read_sample(self.shards[int(t.shard[e])], int(t.pos[e]))
 
-    def __iter__(self) -> Iterator[Any]:
-        info = torch.utils.data.get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        for b, entries, flags in self._composed():
-            if b < self.start or (b - self.start) % nw != wid:
-                continue
-            samples = [self._materialize(e) for e in entries]
-            for j in self.joins:
-                samples = [j(s) for s in samples]
-            batch = self.collate(samples, epoch_rng(self.seed, self.epoch, salt=b + 1))
-            if isinstance(batch, dict):
-                batch["seed_mask"] = torch.tensor(flags, dtype=torch.bool)
-                self.nb.attach(batch)
-            yield batch
+    def _load(self, payload) -> list[dict]:
+        return [self._materialize(e) for e in payload[0]]
+
+    def _finish(self, batch, payload):
+        if isinstance(batch, dict):
+            batch["seed_mask"] = torch.tensor(payload[1], dtype=torch.bool)
+            self.nb.attach(batch)
+        return batch
 
     def count_batches(self) -> int:
         """Batches per epoch (composes the epoch's id sequence once; no array is read)."""
-        return sum(1 for _ in self._composed())
+        return sum(1 for _ in self._batches())
 
     def batch_ids(self) -> list[list[int]]:
         """The epoch's batches (from ``start``) as sample ids (what a test or a report needs)."""
         t = self.nb.table
         return [[int(e["sample_id"]) if isinstance(e, dict) else int(t.ids[e]) for e in entries]
-                for b, entries, _ in self._composed() if b >= self.start]
+                for b, (entries, _) in self._batches() if b >= self.start]
