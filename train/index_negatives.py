@@ -67,6 +67,18 @@ class IndexMissing(FileNotFoundError):
     pass
 
 
+def require_index(index_dir: str | Path, hint: str = "") -> Path:
+    """``index_dir`` if it holds a finished `index` artifact, else :class:`IndexMissing` saying how
+    to build it (``hint``: what else the caller can do)."""
+    index_dir = Path(index_dir)
+    if not (index_dir / "_manifest.json").is_file():
+        raise IndexMissing(
+            f"the index artifact {index_dir} does not exist (no _manifest.json): run "
+            f"`pipeline run build-index --manifest <manifest>` (or enable stages.build_index and run "
+            f"`pipeline run all`) first{hint}")
+    return index_dir
+
+
 class SampleTable:
     """sample_id -> (shard, position) and a keep flag, for every sample of ``shards``."""
 
@@ -123,12 +135,7 @@ class IndexNeighbours:
     def __init__(self, index_dir: str | Path, table: SampleTable, top: int = 8, *, max_missing: float = 0.5,
                  log: Callable[[str], None] | None = None):
         log = log or (lambda msg: print(msg, file=sys.stderr))
-        index_dir = Path(index_dir)
-        if not (index_dir / "_manifest.json").is_file():
-            raise IndexMissing(
-                f"the index artifact {index_dir} does not exist (no _manifest.json): run "
-                f"`pipeline run build-index --manifest <manifest>` (or enable stages.build_index and run "
-                f"`pipeline run all`) first")
+        index_dir = require_index(index_dir)
         art = Artifact(index_dir)
         for t in ("image_negatives", "caption_negatives"):
             if t not in art.tables():

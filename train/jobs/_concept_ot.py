@@ -18,7 +18,7 @@ from pipeline.loaders.clip_tokens import fits_in_memory, read_sample, read_shard
 from train.data import ParquetJoin, ShardStream, loader
 from train.eval.retrieval import retrieval_report
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
-from train.index_negatives import IndexMissing, IndexNeighbours, IndexNeighbourStream, SampleTable, index_hits
+from train.index_negatives import IndexNeighbours, IndexNeighbourStream, SampleTable, index_hits, require_index
 from train.loop import Job, amp_settings
 from train.ot import anchor_diversity, pair_similarities, uot_dense, uot_dense_score, uot_lowrank, uot_lowrank_score
 
@@ -206,11 +206,7 @@ class ConceptOTJob(Job):
         self.index_dir = _resolve(manifest, cfg.index_artifact)
         self._nb: IndexNeighbours | None | bool = False  # False: not loaded yet
         if cfg.hard_negatives == "index":
-            if not (self.index_dir / "_manifest.json").is_file():
-                raise IndexMissing(
-                    f"hard_negatives: index needs the index artifact, but {self.index_dir} is missing (no "
-                    f"_manifest.json): run `pipeline run build-index --manifest <manifest>` (or enable "
-                    f"stages.build_index in the manifest and run `pipeline run all`), or set hard_negatives: batch")
+            require_index(self.index_dir, hint=", or set hard_negatives: batch")
             self.neighbours()  # errors (an index of another clip_tokens) surface before training
 
     def neighbours(self) -> IndexNeighbours | None:
