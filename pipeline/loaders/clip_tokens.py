@@ -76,6 +76,23 @@ def _npy_view(buf, start: int, size: int) -> np.ndarray:
     return arr.reshape(shape)
 
 
+_REGULAR, _DIR = (b"0", b"\0"), b"5"
+
+
+def _ustar(hdr) -> tuple[bytes, str, int]:
+    """(typeflag, name with prefix, data size) of a 512-byte USTAR header; the name and size are
+    parsed only for regular files and directories (what ShardWriter writes: other typeflags mean
+    pax/GNU extension headers, which the callers hand to a generic reader)."""
+    typeflag = bytes(hdr[156:157])
+    if typeflag not in _REGULAR and typeflag != _DIR:
+        return typeflag, "", 0
+    name = bytes(hdr[0:100]).split(b"\0", 1)[0].decode()
+    if hdr[257:262] == b"ustar" and hdr[345] != 0:
+        name = bytes(hdr[345:500]).split(b"\0", 1)[0].decode() + "/" + name
+    size = int(bytes(hdr[124:136]).split(b"\0", 1)[0].strip() or b"0", 8)
+    return typeflag, name, size
+
+
 def _tar_members(mm, fh) -> list[tuple[str, int, int]]:
     """(name, data offset, size) of the regular files of a tar held in ``mm``.
 
@@ -87,17 +104,12 @@ def _tar_members(mm, fh) -> list[tuple[str, int, int]]:
         hdr = mm[pos : pos + 512]
         if hdr[0] == 0:  # end-of-archive marker
             break
-        typeflag = hdr[156:157]
-        if typeflag not in (b"0", b"\0", b"5"):
+        typeflag, name, size = _ustar(hdr)
+        if typeflag not in _REGULAR and typeflag != _DIR:
             fh.seek(0)
             with tarfile.open(fileobj=fh, mode="r:") as tar:
                 return [(m.name, m.offset_data, m.size) for m in tar.getmembers() if m.isfile()]
-        name = hdr[0:100].split(b"\0", 1)[0].decode()
-        prefix = hdr[345:500].split(b"\0", 1)[0].decode() if hdr[257:262] == b"ustar" else ""
-        if prefix:
-            name = f"{prefix}/{name}"
-        size = int(hdr[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
-        if typeflag != b"5":
+        if typeflag != _DIR:
             out.append((name, pos + 512, size))
         pos += 512 + (size + 511) // 512 * 512
     return out
@@ -252,13 +264,10 @@ def _sample_offsets(path: str, size: int, mtime_ns: int) -> np.ndarray | None:
             hdr = os.pread(fd, 512, pos)
             if hdr[0] == 0:
                 break
-            name = hdr[0:100].split(b"\0", 1)[0].decode()
-            if hdr[257:262] == b"ustar" and hdr[345] != 0:
-                name = hdr[345:500].split(b"\0", 1)[0].decode() + "/" + name
-            n = int(hdr[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
-            if hdr[156:157] not in (b"0", b"\0", b"5"):
+            typeflag, name, n = _ustar(hdr)
+            if typeflag not in _REGULAR and typeflag != _DIR:
                 return None
-            if hdr[156:157] in (b"0", b"\0"):
+            if typeflag in _REGULAR:
                 key = name.partition(".")[0]
                 if key != last:
                     out.append(pos)
@@ -303,17 +312,13 @@ def _read_shard_pread(path, wanted: set[str] | None, start: int = 0, first_only:
         chunk = os.pread(fd, 512 + _SMALL, pos)
         if chunk[0] == 0:
             break
-        typeflag = chunk[156:157]
-        if typeflag not in (b"0", b"\0", b"5"):  # pax/GNU headers: not ours, use the generic reader
+        typeflag, name, size = _ustar(chunk)
+        if typeflag not in _REGULAR and typeflag != _DIR:  # pax/GNU headers: not ours, use the generic reader
             yield from read_shard(path, None if wanted is None else [w[:-4] for w in wanted], lazy=False)
             return
-        name = chunk[0:100].split(b"\0", 1)[0].decode()
-        if chunk[257:262] == b"ustar" and chunk[345] != 0:
-            name = chunk[345:500].split(b"\0", 1)[0].decode() + "/" + name
-        size = int(chunk[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
         data = pos + 512
         pos = data + (size + 511) // 512 * 512
-        if typeflag == b"5":
+        if typeflag == _DIR:
             continue
         key, _, fname = name.partition(".")
         if current is None or current["__key__"] != key:
