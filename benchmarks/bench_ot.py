@@ -209,6 +209,48 @@ def main():
         t_f16 = per_pair(lambda: lr_fused16(Zi, Yi, anchors))
     rec("conceptot score [fused, bf16 GEMMs] (batch)", t_f16,
         per_pair(lambda: lr_fused16(Zig, Yig, Pg).sum().backward()))
+    # the floor of the training path: only the score's products (forward A = M1^T diag(a) Z and
+    # A Y^T; backward Vg Y, Vg^T A, Bmg Z^T, W^T Bmg), one GEMM per image / caption as the fused
+    # Function runs them, nothing else
+    def score_gemms(dt):
+        gi = [int(c) for c in torch.bincount(img, minlength=Bimg)]
+        gt = [int(c) for c in torch.bincount(txt, minlength=Bimg)]
+        Zd, Yd = Zi.to(dt), Yi.to(dt)
+        Wi = [torch.randn(c * r, N).to(dt) for c in gi]
+        Bi_ = [torch.randn(c * r, d).to(dt) for c in gi]
+        At = [torch.randn(c * r, d).to(dt) for c in gt]
+        Vt = [torch.randn(c * r, M).to(dt) for c in gt]
+
+        def run():
+            for g in range(Bimg):
+                Wi[g] @ Zd[g]
+                Bi_[g] @ Zd[g].t()
+                Wi[g].t() @ Bi_[g]
+                At[g] @ Yd[g].t()
+                Vt[g] @ Yd[g]
+                Vt[g].t() @ At[g]
+        return run
+
+    print(f"{'score products alone (fwd+bwd)':34s} float32 {per_pair(score_gemms(torch.float32)):.4f} ms/pair, "
+          f"bf16 {per_pair(score_gemms(torch.bfloat16)):.4f} ms/pair  (the floor of the training path)")
+
+    # bf16 products against float64, on this batch: scores and gradients of a random weighting
+    w = torch.randn(P_pairs, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    acc = {}
+    for name, gd, dt in (("f64", None, torch.float64), ("f32", None, torch.float32),
+                         ("bf16", torch.bfloat16, torch.float32)):
+        ins = [x.to(dt).requires_grad_() for x in (Zi, Yi, anchors)]
+        sc = uot_lowrank_score(*ins, mui.to(dt), nui.to(dt), EPS, TAU, TAU, L, img_index=img, txt_index=txt,
+                               tanh=True, gemm_dtype=gd, **lr_kw)
+        acc[name] = (sc.detach().double(), [x.double() for x in torch.autograd.grad((sc * w.to(dt)).sum(), ins)])
+    for name in ("f32", "bf16"):
+        (sc, gr), (s0, g0) = acc[name], acc["f64"]
+        cos = [float(torch.nn.functional.cosine_similarity(u.flatten(), v.flatten(), dim=0)) for u, v in zip(gr, g0)]
+        rel = float((sc - s0).norm() / s0.norm())
+        out[f"accuracy_{name}"] = {"score_rel_err": rel, "grad_cos_Z_Y_P": cos}
+        print(f"conceptot training path, {name} vs float64: score rel. error {rel:.1e}, gradient cosine "
+              f"Z {cos[0]:.5f} Y {cos[1]:.5f} anchors {cos[2]:.4f}")
+
     with torch.no_grad():
         t_fp = per_pair(lambda: uot_lowrank_score(Z, Y, anchors, mu, nu, EPS, TAU, TAU, L, tanh=True, **lr_kw))
     rec("conceptot score [fused] (pairs)", t_fp, per_pair(

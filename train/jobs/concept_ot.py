@@ -93,7 +93,7 @@ class Config(TrainerConfig):
         "sub-kernels, Sinkhorn iterations and reductions stay float32). auto: bfloat16 when the trainer runs "
         "mixed precision in bf16 (amp: bf16, or auto on a CPU with native bf16), else float32. bf16 is 3-5x faster on CPUs with native bf16 "
         "(AVX512-BF16/AMX) and GPUs; scores agree to ~1e-4 relative, patch/token gradients to ~1%, anchor "
-        "gradients only to cosine ~0.94 (BENCHMARKS.md)",
+        "gradients only to cosine 0.75-0.94 (BENCHMARKS.md)",
     )
     ot_chunk: int | None = Field(None, ge=1, description="pairs per dense solver chunk (None: ~1 MiB kernels)")
     exclude_duplicate_captions: bool = Field(
