@@ -1,4 +1,4 @@
-"""Throughput of the batched OT solvers of train/ot.py vs POT solving the same pairs one by one.
+"""Throughput of the batched OT solvers of train/jobs/concept_ot/ot.py vs POT solving the same pairs one by one.
 
     .venv/bin/python benchmarks/bench_ot.py            # full run (~2-4 min on 2 cores)
     .venv/bin/python benchmarks/bench_ot.py --quick    # fewer repetitions, no scaling sweeps
@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from train.ot import pair_similarities, uot_dense, uot_dense_score, uot_lowrank, uot_lowrank_score
+from train.jobs.concept_ot.ot import pair_similarities, uot_dense, uot_dense_score, uot_lowrank, uot_lowrank_score
 
 EPS, TAU, L = 0.07, 0.2, 5
 
@@ -190,7 +190,7 @@ def main():
         t_b = per_pair(lambda: lr_batch(Zi, Yi, anchors))
     rec("conceptot solver+score (batch)", t_b, per_pair(lambda: lr_batch(Zig, Yig, Pg).sum().backward()))
 
-    # the training path (train/jobs/_concept_ot.py): the same function, fused, hand-written backward
+    # the training path (train/jobs/concept_ot/job.py): the same function, fused, hand-written backward
     def lr_fused(Zb, Yb, Pb):
         return uot_lowrank_score(Zb, Yb, Pb, mui, nui, EPS, TAU, TAU, L, img_index=img, txt_index=txt,
                                  tanh=True, **lr_kw)

@@ -1,5 +1,5 @@
 """concept-ot with hard_negatives: index — batches composed of seeds + their dataset-level hard
-negatives from the `index` artifact (train/index_negatives.py): neighbours present, no val/test
+negatives from the `index` artifact (train/jobs/concept_ot/index_negatives.py): neighbours present, no val/test
 leak, determinism and exact resume, the missing-index error, and the hn_index_hit metric through
 the CLI against batch mode."""
 
@@ -251,7 +251,7 @@ def test_cli_run_logs_index_hits_higher_than_batch_mode(planted, tmp_path):
 
 
 def test_index_hits_bruteforce():
-    from train.index_negatives import index_hits
+    from train.jobs.concept_ot.index_negatives import index_hits
 
     g = torch.Generator().manual_seed(0)
     sid = torch.tensor([10, 11, 12, 13, 14])

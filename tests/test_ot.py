@@ -1,4 +1,4 @@
-"""train/ot.py against POT (independent implementation) and brute-force references."""
+"""train/jobs/concept_ot/ot.py against POT (independent implementation) and brute-force references."""
 
 import math
 import warnings
@@ -9,7 +9,7 @@ import torch
 
 ot = pytest.importorskip("ot")
 
-from train.ot import (  # noqa: E402
+from train.jobs.concept_ot.ot import (  # noqa: E402
     anchor_diversity,
     dense_score,
     sinkhorn_balanced,
@@ -225,7 +225,7 @@ def _unit(x):
 
 def _brute_lowrank(Z, Y, P, mu, nu, eps, tv, tt, n_iter, lam, center=False, clamp=None):
     """Algorithm 1 written directly (dense K~, float64 numpy). center/clamp act on the log-scalings
-    relative to the row/column-max-normalised sub-kernels, as documented in train/ot.py."""
+    relative to the row/column-max-normalised sub-kernels, as documented in train/jobs/concept_ot/ot.py."""
     P = _unit(P)
     lZP = (Z @ P.T - 1) / eps
     lPY = (P @ Y.T - 1) / eps
@@ -354,7 +354,7 @@ def test_lowrank_stable_with_paper_stabilisation():
 
 
 def test_pair_similarities_grouped():
-    from train.ot import pair_similarities
+    from train.jobs.concept_ot.ot import pair_similarities
 
     g = torch.Generator().manual_seed(3)
     Z = torch.randn(5, 7, 4, generator=g, dtype=torch.float64, requires_grad=True)

@@ -191,7 +191,7 @@ def test_every_variant_trains_a_step(planted, variant):
 
 
 def test_mine_pairs_bruteforce():
-    from train.jobs._concept_ot import mine_pairs
+    from train.jobs.concept_ot.job import mine_pairs
 
     g = torch.randn(7, 7, generator=torch.Generator().manual_seed(0))
     bad = torch.eye(7, dtype=torch.bool)

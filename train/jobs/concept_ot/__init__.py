@@ -15,7 +15,7 @@ as Alg. 2 does. ``index`` keeps that mining and the loss but composes each batch
 ``batch_size // (1 + index_neighbours)`` seeds of the shuffled stream plus, for each seed,
 ``index_neighbours`` samples drawn from its dataset-level hard negatives in the `index` artifact
 (`pipeline run build-index`): the owners of its top-``index_top`` hard captions and its
-top-``index_top`` hard images, training split only (see :mod:`train.index_negatives`). Every
+top-``index_top`` hard images, training split only (see :mod:`train.jobs.concept_ot.index_negatives`). Every
 train log line records ``hn_index_hit``, the share of the mined in-batch negatives (both
 directions) that are index neighbours of their anchor, whenever an index artifact is present
 (also in batch mode, for comparison); in index mode also ``hn_index_hit_seeds`` (the same over
@@ -37,7 +37,7 @@ texts are encoded with the frozen CLIP text tower of ``models.clip``, since nega
 the artifact); phrase heatmaps h_i(J) = sum_{j in J} Pi_ij saved as PNG.
 
 This module stays importable without torch (the manifest loader reads ``Config``); the
-implementation is in :mod:`train.jobs._concept_ot`.
+implementation is in :mod:`train.jobs.concept_ot.job`.
 """
 
 from __future__ import annotations
@@ -109,6 +109,6 @@ class Config(TrainerConfig):
 
 
 def make_job(cfg: Config, manifest, run_dir, device):
-    from train.jobs._concept_ot import ConceptOTJob
+    from train.jobs.concept_ot.job import ConceptOTJob
 
     return ConceptOTJob(cfg, manifest, run_dir, device)

@@ -1,0 +1,119 @@
+"""The scoring contract between training jobs and the evaluation harness (``train eval``).
+
+Every job is scored by the same harness (:mod:`train.eval.harness`). The harness reads each
+benchmark in its published format (:mod:`train.eval.benchmarks`), matches the benchmark's images
+to the ``samples`` artifact (:class:`train.eval.images.ImageMatcher`), asks the job for scores,
+and writes one ``results.parquet`` row per (benchmark, subset, metric) with its chance level, the
+number of items scored and the number skipped (and why).
+
+A job takes part by implementing, on its :class:`train.loop.Job` subclass:
+
+``scorable_sample_ids() -> set[int] | numpy array``
+    The sample ids whose image the job's artifacts hold (e.g. the ids of its ``clip_tokens``
+    shards). A benchmark item whose image maps to a sample outside this set is counted as
+    ``skipped_no_image``, never silently dropped.
+
+``score_pairs(model, sample_ids, texts, boxes=None) -> numpy float64 [P]``
+    Image-text compatibility s(I, x) for P pairs (``sample_ids[p]``, ``texts[p]``), higher =
+    more compatible. Texts are arbitrary strings: a job encodes them with the frozen text side of
+    its models when they are not in an artifact (concept-ot: ``models.clip``'s text tower).
+    ``boxes`` is ``None`` or a float array [P, 4] (x0, y0, x1, y1 in the image's pixels, NaN
+    where an item has no box): benchmarks such as ARO's VG-Relation score a crop of the image. A
+    job that can restrict its image features to a box does so; one that cannot returns scores of
+    the whole image and sets ``self.crop_note`` (a short string) that the harness records.
+    Called with the model in eval mode under ``torch.no_grad()``; the harness chunks P.
+
+``retrieval_scores(model, sample_ids, caption_ids, texts) -> dict[str, numpy [I, T]]``  (optional)
+    Score matrices for image-text retrieval over I images and T captions (the captions of those
+    images, ``caption_ids`` from the ``captions`` table, ``texts`` their strings): one matrix per
+    protocol the job reports (concept-ot: ``global`` and ``rerank``, ConceptOT G.4). The default
+    (:meth:`train.loop.Job.retrieval_scores`) scores the full cross product through
+    ``score_pairs`` under the name ``score``, which is fine for the 1K Flickr30k test split and
+    slow for 5K COCO; jobs with a cheap first stage override it.
+
+``job_metrics(model, out_dir) -> list[Row]``  (optional)
+    The job's own evaluations that are not image-text scoring (grounding accuracy, phrase
+    discovery, MCP AUC, relation recall); they go into the same table.
+
+Units: every accuracy, recall and rate is a percentage (0-100) and its chance level is in the
+same unit; AUCs and IoUs are fractions (0-1) with their chance beside them. ``Row.unit`` says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# results.parquet columns, in order (DESIGN.md, Evaluation)
+RESULT_COLUMNS = ("job", "variant", "checkpoint", "step", "benchmark", "subset", "metric", "value", "n", "chance",
+                  "skipped", "skip_reasons", "unit", "note")
+
+
+@dataclass
+class Row:
+    """One result: a metric of a benchmark subset (``subset='all'`` for the benchmark's overall
+    figure), the number of items it was computed on, its chance level (None only where no chance
+    level is defined, e.g. a loss), the number of items skipped and why."""
+
+    benchmark: str
+    subset: str
+    metric: str
+    value: float
+    n: int
+    chance: float | None
+    skipped: int = 0
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    unit: str = "%"  # "%" | "fraction" | "" (a count or a loss)
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        import json
+
+        return {"benchmark": self.benchmark, "subset": self.subset, "metric": self.metric, "value": float(self.value),
+                "n": int(self.n), "chance": None if self.chance is None else float(self.chance),
+                "skipped": int(self.skipped), "skip_reasons": json.dumps(self.skip_reasons, sort_keys=True),
+                "unit": self.unit, "note": self.note}
+
+
+@dataclass
+class Pair:
+    """One (image, text) pair a benchmark item needs scored. ``image`` is the benchmark's own
+    image key (a file name, a relative path or a source id, as the benchmark publishes it);
+    ``box`` an optional crop (x0, y0, x1, y1) in the image's pixels."""
+
+    image: str
+    text: str
+    box: tuple[float, float, float, float] | None = None
+
+
+@dataclass
+class Item:
+    """One benchmark item: the pairs it needs scored and what it belongs to. The benchmark's
+    scorer receives the item with ``scores`` aligned to ``pairs`` (e.g. SugarCrepe: pairs
+    [(img, caption), (img, negative)], correct when scores[0] > scores[1]; Winoground: the four
+    (image_i, caption_j) pairs)."""
+
+    pairs: list[Pair]
+    subset: str = "all"
+    key: str = ""  # the item's id in the benchmark file (for errors and per-item output)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BenchData:
+    """A benchmark as read from disk: its items, the scoring function over scored items, and the
+    rows a reader had to skip as malformed (counted in the results, with reasons)."""
+
+    name: str
+    items: list[Item]
+    score: Callable[[Sequence[Item], Sequence[np.ndarray]], list[Row]]
+    skipped: dict[str, int] = field(default_factory=dict)
+    source: str = ""  # the files read (shown in the report)
+    total: int | None = None  # items in the files (for "0 of N images are in the artifacts")
+
+
+class NoScorableItems(RuntimeError):
+    """A benchmark none of whose items could be scored: an error that says why, never a blank row."""
