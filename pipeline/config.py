@@ -109,6 +109,29 @@ def _sections_model(model_name: str, configs: dict[str, type[Section]]) -> type[
     return create_model(model_name, __base__=Section, **fields)
 
 
+class BenchmarkSpec(Section):
+    """One benchmark of ``eval.benchmarks`` (read by train/eval/benchmarks/, scored by train/eval/harness.py)."""
+
+    name: str = Field(..., min_length=1, description="unique name (`train eval --bench NAME`, table rows)")
+    format: str = Field(..., description="published format: `train eval --formats` lists them (sugarcrepe, aro_vg_relation, "
+                        "aro_vg_attribution, aro_order, winoground, valse, vl_checklist, svo_probes, foil, retrieval)")
+    path: str = Field(..., description="the benchmark's file, folder or glob, as published")
+    images: str | None = Field(None, description="the benchmark's image root (only used to name files; features come "
+                               "from the artifacts)")
+    image_map: str | None = Field(None, description="optional CSV/JSON mapping benchmark image key -> samples "
+                                  "source_id or file name")
+    split: str | None = Field(None, description="retrieval: the Karpathy split to score (default test)")
+    max_items: int | None = Field(None, ge=1, description="score at most this many items (seeded subset)")
+    subsets: list[str] | None = Field(None, description="only these subsets (e.g. SugarCrepe kinds)")
+    options: dict[str, Any] = Field(default_factory=dict, description="format-specific options")
+
+
+class EvalConfig(Section):
+    benchmarks: list[BenchmarkSpec] = Field(default_factory=list)
+    samples_artifact: str = Field("samples", description="where benchmark images are matched to sample ids")
+    pairs_chunk: int = Field(2048, ge=1, description="pairs per score_pairs call")
+
+
 @functools.cache
 def manifest_model() -> type[Section]:
     stages = _sections_model("StagesConfig", _discover("pipeline.stages"))
@@ -123,6 +146,7 @@ def manifest_model() -> type[Section]:
         models=(ModelsConfig, Field(default_factory=ModelsConfig)),
         stages=(stages, Field(default_factory=stages)),
         train=(train, Field(default_factory=train)),
+        eval=(EvalConfig, Field(default_factory=EvalConfig)),
     )
 
 

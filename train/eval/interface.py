@@ -109,6 +109,8 @@ class BenchData:
 
     name: str
     items: list[Item]
+    kind: str = "pairwise"  # "pairwise": score() over items' pair scores; "retrieval": items are images with
+    # their captions (pairs [(image, caption), ...]), scored by the harness through retrieval_scores
     score: Callable[[Sequence[Item], Sequence[np.ndarray]], list[Row]]
     skipped: dict[str, int] = field(default_factory=dict)
     source: str = ""  # the files read (shown in the report)
