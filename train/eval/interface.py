@@ -109,9 +109,9 @@ class BenchData:
 
     name: str
     items: list[Item]
+    score: Callable[[Sequence[Item], Sequence[np.ndarray]], list[Row]]
     kind: str = "pairwise"  # "pairwise": score() over items' pair scores; "retrieval": items are images with
     # their captions (pairs [(image, caption), ...]), scored by the harness through retrieval_scores
-    score: Callable[[Sequence[Item], Sequence[np.ndarray]], list[Row]]
     skipped: dict[str, int] = field(default_factory=dict)
     source: str = ""  # the files read (shown in the report)
     total: int | None = None  # items in the files (for "0 of N images are in the artifacts")
