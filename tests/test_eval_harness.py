@@ -1,0 +1,188 @@
+"""The evaluation harness (train/eval/harness.py): exact chance levels, recall against the trainer's
+own independent implementation, skip accounting, the zero-scorable error, results.parquet and
+`train compare`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from math import comb
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from train.eval import harness as H
+from train.eval.interface import RESULT_COLUMNS, BenchData, Item, NoScorableItems, Pair, Row
+
+
+def test_retrieval_chance_exact_against_enumeration():
+    # 1 - C(G-c, k)/C(G, k), checked by enumerating every k-subset of positions
+    for G, c, k in [(6, 1, 1), (6, 2, 2), (7, 3, 2), (5, 5, 1), (8, 2, 5), (4, 1, 10)]:
+        hits = sum(1 for top in itertools.combinations(range(G), min(k, G)) if any(t < c for t in top))
+        want = 100 * hits / comb(G, min(k, G))
+        assert H.retrieval_chance(np.array([c]), G, k) == pytest.approx(want, abs=1e-9), (G, c, k)
+
+
+def test_retrieval_rows_agree_with_trainer_recall():
+    from train.eval.retrieval import recall_at_k
+
+    rng = np.random.default_rng(0)
+    I, per = 12, 3
+    img_of = np.repeat(np.arange(I), per)
+    S = rng.normal(size=(I, I * per))
+    S[img_of, np.arange(I * per)] += 1.0  # some signal
+    rows = {r.metric: r for r in H.retrieval_rows("b", "p", S, img_of)}
+    gt = torch.zeros(I, I * per, dtype=torch.bool)
+    gt[torch.as_tensor(img_of), torch.arange(I * per)] = True
+    ref_i2t = recall_at_k(torch.as_tensor(S), gt)
+    ref_t2i = recall_at_k(torch.as_tensor(S.T), gt.t())
+    for k in (1, 5, 10):
+        assert rows[f"i2t_R@{k}"].value == pytest.approx(100 * ref_i2t[k])
+        assert rows[f"t2i_R@{k}"].value == pytest.approx(100 * ref_t2i[k])
+    assert rows["t2i_R@1"].chance == pytest.approx(100 / I)
+    assert rows["i2t_R@1"].chance == pytest.approx(100 * per / (I * per))
+    assert rows["i2t_R@1"].n == I and rows["t2i_R@1"].n == I * per
+
+
+class FakeJob:
+    """Scores are looked up in a table: (sample_id, text) -> score."""
+
+    NAME = "fake"
+
+    def __init__(self, table, scorable):
+        self.table, self.scorable = table, scorable
+        self.cfg = SimpleNamespace(variant="v1", seed=3)
+        self.calls = 0
+        self.crop_note = ""
+
+    def scorable_sample_ids(self):
+        return self.scorable
+
+    def score_pairs(self, model, sids, texts, boxes=None):
+        self.calls += 1
+        return np.array([self.table.get((int(s), t), 0.0) for s, t in zip(sids, texts)])
+
+    def retrieval_scores(self, model, sids, cids, texts):
+        return {"score": np.array([[self.table.get((int(s), t), 0.0) for t in texts] for s in sids])}
+
+    def job_metrics(self, model, out_dir):
+        return [Row("fake-own", "all", "acc", 75.0, 4, 50.0)]
+
+
+def _pairwise_score(items, scores):
+    ok = [float(s[0] > s[1]) for s in scores]
+    rows = [Row("toy", "all", "acc", 100 * float(np.mean(ok)), len(ok), 50.0)]
+    for sub in sorted({it.subset for it in items}):
+        o = [x for it, x in zip(items, ok) if it.subset == sub]
+        rows.append(Row("toy", sub, "acc", 100 * float(np.mean(o)), len(o), 50.0))
+    return rows
+
+
+def _manifest(tmp_path, benchmarks):
+    specs = [SimpleNamespace(name=b, format=f, path=str(tmp_path), images=None, image_map=None, split=s,
+                             max_items=None, subsets=None, options={}) for b, f, s in benchmarks]
+    return SimpleNamespace(output=str(tmp_path), eval=SimpleNamespace(benchmarks=specs, samples_artifact="samples",
+                                                                      pairs_chunk=2))
+
+
+def _toy_reader(spec, samples_dir):
+    items = [
+        Item([Pair("sample_id:1", "a red cube"), Pair("sample_id:1", "a cube red")], subset="swap"),
+        Item([Pair("sample_id:2", "a blue ball"), Pair("sample_id:2", "a red ball")], subset="replace"),
+        Item([Pair("sample_id:3", "x"), Pair("sample_id:3", "y")], subset="swap"),   # tie: strict -> wrong
+        Item([Pair("sample_id:9", "x"), Pair("sample_id:9", "y")], subset="swap"),   # not in the artifacts
+    ]
+    return BenchData(spec.name, items, score=_pairwise_score, skipped={"malformed: no caption": 2}, total=6)
+
+
+def test_harness_pairwise_skips_results_and_compare(tmp_path, monkeypatch):
+    monkeypatch.setitem(H.BUILTIN, "toy", _toy_reader)
+    table = {(1, "a red cube"): 0.9, (1, "a cube red"): 0.1, (2, "a blue ball"): 0.2, (2, "a red ball"): 0.7,
+             (3, "x"): 0.5, (3, "y"): 0.5}
+    job = FakeJob(table, scorable={1, 2, 3})
+    m = _manifest(tmp_path, [("toy", "toy", None)])
+    out = tmp_path / "run" / "eval" / "step000010"
+    rows, errors = H.run_harness(job, torch.nn.Linear(1, 1), m, out, checkpoint="c.pt", step=10, log=lambda s: None)
+    assert errors == []
+    by = {(r["benchmark"], r["subset"]): r for r in rows}
+    assert by[("toy", "all")]["value"] == pytest.approx(100 / 3)       # 1 right of 3 (the tie is wrong)
+    assert by[("toy", "all")]["n"] == 3
+    assert by[("toy", "all")]["skipped"] == 3                            # 1 without image + 2 malformed rows
+    reasons = json.loads(by[("toy", "all")]["skip_reasons"])
+    assert reasons == {"malformed: no caption": 2, "skipped_no_image: not in the job's artifacts": 1}
+    assert by[("toy", "swap")]["skipped"] == 1 and by[("toy", "replace")]["skipped"] == 0
+    assert by[("toy", "swap")]["value"] == pytest.approx(50.0)
+    assert by[("fake-own", "all")]["value"] == 75.0
+    t = pq.read_table(out / "results.parquet")
+    assert tuple(t.column_names) == RESULT_COLUMNS
+    assert set(t.column("job").to_pylist()) == {"fake"} and set(t.column("variant").to_pylist()) == {"v1"}
+    assert set(t.column("step").to_pylist()) == {10}
+    assert "| toy | all | acc | 33.3 % | 50.0 | 3 | 3 |" in (out / "results.md").read_text()
+    # unique pairs in chunks of 2: 6 pairs -> 3 calls
+    assert job.calls == 3
+
+    # a second run with other scores; compare puts both side by side with the chance column
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"seed": 3}))
+    table2 = {**table, (3, "x"): 0.6}
+    job2 = FakeJob(table2, scorable={1, 2, 3})
+    job2.cfg.variant = "v2"
+    out2 = tmp_path / "run2" / "eval" / "final"
+    H.run_harness(job2, torch.nn.Linear(1, 1), m, out2, log=lambda s: None)
+    txt = H.compare([tmp_path / "run", tmp_path / "run2"])
+    line = next(x for x in txt.splitlines() if x.startswith("| toy | all | acc"))
+    assert line == "| toy | all | acc | 50.0 | 33.3 (n=3) | 66.7 (n=3) |"
+    assert "fake/v1 s3" in txt.splitlines()[0] and "fake/v2" in txt.splitlines()[0]
+
+
+def test_zero_scorable_is_an_error_naming_counts(tmp_path, monkeypatch):
+    monkeypatch.setitem(H.BUILTIN, "toy", _toy_reader)
+    job = FakeJob({}, scorable={100})
+    m = _manifest(tmp_path, [("toy", "toy", None)])
+    rows, errors = H.run_harness(job, torch.nn.Linear(1, 1), m, tmp_path / "o", job_metrics=False, log=lambda s: None)
+    assert rows == []
+    assert len(errors) == 1
+    assert errors[0].startswith("toy: 0 of 4 items are scorable: 4 of 4 benchmark images are in")
+    assert "0 in the job's artifacts" in errors[0]
+    with pytest.raises(NoScorableItems):
+        H.evaluate_benchmark(job, None, m.eval.benchmarks[0], tmp_path, {100}, log=lambda s: None)
+    # --bench with an unknown name is a one-line error
+    with pytest.raises(ValueError, match="--bench nope: not in the manifest's eval.benchmarks"):
+        H.run_harness(job, torch.nn.Linear(1, 1), m, tmp_path / "o", only=["nope"], log=lambda s: None)
+
+
+def _samples_artifact(out: Path):
+    from pipeline.io.artifacts import ArtifactWriter
+
+    w = ArtifactWriter(out, "samples", "ingest", {"fake": True})
+    uw = w.unit_writer("00000", "fp")
+    uw.write_table("samples", pa.table({"sample_id": pa.array([0, 1, 2, 3], pa.int64()),
+                                        "source_id": ["a", "b", "c", "d"],
+                                        "split": ["train", "test", "test", "test"]}))
+    uw.write_table("captions", pa.table({"caption_id": pa.array([0, 1, 2, 3, 4, 5], pa.int64()),
+                                         "sample_id": pa.array([0, 1, 1, 2, 3, 3], pa.int64()),
+                                         "text": ["t0", "t1", "t2", "t3", "t4", "t5"]}))
+    uw.commit({"rows": 4})
+    w.finalize(["00000"])
+
+
+def test_split_retrieval_builtin(tmp_path):
+    _samples_artifact(tmp_path)
+    # image 1 ranks its captions first; image 2 ranks t0... wrong; image 3 right
+    table = {(1, "t1"): 5, (1, "t2"): 4, (2, "t3"): 1, (2, "t4"): 2, (3, "t4"): 3, (3, "t5"): 3.5}
+    job = FakeJob(table, scorable={1, 2, 3})
+    m = _manifest(tmp_path, [("ret", "split_retrieval", "test")])
+    rows, errors = H.run_harness(job, torch.nn.Linear(1, 1), m, tmp_path / "o", job_metrics=False, log=lambda s: None)
+    assert errors == []
+    by = {r["metric"]: r for r in rows}
+    # i2t: image1 top t1 (hit), image2 top is t4 (miss), image3 top t5 (hit) -> 2/3
+    assert by["i2t_R@1"]["value"] == pytest.approx(200 / 3) and by["i2t_R@1"]["n"] == 3
+    assert by["t2i_R@1"]["n"] == 5 and by["t2i_R@1"]["chance"] == pytest.approx(100 / 3)
+    # the train split is not part of it; a split that does not exist is a clear error
+    m2 = _manifest(tmp_path, [("ret", "split_retrieval", "val")])
+    _, errors = H.run_harness(job, torch.nn.Linear(1, 1), m2, tmp_path / "o2", job_metrics=False, log=lambda s: None)
+    assert errors and "no samples of split 'val'" in errors[0]

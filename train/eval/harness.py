@@ -1,0 +1,455 @@
+"""The evaluation harness: every job, every configured benchmark, one table.
+
+``train eval <job> --checkpoint C --manifest M [--bench NAME ...]`` builds the job's model from the
+checkpoint and, for every benchmark of the manifest's ``eval.benchmarks`` (and the job's own
+evaluations, :meth:`train.loop.Job.job_metrics`):
+
+1. reads the benchmark in its published format (:func:`train.eval.benchmarks.read_benchmark`, or
+   the built-in ``split_retrieval`` format below);
+2. matches each item's images to sample ids through the ``samples`` artifact
+   (:class:`train.eval.images.ImageMatcher`: source id, file name, COCO ids across naming schemes,
+   or an explicit ``image_map``); an item whose image is not in ``samples`` or not in the job's
+   artifacts (:meth:`Job.scorable_sample_ids`) is skipped and counted (``skipped``,
+   ``skip_reasons``), never silently dropped; a benchmark with zero scorable items is an error that
+   says why (:class:`train.eval.interface.NoScorableItems`);
+3. scores the remaining items' (image, text[, box]) pairs with :meth:`Job.score_pairs` (unique
+   pairs only, in chunks of ``eval.pairs_chunk``), or, for retrieval benchmarks, asks
+   :meth:`Job.retrieval_scores` for the [I, T] matrices and computes R@K both ways with their exact
+   chance levels;
+4. writes ``<run_dir>/eval/<step>/results.parquet`` (job, variant, checkpoint, step, benchmark,
+   subset, metric, value, n, chance, skipped, skip_reasons, unit, note) and ``results.md``.
+
+``train compare RUN_DIR...`` (:func:`compare`) puts the latest results of several runs side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from train.eval.interface import RESULT_COLUMNS, BenchData, Item, NoScorableItems, Pair, Row
+
+# ------------------------------------------------------------------------------------ chance
+
+
+def retrieval_chance(n_correct: np.ndarray, n_candidates: int, k: int) -> float:
+    """Exact probability (in %) that a uniformly random ranking of ``n_candidates`` puts at least one
+    of a query's ``n_correct`` items in its top ``k``, averaged over queries:
+    1 - C(G - c, k) / C(G, k)."""
+    G = int(n_candidates)
+    out = []
+    for c in np.asarray(n_correct, dtype=np.int64):
+        if k >= G or c <= 0:
+            out.append(1.0 if c > 0 else 0.0)
+            continue
+        # C(G-c, k) / C(G, k) = prod_{i=0}^{k-1} (G - c - i) / (G - i)
+        i = np.arange(k, dtype=np.float64)
+        miss = float(np.prod(np.clip((G - c - i) / (G - i), 0.0, None)))
+        out.append(1.0 - miss)
+    return 100.0 * float(np.mean(out)) if out else float("nan")
+
+
+def recall_first_hit(scores: np.ndarray, gt: np.ndarray) -> np.ndarray:
+    """Rank (0-based) of each query's first correct item under a stable descending sort."""
+    order = np.argsort(-scores, axis=1, kind="stable")
+    hit = np.take_along_axis(gt, order, axis=1)
+    return np.where(hit.any(1), hit.argmax(1), scores.shape[1])
+
+
+def retrieval_rows(name: str, protocol: str, S: np.ndarray, img_of_caption: np.ndarray,
+                   ks: Sequence[int] = (1, 5, 10)) -> list[Row]:
+    """R@K image->text and text->image for one score matrix S [I, T] (percent), chance beside."""
+    I, T = S.shape
+    gt = np.zeros((I, T), dtype=bool)
+    gt[img_of_caption, np.arange(T)] = True
+    f_i2t = recall_first_hit(S, gt)
+    f_t2i = recall_first_hit(S.T, gt.T)
+    caps = np.bincount(img_of_caption, minlength=I)
+    rows = []
+    for k in ks:
+        rows.append(Row(name, protocol, f"i2t_R@{k}", 100.0 * float((f_i2t < k).mean()), I,
+                        retrieval_chance(caps, T, k)))
+        rows.append(Row(name, protocol, f"t2i_R@{k}", 100.0 * float((f_t2i < k).mean()), T,
+                        retrieval_chance(np.ones(T, dtype=np.int64), I, k)))
+    return rows
+
+
+# ----------------------------------------------------------------------- split_retrieval format
+
+
+def read_split_retrieval(spec, samples_dir: Path) -> BenchData:
+    """Built-in format ``split_retrieval``: image-text retrieval over the samples of one split of
+    the run's own ``samples`` artifact (``split``, default ``test``), every caption of each image.
+    For datasets ingested with their official splits (Karpathy COCO / Flickr30k, the generated
+    dataset) this is the standard retrieval protocol without a separate file."""
+    import polars as pl
+
+    from pipeline.io.artifacts import Artifact
+
+    art = Artifact(samples_dir)
+    split = spec.split or "test"
+    smp = art.scan("samples").select("sample_id", "source_id", "split").filter(pl.col("split") == split).collect()
+    if smp.height == 0:
+        splits = sorted(set(art.scan("samples").select("split").collect()["split"].to_list()))
+        raise NoScorableItems(f"{spec.name}: no samples of split {split!r} in {samples_dir} (splits: {splits}); "
+                              f"set eval.benchmarks.{spec.name}.split")
+    caps = art.scan("captions").select("caption_id", "sample_id", "text").filter(
+        pl.col("sample_id").is_in(smp["sample_id"].implode())).sort("caption_id").collect()
+    by_sid: dict[int, list[tuple[int, str]]] = {}
+    for cid, sid, text in caps.iter_rows():
+        by_sid.setdefault(int(sid), []).append((int(cid), text))
+    items = []
+    for sid, src in smp.select("sample_id", "source_id").sort("sample_id").iter_rows():
+        cl = by_sid.get(int(sid))
+        if not cl:
+            continue
+        items.append(Item([Pair(f"sample_id:{int(sid)}", t) for _, t in cl], subset=split, key=str(src),
+                          meta={"caption_ids": [c for c, _ in cl]}))
+    return BenchData(spec.name, items, score=lambda its, sc: [], kind="retrieval", source=str(samples_dir),
+                     total=len(items))
+
+
+BUILTIN = {"split_retrieval": read_split_retrieval}
+
+
+# --------------------------------------------------------------------------------- the harness
+
+
+class _Matcher:
+    """sample_id:<n> keys (built-in readers) resolve directly; others through ImageMatcher."""
+
+    def __init__(self, samples_dir: Path, image_map: str | None):
+        self.samples_dir, self.image_map = samples_dir, image_map
+        self._m = None
+
+    def match(self, key: str) -> int | None:
+        if key.startswith("sample_id:"):
+            return int(key.split(":", 1)[1])
+        if self._m is None:
+            from train.eval.images import ImageMatcher
+
+            self._m = ImageMatcher(self.samples_dir, image_map=self.image_map)
+        return self._m.match(key)
+
+
+def _subsample(items: list[Item], k: int | None, seed: int = 0) -> list[Item]:
+    if k is None or len(items) <= k:
+        return items
+    keep = sorted(random.Random(seed).sample(range(len(items)), k))
+    return [items[i] for i in keep]
+
+
+def _fmt_skips(reasons: Counter) -> dict[str, int]:
+    return {k: int(v) for k, v in sorted(reasons.items()) if v}
+
+
+def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], pairs_chunk: int = 2048,
+                       log: Callable[[str], None] = print) -> list[Row]:
+    """Rows of one benchmark (raises NoScorableItems when nothing can be scored)."""
+    if spec.format in BUILTIN:
+        data = BUILTIN[spec.format](spec, samples_dir)
+    else:
+        from train.eval.benchmarks import read_benchmark
+
+        data = read_benchmark(spec)
+    items = list(data.items)
+    if spec.subsets:
+        items = [it for it in items if it.subset in set(spec.subsets)]
+    items = _subsample(items, spec.max_items)
+    reader_skips = Counter({f"malformed: {k}" if not k.startswith("malformed") else k: v
+                            for k, v in (data.skipped or {}).items()})
+    matcher = _Matcher(samples_dir, spec.image_map)
+    sid_of: dict[str, int | None] = {}
+    for it in items:
+        for p in it.pairs:
+            if p.image not in sid_of:
+                sid_of[p.image] = matcher.match(p.image)
+    keep: list[Item] = []
+    skips: Counter = Counter()
+    skips_by_subset: dict[str, Counter] = {}
+    for it in items:
+        why = None
+        for p in it.pairs:
+            s = sid_of[p.image]
+            if s is None:
+                why = "skipped_no_image: not in samples"
+                break
+            if s not in scorable:
+                why = "skipped_no_image: not in the job's artifacts"
+                break
+        if why is None:
+            keep.append(it)
+        else:
+            skips[why] += 1
+            skips_by_subset.setdefault(it.subset, Counter())[why] += 1
+    total = len(items)
+    if not keep:
+        n_imgs = len(sid_of)
+        n_in = sum(1 for s in sid_of.values() if s is not None)
+        n_art = sum(1 for s in sid_of.values() if s is not None and s in scorable)
+        if total == 0:
+            raise NoScorableItems(f"{spec.name}: no items read from {spec.path}"
+                                  + (f" ({dict(reader_skips)})" if reader_skips else ""))
+        raise NoScorableItems(
+            f"{spec.name}: 0 of {total:,} items are scorable: {n_in:,} of {n_imgs:,} benchmark images are in "
+            f"{samples_dir} and {n_art:,} in the job's artifacts; ingest the benchmark's images (e.g. COCO val2014 / "
+            f"Karpathy test) into this run or give eval.benchmarks[{spec.name}].image_map")
+    t0 = time.perf_counter()
+    if data.kind == "retrieval":
+        rows = _score_retrieval(job, model, spec, data, keep, sid_of)
+    else:
+        rows = _score_pairwise(job, model, data, keep, sid_of, pairs_chunk)
+    all_skips = skips + reader_skips
+    n_skipped = sum(all_skips.values())
+    for r in rows:
+        if r.subset in ("all", "overall") or r.subset not in skips_by_subset:
+            r.skipped, r.skip_reasons = (n_skipped, _fmt_skips(all_skips)) if r.subset in ("all", "overall") or \
+                data.kind == "retrieval" else (0, {})
+        else:
+            sub = skips_by_subset[r.subset]
+            r.skipped, r.skip_reasons = sum(sub.values()), _fmt_skips(sub)
+        if getattr(job, "crop_note", "") and any(p.box is not None for it in keep[:50] for p in it.pairs):
+            r.note = (r.note + "; " if r.note else "") + job.crop_note
+    log(f"  {spec.name}: {len(keep):,} of {total:,} items scored, {n_skipped:,} skipped "
+        f"({', '.join(f'{k} {v}' for k, v in _fmt_skips(all_skips).items()) or 'none'}) in {time.perf_counter() - t0:.1f}s")
+    return rows
+
+
+def _score_pairwise(job, model, data: BenchData, keep: list[Item], sid_of: dict, pairs_chunk: int) -> list[Row]:
+    uniq: dict[tuple, int] = {}
+    index: list[list[int]] = []
+    for it in keep:
+        idx = []
+        for p in it.pairs:
+            key = (sid_of[p.image], p.text, p.box)
+            if key not in uniq:
+                uniq[key] = len(uniq)
+            idx.append(uniq[key])
+        index.append(idx)
+    keys = list(uniq)
+    sids = np.array([k[0] for k in keys], dtype=np.int64)
+    texts = [k[1] for k in keys]
+    has_box = any(k[2] is not None for k in keys)
+    boxes = np.array([k[2] if k[2] is not None else (np.nan,) * 4 for k in keys], dtype=np.float64) if has_box else None
+    out = np.empty(len(keys), dtype=np.float64)
+    for s in range(0, len(keys), pairs_chunk):
+        e = min(len(keys), s + pairs_chunk)
+        sc = job.score_pairs(model, sids[s:e], texts[s:e], None if boxes is None else boxes[s:e])
+        sc = np.asarray(sc.detach().cpu() if hasattr(sc, "detach") else sc, dtype=np.float64).reshape(-1)
+        if sc.shape[0] != e - s:
+            raise RuntimeError(f"{type(job).__name__}.score_pairs returned {sc.shape[0]} scores for {e - s} pairs")
+        out[s:e] = sc
+    return data.score(keep, [out[np.asarray(ix)] for ix in index])
+
+
+def _score_retrieval(job, model, spec, data: BenchData, keep: list[Item], sid_of: dict) -> list[Row]:
+    sids = np.array([sid_of[it.pairs[0].image] for it in keep], dtype=np.int64)
+    texts: list[str] = []
+    cap_ids: list[int] = []
+    img_of: list[int] = []
+    for i, it in enumerate(keep):
+        cids = it.meta.get("caption_ids") or [-1] * len(it.pairs)
+        for p, c in zip(it.pairs, cids):
+            texts.append(p.text)
+            cap_ids.append(int(c))
+            img_of.append(i)
+    mats = job.retrieval_scores(model, sids, np.array(cap_ids, dtype=np.int64), texts)
+    rows: list[Row] = []
+    for proto, S in mats.items():
+        S = np.asarray(S.detach().cpu() if hasattr(S, "detach") else S, dtype=np.float64)
+        if S.shape != (len(keep), len(texts)):
+            raise RuntimeError(f"{type(job).__name__}.retrieval_scores[{proto!r}] has shape {S.shape}, "
+                               f"expected {(len(keep), len(texts))}")
+        rows += retrieval_rows(data.name, proto, S, np.array(img_of))
+    return rows
+
+
+def _job_label(job) -> tuple[str, str]:
+    return getattr(job, "NAME", type(job).__name__), str(getattr(job.cfg, "variant", "default"))
+
+
+def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", step: int | None = None,
+                only: Sequence[str] | None = None, job_metrics: bool = True,
+                log: Callable[[str], None] | None = None) -> tuple[list[dict], list[str]]:
+    """Evaluate ``model`` on every configured benchmark (``only``: these names) plus the job's own
+    metrics; write results.parquet and results.md into ``out_dir``. Returns (rows, errors): a
+    benchmark that fails (zero scorable items, unreadable files) gives one error line and no row."""
+    import torch
+
+    log = log or (lambda m: print(m, file=sys.stderr))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specs = list(manifest.eval.benchmarks)
+    names = [s.name for s in specs]
+    dup = [n for n, c in Counter(names).items() if c > 1]
+    if dup:
+        raise ValueError(f"eval.benchmarks: duplicate name(s) {dup}")
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise ValueError(f"--bench {', '.join(unknown)}: not in the manifest's eval.benchmarks "
+                             f"({', '.join(names) or 'none configured'})")
+        specs = [s for s in specs if s.name in set(only)]
+    samples_dir = Path(manifest.eval.samples_artifact)
+    if not samples_dir.is_absolute():
+        samples_dir = Path(manifest.output) / samples_dir
+    rows: list[Row] = []
+    errors: list[str] = []
+    model.eval()
+    with torch.no_grad():
+        if job_metrics:
+            try:
+                rows += list(job.job_metrics(model, out_dir))
+            except NoScorableItems as e:
+                errors.append(str(e))
+        if specs:
+            try:
+                scorable = {int(s) for s in job.scorable_sample_ids()}
+            except NotImplementedError as e:
+                errors.append(f"{e}: benchmarks {', '.join(s.name for s in specs)} not scored")
+                specs = []
+        for spec in specs:
+            try:
+                rows += evaluate_benchmark(job, model, spec, samples_dir, scorable, manifest.eval.pairs_chunk, log)
+            except (NoScorableItems, FileNotFoundError, ValueError) as e:
+                errors.append(str(e).splitlines()[0] if str(e) else f"{spec.name}: {type(e).__name__}")
+    jname, variant = _job_label(job)
+    table = []
+    for r in rows:
+        d = r.as_dict()
+        table.append({"job": jname, "variant": variant, "checkpoint": str(checkpoint),
+                      "step": -1 if step is None else int(step), **d})
+    write_results(table, out_dir, errors)
+    return table, errors
+
+
+def write_results(table: list[dict], out_dir: Path, errors: Sequence[str] = ()) -> None:
+    import pyarrow as pa
+
+    from pipeline.io.atomic import write_parquet_atomic
+
+    cols = {c: [r.get(c) for r in table] for c in RESULT_COLUMNS}
+    types = {"job": pa.string(), "variant": pa.string(), "checkpoint": pa.string(), "step": pa.int64(),
+             "benchmark": pa.string(), "subset": pa.string(), "metric": pa.string(), "value": pa.float64(),
+             "n": pa.int64(), "chance": pa.float64(), "skipped": pa.int64(), "skip_reasons": pa.string(),
+             "unit": pa.string(), "note": pa.string()}
+    t = pa.table({c: pa.array(cols[c], type=types[c]) for c in RESULT_COLUMNS})
+    write_parquet_atomic(t, out_dir / "results.parquet")
+    md = markdown_table(table)
+    if errors:
+        md += "\n\nErrors (benchmarks not scored):\n\n" + "\n".join(f"- {e}" for e in errors) + "\n"
+    (out_dir / "results.md").write_text(md + "\n")
+
+
+# ------------------------------------------------------------------------------- presentation
+
+
+def fmt_num(v: Any, unit: str = "") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    v = float(v)
+    if unit == "fraction":
+        return f"{v:.3f}"
+    if unit == "%":
+        return f"{v:.1f}"
+    if v == int(v) and abs(v) < 1e12:
+        return f"{int(v):,}"
+    return f"{v:.4g}"
+
+
+def markdown_table(table: list[dict]) -> str:
+    head = "| benchmark | subset | metric | value | chance | n | skipped |\n|---|---|---|---:|---:|---:|---:|"
+    lines = [head]
+    for r in table:
+        unit = r.get("unit") or ""
+        suffix = " %" if unit == "%" else ""
+        lines.append(f"| {r['benchmark']} | {r['subset']} | {r['metric']} | {fmt_num(r['value'], unit)}{suffix} | "
+                     f"{fmt_num(r['chance'], unit)} | {int(r['n']):,} | {int(r['skipped']):,} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ compare
+
+
+def _latest_results(path: Path) -> Path:
+    """results.parquet of a run folder (the newest evaluation), an eval folder or the file itself."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if (path / "results.parquet").is_file():
+        return path / "results.parquet"
+    found = sorted((path / "eval").glob("*/results.parquet"), key=lambda p: p.stat().st_mtime) \
+        if (path / "eval").is_dir() else []
+    if not found:
+        found = sorted(path.glob("**/eval/*/results.parquet"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"{path}: no eval/*/results.parquet (run `train eval <job> --checkpoint ... "
+                                f"--manifest ...` first)")
+    return found[-1]
+
+
+def _run_label(res_path: Path, rows: list[dict]) -> str:
+    job = rows[0]["job"] if rows else "?"
+    variant = rows[0]["variant"] if rows else "?"
+    seed = None
+    for d in [res_path.parent, *res_path.parents]:
+        cfg = d / "config.json"
+        if cfg.is_file():
+            try:
+                seed = json.loads(cfg.read_text()).get("seed")
+            except ValueError:
+                pass
+            break
+    label = f"{job}/{variant}"
+    return label + (f" s{seed}" if seed is not None else "")
+
+
+def compare(paths: Sequence[str | Path]) -> str:
+    """One Markdown table: a row per (benchmark, subset, metric), a column per run, chance beside."""
+    import pyarrow.parquet as pq
+
+    runs = []
+    for p in paths:
+        f = _latest_results(Path(p))
+        rows = pq.read_table(f).to_pylist()
+        runs.append((_run_label(f, rows), f, rows))
+    labels = [r[0] for r in runs]
+    seen = Counter()
+    for i, lab in enumerate(labels):  # disambiguate identical labels
+        seen[lab] += 1
+        if labels.count(lab) > 1:
+            labels[i] = f"{lab} #{seen[lab]}"
+    keys: list[tuple] = []
+    cell: dict[tuple, dict[int, dict]] = {}
+    for j, (_, _, rows) in enumerate(runs):
+        for r in rows:
+            k = (r["benchmark"], r["subset"], r["metric"])
+            if k not in cell:
+                keys.append(k)
+                cell[k] = {}
+            cell[k][j] = r
+    head = "| benchmark | subset | metric | chance | " + " | ".join(labels) + " |"
+    sep = "|---|---|---|---:|" + "---:|" * len(labels)
+    lines = [head, sep]
+    for k in keys:
+        rs = cell[k]
+        any_r = next(iter(rs.values()))
+        unit = any_r.get("unit") or ""
+        chances = {fmt_num(r.get("chance"), unit) for r in rs.values()}
+        chance = " / ".join(sorted(chances))
+        vals = []
+        for j in range(len(runs)):
+            r = rs.get(j)
+            vals.append("-" if r is None else f"{fmt_num(r['value'], unit)} (n={int(r['n']):,})")
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {chance} | " + " | ".join(vals) + " |")
+    src = "\n".join(f"- {lab}: {f}" for lab, (_, f, _) in zip(labels, runs))
+    return "\n".join(lines) + "\n\n" + src
