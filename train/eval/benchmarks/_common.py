@@ -1,0 +1,139 @@
+"""Shared pieces of the benchmark readers: file loading with one-line errors, malformed-row
+bookkeeping, and the accuracy rows every pairwise benchmark reports."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from train.eval.interface import Item, Row
+
+
+class BenchmarkError(ValueError):
+    """A benchmark file that cannot be used at all; the message names the file (and the row)."""
+
+
+def load_json(path: Path, what: str) -> Any:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise BenchmarkError(f"{what} {path}: file not found") from None
+    except OSError as e:
+        raise BenchmarkError(f"{what} {path}: cannot read ({e.strerror or e})") from None
+    try:
+        return json.loads(raw.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise BenchmarkError(f"{what} {path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+
+
+class Rows:
+    """Collects a file's items and malformed rows. ``bad(row, problem)`` counts a row as skipped
+    (reason ``malformed: <problem>``); ``done()`` raises when a file had rows but none usable,
+    naming the file and its first bad row."""
+
+    def __init__(self, path: Path, what: str):
+        self.path, self.what = path, what
+        self.items: list[Item] = []
+        self.skipped: Counter = Counter()
+        self.first_bad: tuple[str, str] | None = None
+        self.filtered: Counter = Counter()  # rows left out on purpose (e.g. VALSE's non-validated foils)
+
+    def bad(self, row: Any, problem: str) -> None:
+        self.skipped[f"malformed: {problem}"] += 1
+        if self.first_bad is None:
+            self.first_bad = (str(row), problem)
+
+    def done(self) -> None:
+        if not self.items and self.first_bad is not None:
+            row, problem = self.first_bad
+            raise BenchmarkError(f"{self.what} {self.path}: row {row}: {problem} (no usable row in the file)")
+
+
+def text_field(rec: Any, name: str) -> str | None:
+    """A non-empty string field of a dict row, else None."""
+    if not isinstance(rec, dict):
+        return None
+    v = rec.get(name)
+    if isinstance(v, str) and v.strip():
+        return v.strip()
+    return None
+
+
+def missing(rec: Any, names: Iterable[str]) -> str | None:
+    """'missing or empty field(s) a, b' for the text fields absent in rec, None if all present."""
+    if not isinstance(rec, dict):
+        return f"not an object (got {type(rec).__name__})"
+    gone = [n for n in names if text_field(rec, n) is None]
+    return f"missing or empty field{'s' if len(gone) > 1 else ''} {', '.join(repr(g) for g in gone)}" if gone else None
+
+
+def files_in(path: Path, patterns: Sequence[str], what: str) -> list[Path]:
+    """The files a spec path names: the file itself, a glob, or the matching files of a folder."""
+    s = str(path)
+    if any(c in s for c in "*?["):
+        import glob
+
+        found = sorted(Path(p) for p in glob.glob(s, recursive=True))
+    elif path.is_dir():
+        found = sorted({f for pat in patterns for f in path.rglob(pat)})
+    elif path.exists():
+        found = [path]
+    else:
+        raise BenchmarkError(f"{what} {path}: not found")
+    found = [f for f in found if f.is_file()]
+    if not found:
+        raise BenchmarkError(f"{what} {path}: no {' / '.join(patterns)} files there")
+    return found
+
+
+# -- scoring --------------------------------------------------------------------------------------
+
+
+def beats(scores: np.ndarray) -> bool:
+    """Strict: the first pair's score is higher than every other pair's (ties count as wrong)."""
+    s = np.asarray(scores, dtype=np.float64)
+    return bool(s.shape[0] > 1 and np.all(s[0] > s[1:]))
+
+
+def correct_vector(items: Sequence[Item], scores: Sequence[np.ndarray], fn: Callable = beats) -> np.ndarray:
+    if len(items) != len(scores):
+        raise ValueError(f"score: {len(items)} items but {len(scores)} score arrays")
+    for it, s in zip(items, scores):
+        if len(s) != len(it.pairs):
+            raise ValueError(f"score: item {it.key!r} has {len(it.pairs)} pairs but {len(s)} scores")
+    return np.fromiter((fn(s) for s in scores), dtype=bool, count=len(scores))
+
+
+def group_rows(name: str, groups: Sequence[str], correct: np.ndarray, chance: np.ndarray | float,
+               metric: str = "accuracy", order: Sequence[str] | None = None, note: str = "") -> list[Row]:
+    """One accuracy row per group (pooled over its items), in ``order`` (default sorted)."""
+    by: dict[str, list[int]] = defaultdict(list)
+    for k, g in enumerate(groups):
+        by[g].append(k)
+    ch = np.broadcast_to(np.asarray(chance, dtype=np.float64), correct.shape)
+    out = []
+    for g in (order if order is not None else sorted(by)):
+        idx = by.get(g)
+        if not idx:
+            continue
+        out.append(Row(name, g, metric, 100.0 * float(correct[idx].mean()), len(idx), 100.0 * float(ch[idx].mean()), note=note))
+    return out
+
+
+def pooled_row(name: str, subset: str, correct: np.ndarray, chance: np.ndarray | float, metric: str = "accuracy",
+               note: str = "") -> Row:
+    ch = np.broadcast_to(np.asarray(chance, dtype=np.float64), correct.shape)
+    return Row(name, subset, metric, 100.0 * float(correct.mean()), int(correct.size), 100.0 * float(ch.mean()), note=note)
+
+
+def macro_row(name: str, subset: str, rows: Sequence[Row], metric: str = "macro_accuracy", note: str = "") -> Row | None:
+    """Unweighted mean of ``rows``' values (and chances); n = the items under them."""
+    if not rows:
+        return None
+    chances = [r.chance for r in rows]
+    chance = None if any(c is None for c in chances) else float(np.mean(chances))
+    return Row(name, subset, metric, float(np.mean([r.value for r in rows])), int(sum(r.n for r in rows)), chance, note=note)

@@ -1,0 +1,259 @@
+"""Match a benchmark's image keys to the ``samples`` artifact (``sample_id``).
+
+A benchmark names its images in its own way: a file name (SugarCrepe ``000000391895.jpg``), a path
+(Karpathy ``val2014/COCO_val2014_000000391895.jpg``, VL-CheckList ``vg/VG_100K/2345.jpg``), a
+stem (Winoground ``ex_0_img_0``) or an id (``391895``). :class:`ImageMatcher` indexes every sample
+once (dicts built from the table's columns, no per-query scans) under these keys, and looks a
+benchmark key up in this order, the first hit wins:
+
+1. ``map``: the explicit mapping (``eval.benchmarks[].image_map``, CSV or JSON) from benchmark key
+   (as written, or its file name) to a samples ``source_id`` or image file name; the target is
+   then resolved through rules 2-5.
+2. ``source_id``: the key equals a sample's ``source_id``.
+3. ``file_name``: the key's last path component equals the sample image's file name (the part after
+   ``::`` for images inside tar files).
+4. ``stem``: the same without the extension.
+5. ``numeric_id``: both sides carry the same numeric image id, recognised only where the id is the
+   whole identifier, so that ``ex_0_img_1`` never matches image 1: an all-digit stem or
+   ``source_id`` (COCO ``000000391895`` -> 391895, Flickr30k ``1000092795``, Visual Genome
+   ``2345``) or a COCO-style ``<PREFIX>_<split><year>_<digits>`` stem (``COCO_val2014_000000391895``).
+   So Karpathy ``COCO_val2014_000000391895.jpg``, SugarCrepe ``000000391895.jpg`` and
+   source id ``391895`` are the same image.
+
+A key that two different samples share at one level is ambiguous there: it matches nothing at that
+level (counted in the summary as ``ambiguous``) and the lookup goes on to the next level.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+RULES = ("map", "source_id", "file_name", "stem", "numeric_id")
+_AMBIGUOUS = -2
+_COCO_STEM = re.compile(r"^[A-Za-z]+_[A-Za-z]+\d{4}_(\d+)$")
+
+
+def _name(key: str) -> str:
+    key = key.split("::", 1)[-1]
+    return key.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+
+
+def _stem(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name[1:] else name
+
+
+def numeric_id(key: str) -> int | None:
+    """The numeric image id a key stands for, or None (see the module doc, rule 5)."""
+    stem = _stem(_name(str(key).strip()))
+    if stem.isdigit():
+        return int(stem)
+    m = _COCO_STEM.match(stem)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class MatchSummary:
+    """How a benchmark's image keys matched: ``total`` keys (distinct), ``matched`` of them, by
+    rule, how many were ambiguous somewhere, and a few unmatched examples for the error message."""
+
+    total: int
+    matched: int
+    by_rule: dict[str, int] = field(default_factory=dict)
+    ambiguous: int = 0
+    unmatched_examples: list[str] = field(default_factory=list)
+    map_unresolved: int = 0
+
+    def line(self) -> str:
+        rules = ", ".join(f"{k} {v}" for k, v in self.by_rule.items() if v) or "none"
+        s = f"{self.matched:,} of {self.total:,} images matched ({rules})"
+        if self.ambiguous:
+            s += f"; {self.ambiguous:,} keys ambiguous at some level"
+        if self.map_unresolved:
+            s += f"; {self.map_unresolved:,} image_map targets not in samples"
+        if self.unmatched_examples and self.matched < self.total:
+            s += "; unmatched e.g. " + ", ".join(repr(x) for x in self.unmatched_examples[:3])
+        return s
+
+
+def _samples_columns(samples) -> tuple[list[int], list[str | None], list[str | None]]:
+    """(sample_id, source_id, image) columns from an Artifact, an artifact folder, or a table
+    (polars / pyarrow / pandas / dict of lists)."""
+    from pipeline.io.artifacts import Artifact
+
+    if isinstance(samples, (str, Path)):
+        samples = Artifact(samples)
+    if isinstance(samples, Artifact):
+        if "samples" not in samples.tables():
+            raise ValueError(f"{samples.dir}: artifact has no 'samples' table (expected the ingest stage's samples artifact)")
+        tab = samples.read("samples", columns=["sample_id", "source_id", "image"])
+        cols = tab.to_pydict()
+    elif isinstance(samples, dict):
+        cols = samples
+    elif hasattr(samples, "to_pydict"):  # pyarrow
+        cols = samples.to_pydict()
+    elif hasattr(samples, "to_dict"):  # polars (as_series=False) / pandas
+        try:
+            cols = samples.to_dict(as_series=False)
+        except TypeError:
+            cols = {k: list(v.values()) for k, v in samples.to_dict().items()}
+    else:
+        raise TypeError(f"ImageMatcher: cannot read samples from {type(samples).__name__}")
+    sid = [int(x) for x in cols["sample_id"]]
+    n = len(sid)
+    src = list(cols.get("source_id") or [None] * n)
+    img = list(cols.get("image") or [None] * n)
+    return sid, src, img
+
+
+def read_image_map(path: str | Path) -> dict[str, str]:
+    """``{benchmark key: samples source_id or file name}`` from a CSV (two columns; a header row
+    is allowed) or a JSON file (an object, or a list of [key, value] pairs / {"key", "value"})."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"image_map {p}: cannot read ({e.strerror or e})") from None
+    out: dict[str, str] = {}
+    if p.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"image_map {p}: not valid JSON ({e})") from None
+        if isinstance(data, dict):
+            items: Iterable = data.items()
+        elif isinstance(data, list):
+            items = []
+            for n, r in enumerate(data):
+                if isinstance(r, (list, tuple)) and len(r) == 2:
+                    items.append((r[0], r[1]))
+                elif isinstance(r, dict) and "key" in r and "value" in r:
+                    items.append((r["key"], r["value"]))
+                else:
+                    raise ValueError(f"image_map {p}: entry {n} is neither [key, value] nor {{'key', 'value'}}")
+        else:
+            raise ValueError(f"image_map {p}: expected an object or a list")
+        for k, v in items:
+            out[str(k).strip()] = str(v).strip()
+        return out
+    rows = list(csv.reader(text.splitlines()))
+    for n, r in enumerate(rows):
+        if not r or all(not c.strip() for c in r):
+            continue
+        if len(r) < 2:
+            raise ValueError(f"image_map {p}: row {n + 1} has {len(r)} column(s), expected 2 (benchmark key, source id or file name)")
+        k, v = r[0].strip(), r[1].strip()
+        if n == 0 and k.lower() in {"key", "image", "benchmark", "benchmark_image", "image_key"}:
+            continue  # header
+        out[k] = v
+    return out
+
+
+class ImageMatcher:
+    """``ImageMatcher(samples, image_map=None)``: ``samples`` is the samples artifact (an
+    :class:`~pipeline.io.artifacts.Artifact` or its folder) or a table with ``sample_id``,
+    ``source_id`` and ``image`` columns; ``image_map`` a CSV/JSON path or a dict.
+
+    ``match(key) -> sample_id | None``; ``match_many(keys) -> int64 array`` (-1 = no match);
+    ``summary(keys) -> MatchSummary`` (``.line()`` is the one-line report)."""
+
+    def __init__(self, samples: Any, image_map: str | Path | dict | None = None):
+        sid, src, img = _samples_columns(samples)
+        self.n_samples = len(sid)
+        self._levels: dict[str, dict[Any, int]] = {r: {} for r in RULES[1:]}
+
+        def put(level: str, key, s: int) -> None:
+            d = self._levels[level]
+            old = d.get(key)
+            if old is None:
+                d[key] = s
+            elif old != s:
+                d[key] = _AMBIGUOUS
+
+        for s, so, im in zip(sid, src, img):
+            if so is not None and str(so) != "":
+                so = str(so)
+                put("source_id", so, s)
+                if so.isdigit():
+                    put("numeric_id", int(so), s)
+            if im:
+                name = _name(str(im))
+                put("file_name", name, s)
+                put("stem", _stem(name), s)
+                nid = numeric_id(name)
+                if nid is not None:
+                    put("numeric_id", nid, s)
+        if image_map is None:
+            self.image_map: dict[str, str] = {}
+        elif isinstance(image_map, dict):
+            self.image_map = {str(k): str(v) for k, v in image_map.items()}
+        else:
+            self.image_map = read_image_map(image_map)
+        self._cache: dict[str, tuple[int, str]] = {}
+
+    def _lookup(self, key: str) -> tuple[int, str, bool]:
+        """(sample_id or -1, rule, ambiguous seen)."""
+        amb = False
+        name = _name(key)
+        stem = _stem(name)
+        nid = numeric_id(key)
+        for level, k in (("source_id", key), ("source_id", name) if name != key else (None, None),
+                         ("file_name", name), ("stem", stem), ("numeric_id", nid)):
+            if level is None or k is None:
+                continue
+            s = self._levels[level].get(k)
+            if s is None:
+                continue
+            if s == _AMBIGUOUS:
+                amb = True
+                continue
+            return s, level, amb
+        return -1, "", amb
+
+    def _resolve(self, key) -> tuple[int, str, bool, bool]:
+        """(sample_id or -1, rule, ambiguous, image_map target unresolved)."""
+        key = str(key).strip()
+        if self.image_map:
+            target = self.image_map.get(key, self.image_map.get(_name(key)))
+            if target is not None:
+                s, _, amb = self._lookup(target)
+                if s >= 0:
+                    return s, "map", amb, False
+                return -1, "", amb, True
+        s, rule, amb = self._lookup(key)
+        return s, rule, amb, False
+
+    def match(self, key) -> int | None:
+        s = self._resolve(key)[0]
+        return None if s < 0 else s
+
+    def match_many(self, keys: Iterable) -> np.ndarray:
+        """Sample ids for ``keys`` (int64, -1 where a key matches no sample); each distinct key is
+        resolved once."""
+        keys = list(keys)
+        uniq = {k: self._resolve(k)[0] for k in dict.fromkeys(str(k).strip() for k in keys)}
+        return np.fromiter((uniq[str(k).strip()] for k in keys), dtype=np.int64, count=len(keys))
+
+    def summary(self, keys: Iterable) -> MatchSummary:
+        by_rule: Counter = Counter()
+        amb = unresolved = matched = 0
+        unmatched: list[str] = []
+        distinct = list(dict.fromkeys(str(k).strip() for k in keys))
+        for k in distinct:
+            s, rule, a, unres = self._resolve(k)
+            amb += a
+            unresolved += unres
+            if s >= 0:
+                matched += 1
+                by_rule[rule] += 1
+            elif len(unmatched) < 5:
+                unmatched.append(k)
+        return MatchSummary(total=len(distinct), matched=matched, by_rule={r: by_rule[r] for r in RULES if by_rule[r]},
+                            ambiguous=amb, unmatched_examples=unmatched, map_unresolved=unresolved)
