@@ -133,6 +133,18 @@ def unit_writer(payload: dict) -> UnitWriter:
     return UnitWriter(payload["artifact_dir"], payload["stage"], payload["unit"], payload["fingerprint"])
 
 
+def format_seconds(s: float) -> str:
+    """Seconds for people: 0.4s, 12s, 3m 05s, 2h 10m (never negative)."""
+    s = max(0.0, float(s))
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m {int(s % 60):02d}s"
+    return f"{int(s // 3600)}h {int(s % 3600 // 60):02d}m"
+
+
 class _Progress:
     """Units and rows done, rate and ETA, on stderr; a plain line per update when not a terminal."""
 
@@ -152,13 +164,15 @@ class _Progress:
         self._last = now
         dt = max(now - self.t0, 1e-9)
         rate = self.rows / dt
-        if self.total_rows:
-            eta = (self.total_rows - self.rows) / rate if rate > 0 else float("inf")
-        else:
-            eta = dt / self.units * (self.total_units - self.units)
+        by_units = dt / self.units * (self.total_units - self.units)
+        if self.total_rows and rate > 0 and self.rows < self.total_rows:
+            eta = (self.total_rows - self.rows) / rate
+        else:  # no row estimate, or the estimate was exceeded: the shards left say how long
+            eta = by_units
+        eta = 0.0 if self.units >= self.total_units else max(0.0, eta)
         msg = (
-            f"{self.desc}: {self.units}/{self.total_units} shards, {self.rows} rows, "
-            f"{rate:,.1f} rows/s, ETA {eta:,.0f}s"
+            f"{self.desc}: {self.units}/{self.total_units} shards, {self.rows:,} rows, "
+            f"{rate:,.1f} rows/s, ETA {format_seconds(eta)}"
         )
         if self.tty:
             end = "\n" if self.units == self.total_units else ""

@@ -187,37 +187,10 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
-    """Train losses (left) and eval metrics (right) against steps."""
-    import matplotlib
+    """Per-family panels of train and eval metrics against steps (see :mod:`train.plots`)."""
+    from train.plots import plot_metrics as _plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
-    tr = [r for r in rows if r.get("kind") == "train"]
-    ev = [r for r in rows if r.get("kind") == "eval"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    skip = {"kind", "step", "epoch", "lr", "time", "steps_per_s", "samples_per_s", "grad_norm"}
-    for key in sorted({k for r in tr for k in r} - skip):
-        pts = [(r["step"], r[key]) for r in tr if isinstance(r.get(key), (int, float))]
-        if pts:
-            axes[0].plot(*zip(*pts), label=key)
-    axes[0].set_xlabel("step")
-    axes[0].set_title("training")
-    if tr:
-        axes[0].legend(fontsize=7)
-    for key in sorted({k for r in ev for k in r} - skip):
-        pts = [(r["step"], r[key]) for r in ev if isinstance(r.get(key), (int, float))]
-        if pts:
-            axes[1].plot(*zip(*pts), marker="o", label=key)
-    axes[1].set_xlabel("step")
-    axes[1].set_title("evaluation")
-    if ev:
-        axes[1].legend(fontsize=6)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=90)
-    plt.close(fig)
+    _plot(metrics_path, out_png)
 
 
 class _Progress:

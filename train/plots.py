@@ -1,0 +1,186 @@
+"""Training curves a person can read: one panel per metric family, markers, log scale where it helps.
+
+``metrics.jsonl`` (written by :mod:`train.loop`) holds ``{"kind": "train"|"eval", "step", ...}``
+rows. :func:`plot_metrics` draws them as a grid of small panels, so that the loss does not
+flatten everything else onto one axis and counts never share an axis with percentages:
+
+- train: the losses (every key containing ``loss``; log scale when they span more than a decade
+  and stay positive), the learning rate, the gradient norm, throughput (samples/s), and one
+  panel per family of the job's other logged values (family = the key's prefix before ``/``);
+- eval: one panel per family (``global/i2t_R@1`` -> ``global``), a fixed 0-100 axis for
+  percentages (recalls, accuracies: the repository's unit), with the chance level of a metric
+  (eval key ``chance/<metric>``) drawn as a dashed line in the metric's colour; counts such as
+  ``eval_images`` are constant bookkeeping and go into the panel title instead of a curve.
+
+Every series is drawn with markers, so a run with one eval point or three logged steps still
+shows something, and legends sit inside their panel (the figure is saved with a tight bounding
+box, so nothing is cut off).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+TRAIN_BOOKKEEPING = {"kind", "step", "epoch", "time"}
+THROUGHPUT = ("samples_per_s", "steps_per_s")
+# eval keys that are sizes, not metrics: shown in the title
+COUNT_PREFIXES = ("eval_", "n_", "num_")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` (unparseable lines, e.g. a torn last line, are skipped)."""
+    rows = []
+    if not Path(path).exists():
+        return rows
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if _is_num(r.get(key)) and _is_num(r.get("step"))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def is_percent_metric(key: str) -> bool:
+    """Recalls, accuracies and rates are percentages (0-100) in this repository."""
+    k = key.lower()
+    return any(t in k for t in ("r@", "recall", "acc", "precision", "%", "pct", "percent"))
+
+
+def is_fraction_metric(key: str) -> bool:
+    k = key.lower()
+    return any(t in k for t in ("auc", "iou"))
+
+
+def _family(key: str) -> str:
+    return key.split("/", 1)[0] if "/" in key else "other"
+
+
+def metric_panels(rows: list[dict]) -> list[dict]:
+    """The panels :func:`plot_metrics` draws: ``{"title", "keys", "kind", "rows", "log", "ylim", "chance"}``."""
+    tr = [r for r in rows if r.get("kind") == "train"]
+    ev = [r for r in rows if r.get("kind") == "eval"]
+    panels: list[dict] = []
+
+    def add(title, keys, src, kind, ylim=None, chance=None, ylabel=""):
+        keys = [k for k in keys if _series(src, k)[0]]
+        if not keys:
+            return
+        vals = [v for k in keys for v in _series(src, k)[1]]
+        log = bool(vals) and min(vals) > 0 and max(vals) / min(vals) > 30 and ylim is None
+        panels.append({"title": title, "keys": keys, "kind": kind, "rows": src, "log": log, "ylim": ylim,
+                       "chance": chance or {}, "ylabel": ylabel})
+
+    tkeys = sorted({k for r in tr for k, v in r.items() if _is_num(v)} - TRAIN_BOOKKEEPING)
+    losses = [k for k in tkeys if "loss" in k.lower()]
+    add("train loss", losses, tr, "train")
+    add("learning rate", [k for k in tkeys if k == "lr"], tr, "train")
+    add("gradient norm", [k for k in tkeys if k == "grad_norm"], tr, "train")
+    add("throughput", [k for k in ("samples_per_s",) if k in tkeys] or [k for k in THROUGHPUT if k in tkeys], tr,
+        "train", ylabel="per second")
+    rest = [k for k in tkeys if k not in losses and k not in ("lr", "grad_norm") and k not in THROUGHPUT]
+    fams: dict[str, list[str]] = defaultdict(list)
+    for k in rest:
+        fams[_family(k) if "/" in k else k.split("_")[0]].append(k)
+    for fam, keys in sorted(fams.items()):
+        add(f"train: {fam}", keys, tr, "train")
+
+    ekeys = sorted({k for r in ev for k, v in r.items() if _is_num(v)} - TRAIN_BOOKKEEPING)
+    chance = {k.split("/", 1)[1]: k for k in ekeys if k.startswith("chance/")}
+    metric_keys = [k for k in ekeys if not k.startswith("chance/") and not k.startswith(COUNT_PREFIXES)]
+    efams: dict[str, list[str]] = defaultdict(list)
+    for k in metric_keys:
+        efams[_family(k)].append(k)
+    for fam, keys in sorted(efams.items()):
+        pct = [k for k in keys if is_percent_metric(k)]
+        frac = [k for k in keys if k not in pct and is_fraction_metric(k)]
+        other = [k for k in keys if k not in pct and k not in frac]
+        ch = {k: chance[k.split("/", 1)[-1]] for k in pct + frac if k.split("/", 1)[-1] in chance}
+        add(f"eval: {fam} (%)", pct, ev, "eval", ylim=(0, 100), chance=ch, ylabel="%")
+        add(f"eval: {fam} (0-1)", frac, ev, "eval", ylim=(0, 1), chance=ch, ylabel="fraction")
+        add(f"eval: {fam}", other, ev, "eval")
+    return panels
+
+
+def eval_counts(rows: list[dict]) -> dict[str, float]:
+    """The last eval row's sizes (``eval_images`` ...)."""
+    ev = [r for r in rows if r.get("kind") == "eval"]
+    if not ev:
+        return {}
+    return {k: v for k, v in ev[-1].items() if k.startswith(COUNT_PREFIXES) and _is_num(v)}
+
+
+def _short(key: str, fam_title: str) -> str:
+    return key.split("/", 1)[1] if "/" in key and not fam_title.startswith("train loss") else key
+
+
+def plot_metrics(metrics_path: Path, out_png: Path, title: str | None = None) -> Path | None:
+    """Draw ``metrics.jsonl`` as per-family panels into ``out_png``; None when there is nothing to draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(Path(metrics_path))
+    panels = metric_panels(rows)
+    if not panels:
+        return None
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.1 * nrows), squeeze=False)
+    counts = eval_counts(rows)
+    for ax, p in zip(axes.flat, panels):
+        n_points = 0
+        for i, key in enumerate(p["keys"]):
+            xs, ys = _series(p["rows"], key)
+            n_points = max(n_points, len(xs))
+            every = max(1, len(xs) // 25)
+            (line,) = ax.plot(xs, ys, marker="o", markersize=3.5, markevery=every, linewidth=1.3,
+                              label=_short(key, p["title"]))
+            if key in p["chance"]:
+                cx, cy = _series(p["rows"], p["chance"][key])
+                if cy:
+                    ax.axhline(cy[-1], color=line.get_color(), linestyle="--", linewidth=0.9, alpha=0.8)
+        if p["chance"]:
+            ax.plot([], [], color="0.4", linestyle="--", linewidth=0.9, label="chance")
+        title_text = p["title"]
+        if p["kind"] == "eval" and counts:
+            title_text += "\n" + ", ".join(f"{k.replace('eval_', '')}={v:,.0f}" for k, v in counts.items())
+        ax.set_title(title_text, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        if p["ylabel"]:
+            ax.set_ylabel(p["ylabel"], fontsize=8)
+        if p["log"]:
+            ax.set_yscale("log")
+        if p["ylim"]:
+            ax.set_ylim(*p["ylim"])
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if len(p["keys"]) > 1 or p["chance"]:
+            ax.legend(fontsize=6.5, loc="best", ncol=2 if len(p["keys"]) > 5 else 1, framealpha=0.8)
+        elif p["keys"]:
+            ax.set_ylabel(p["ylabel"] or p["keys"][0], fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return out_png
