@@ -13,6 +13,8 @@ Layout under ``root``::
     flickr30k_entities/Sentences/<id>.txt  Flickr30k-Entities markup, one caption per line
     flickr30k_entities/Annotations/<id>.xml  boxes per entity; {train,val,test}.txt id lists
     sugarcrepe/{swap_att,swap_obj,replace_att,replace_obj,replace_rel}.json
+    aro/, winoground/, valse/, vl_checklist/, foil/   the same kinds of negatives (and cross-image
+                                           swaps) in other benchmarks' formats: see benchmarks.py
     _params.json                           parameters + ground truth of the injected errors
 
 Ids: image index i (0-based) has image id i + 1; its instance and caption annotation ids are
@@ -41,12 +43,14 @@ import numpy as np
 from PIL import Image
 
 from pipeline.masks import rle_encode
+from pipeline.synthetic.benchmarks import write_benchmarks
 from pipeline.synthetic.captions import make_captions, make_negatives
 from pipeline.synthetic.scene import PREDICATES, SHAPES, make_scene, relations
 
 GENERATOR_VERSION = 2
 NEGATIVE_KINDS = ["swap_att", "swap_obj", "replace_att", "replace_obj", "replace_rel"]
-_OWNED = ["images", "annotations", "flickr30k_entities", "sugarcrepe", "karpathy.json"]
+BENCHMARK_DIRS = ["aro", "winoground", "valse", "vl_checklist", "foil"]
+_OWNED = ["images", "annotations", "flickr30k_entities", "sugarcrepe", "karpathy.json", *BENCHMARK_DIRS]
 
 
 def split_of(index: int) -> str:
@@ -64,6 +68,7 @@ def output_paths(root: str | Path) -> dict[str, Path]:
         "karpathy": root / "karpathy.json",
         "flickr30k_entities": root / "flickr30k_entities",
         "sugarcrepe": root / "sugarcrepe",
+        **{d: root / d for d in BENCHMARK_DIRS},
         "params": root / "_params.json",
     }
 
@@ -288,6 +293,7 @@ def generate(
     for kind, d in negatives.items():
         # indented like the published SugarCrepe files
         (paths["sugarcrepe"] / f"{kind}.json").write_text(json.dumps(d, indent=4), encoding="utf-8")
+    write_benchmarks(root, images, inst_anns, graphs, negatives, _dump)
     # no timings or dates in here: every generated file, this one included, is a function of the params
     _dump({"params": params, "corrupt_images": corrupt_files, "empty_caption_ids": blanked_ids}, paths["params"])
     return paths
