@@ -83,18 +83,40 @@ def _encode(result: dict):
     return pd.DataFrame({"result": [json.dumps(result, default=str)]})
 
 
+def _contained(fn, payload: dict) -> dict:
+    """Run one unit; an exception becomes ``{"unit", "failed": one line}`` for the driver to report
+    (naming the unit) instead of a worker traceback through Ray. Full traceback at debug level."""
+    try:
+        return fn(payload)
+    except Exception as e:
+        from pipeline.stage import describe_exception
+
+        log.debug("unit %s failed", payload.get("unit"), exc_info=True)
+        return {"unit": payload.get("unit"), "failed": describe_exception(e)}
+
+
 def _task_entry(batch, fn):
-    return _encode(fn(_decode(batch)))
+    return _encode(_contained(fn, _decode(batch)))
 
 
 class _ActorEntry:
-    """Constructs the stage's worker once per actor (model load), then calls it per unit."""
+    """Constructs the stage's worker once per actor (model load), then calls it per unit. A worker
+    that cannot be constructed reports the reason for each unit it is given."""
 
     def __init__(self, cls: type, kwargs: dict):
-        self.impl = cls(**kwargs)
+        from pipeline.stage import describe_exception
+
+        self.impl, self.broken = None, None
+        try:
+            self.impl = cls(**kwargs)
+        except Exception as e:
+            self.broken = f"the worker could not start: {describe_exception(e)}"
 
     def __call__(self, batch):
-        return _encode(self.impl(_decode(batch)))
+        payload = _decode(batch)
+        if self.broken:
+            return _encode({"unit": payload.get("unit"), "failed": self.broken})
+        return _encode(_contained(self.impl, payload))
 
 
 def map_units(

@@ -16,9 +16,11 @@ every unit's marker. Workers receive a payload with ``artifact_dir``, ``stage``,
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import pkgutil
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,7 +31,15 @@ from types import ModuleType
 from pydantic import Field
 
 from pipeline.config import Section
-from pipeline.io.artifacts import Artifact, ArtifactMissing, ArtifactWriter, UnitWriter
+from pipeline.io.artifacts import (
+    Artifact,
+    ArtifactBusy,
+    ArtifactMissing,
+    ArtifactWriter,
+    OutputPathError,
+    UnitWriter,
+    release_lock,
+)
 from pipeline.runtime import ensure_ray, map_units
 
 log = logging.getLogger("pipeline")
@@ -39,11 +49,25 @@ class StageError(RuntimeError):
     """A stage cannot run (missing input, bad option); the message is shown as the one-line error."""
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def describe_exception(e: BaseException) -> str:
+    """``Type: first line of the message``, without memory addresses (same input, same bytes)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = _ADDRESS.sub("", text)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 class StageConfig(Section):
     enabled: bool = Field(True, description="run this stage in `pipeline run all`")
     shard_size: int = Field(1000, ge=1, description="samples per output shard (unit of resume)")
     num_gpus: float = Field(
         0, ge=0, description="GPUs Ray reserves per model actor; set 1 (with device: cuda) on a GPU cluster"
+    )
+    max_error_rate: float = Field(
+        0.5, ge=0, le=1,
+        description="fail the stage (exit non-zero, no _manifest.json) when it rejects more than this fraction of its input samples",
     )
 
 
@@ -133,6 +157,113 @@ def unit_writer(payload: dict) -> UnitWriter:
     return UnitWriter(payload["artifact_dir"], payload["stage"], payload["unit"], payload["fingerprint"])
 
 
+# --- The error policy (one place for every stage) ----------------------------------------------
+#
+# 1. Isolate: a model call on a batch that raises is retried sample by sample to find the samples
+#    that fail; each is recorded in the unit's errors (reason, sample id, one-line detail) and the
+#    batch is run again without them (:func:`isolate_failures`).
+# 2. Contain: an exception that still escapes a unit becomes a one-line stage error naming the unit
+#    (see :mod:`pipeline.runtime`), never a worker traceback; completed units stay complete.
+# 3. Fail loudly: when a stage rejects more than ``max_error_rate`` of its input samples (or all of
+#    them), it writes errors/errors.parquet but no _manifest.json and exits non-zero with a one-line
+#    summary of the top reasons (:func:`check_error_rate`).
+
+
+@contextlib.contextmanager
+def model_key(key: str, spec):
+    """Loading the model named by manifest key ``key`` (e.g. ``models.clip``): any failure becomes
+    the one-line :class:`StageError` ``models.clip: 'x/y' not found or not loadable (...)``."""
+    try:
+        yield
+    except StageError:
+        raise
+    except Exception as e:
+        raise StageError(f"{key}: {spec!r} not found or not loadable ({describe_exception(e)})") from None
+
+
+def _take(inputs, idx: list[int]):
+    if isinstance(inputs, (list, tuple)):
+        return [inputs[i] for i in idx]
+    if isinstance(inputs, dict):
+        return {k: _take(v, idx) for k, v in inputs.items()}
+    return inputs[idx]  # numpy array / torch tensor: fancy indexing keeps the batch dimension
+
+
+def isolate_failures(w: UnitWriter, records: list[dict], inputs, fn, *, reason: str = "model_failed", take=_take):
+    """``fn(records, inputs)`` on the whole batch; if it raises, find the records it fails on.
+
+    Each record is run alone; the ones that raise are recorded in ``w`` as ``reason`` with their
+    sample id and the exception's one-line description, then the batch is run again without them
+    (so the survivors' outputs are those of a batch, as without the bad sample). Returns
+    ``(kept records, fn's result for them)``; ``(records[:0], None)`` when none survives.
+    ``inputs`` is sliced with ``take(inputs, indices)`` (lists, dicts of them, arrays, tensors).
+    """
+    try:
+        return records, fn(records, inputs)
+    except Exception as first:
+        if len(records) == 1:
+            _record_failure(w, records[0], reason, first)
+            return records[:0], None
+    good = []
+    for i, r in enumerate(records):
+        try:
+            fn([r], take(inputs, [i]))
+            good.append(i)
+        except Exception as e:
+            _record_failure(w, r, reason, e)
+    if not good:
+        return records[:0], None
+    if len(good) < len(records):
+        kept = [records[i] for i in good]
+        try:
+            return kept, fn(kept, take(inputs, good))
+        except Exception as e:  # fails only together: reject the rest one by one
+            log.warning("%s: batch fails without its failing samples too (%s); rejecting them", w.unit, describe_exception(e))
+            for r in kept:
+                _record_failure(w, r, reason, e)
+            return records[:0], None
+    # every sample passes alone but the batch fails together: reject the batch as a whole
+    for r in records:
+        _record_failure(w, r, reason, first)
+    return records[:0], None
+
+
+def _record_failure(w: UnitWriter, r: dict, reason: str, e: BaseException) -> None:
+    ids = {k: r[k] for k in ("sample_id", "caption_id", "source_id") if r.get(k) is not None}
+    w.error(reason, describe_exception(e), **ids)
+
+
+def check_error_rate(artifact: str, stage: str, errors, input_rows: int | None, output_rows: int, max_rate: float, where: str) -> None:
+    """Raise :class:`StageError` with a one-line summary when the stage rejected too much.
+
+    The rate is the number of distinct rejected samples (error rows naming a sample and no caption)
+    over the stage's input samples; a stage that produced no rows but recorded errors fails too.
+    """
+    if errors.num_rows == 0:
+        return
+    import pyarrow.compute as pc
+
+    sample_level = errors.filter(pc.and_(pc.is_valid(errors["sample_id"]), pc.is_null(errors["caption_id"])))
+    rejected = len(pc.unique(sample_level["sample_id"])) if sample_level.num_rows else 0
+    total = input_rows if input_rows else rejected + output_rows
+    rate = rejected / total if total else 0.0
+    if rate <= max_rate and output_rows > 0:
+        return
+    counts: dict[str, list] = {}
+    for row in errors.select(["reason", "sample_id", "detail"]).to_pylist():
+        c = counts.setdefault(row["reason"], [0, row])
+        c[0] += 1
+    top = sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[0]))[:3]
+    reasons = "; ".join(
+        f"{reason} x{n} (e.g. sample {ex['sample_id']}: {ex['detail'][:80]})" for reason, (n, ex) in top
+    )
+    if output_rows == 0:
+        head = f"{stage}: produced no rows; {errors.num_rows} errors"
+    else:
+        head = f"{stage}: rejected {rejected} of {total} samples ({100 * rate:.1f}% > max_error_rate {100 * max_rate:g}%)"
+    raise StageError(f"{head}: {reasons}; see {where}")
+
+
 def format_seconds(s: float) -> str:
     """Seconds for people: 0.4s, 12s, 3m 05s, 2h 10m (never negative)."""
     s = max(0.0, float(s))
@@ -205,6 +336,12 @@ def run_units(
     names = [u[0] for u in units]
     if len(set(names)) != len(names):
         raise StageError("duplicate unit names")
+    cfg = ctx.stage_cfg
+    if writer.input_rows is None and total_rows is not None:
+        writer.input_rows = total_rows  # the stage's input (first phase of a multi-phase stage)
+    writer.error_check = lambda errors, out_rows, where: check_error_rate(
+        writer.artifact, writer.stage, errors, writer.input_rows, out_rows, getattr(cfg, "max_error_rate", 0.5), where
+    )
     writer.prune(set(names) | set(live or ()))
     pending, done = [], 0
     for name, unit_input, payload in units:
@@ -216,6 +353,7 @@ def run_units(
             dict(payload, artifact_dir=str(writer.dir), stage=writer.stage, unit=name, fingerprint=fp)
         )
     log.info("%s: %d shards to do, %d already complete", writer.artifact, len(pending), done)
+    failed: list[tuple[str, str]] = []
     if pending:
         progress = _Progress(writer.artifact, len(pending), total_rows)
         for result in map_units(
@@ -228,7 +366,16 @@ def run_units(
             constructor_kwargs=constructor_kwargs,
             num_gpus=(getattr(ctx.stage_cfg, "num_gpus", 0) if actor else 0) if num_gpus is None else num_gpus,
         ):
+            if result.get("failed"):
+                failed.append((result.get("unit", "?"), result["failed"]))
             progress.update(int(result.get("stats", {}).get("rows", 0)))
+    if failed:
+        unit, why = sorted(failed)[0]
+        more = f" (and {len(failed) - 1} more units)" if len(failed) > 1 else ""
+        raise StageError(
+            f"{writer.stage}: unit {unit} of {writer.artifact} failed: {why}{more}; "
+            "completed units are kept, a rerun resumes from them"
+        )
     return names
 
 
@@ -242,7 +389,12 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     ctx.stage_cfg = cfg
     t0 = time.perf_counter()
     log.info("stage %s: start (output %s)", name, ctx.output)
-    summary = spec.module.run(ctx, cfg) or {}
+    try:
+        summary = spec.module.run(ctx, cfg) or {}
+    except (ArtifactBusy, OutputPathError) as e:
+        raise StageError(str(e)) from None
+    finally:
+        release_lock()  # a failed stage leaves no lock behind in this process either
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     ctx.summaries[name] = summary
     log.info("stage %s: done in %.1fs %s", name, summary["seconds"], {k: v for k, v in summary.items() if k != "seconds"})

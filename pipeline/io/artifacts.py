@@ -3,7 +3,10 @@
 Layout of ``<output>/<artifact>/``::
 
     _manifest.json            provenance + shard list, written when the stage finishes
-    errors.parquet            every rejected row of the stage (possibly empty)
+    errors/errors.parquet     every rejected row of the stage (possibly empty); in its own folder
+                              like every table, so a dataset reader on one folder reads one table
+    _lock                     held (flock) by the run writing the artifact; released by the kernel
+                              when that process dies, so a kill -9 never leaves a stale lock
     <table>/<table>-<unit>.parquet   Parquet tables, one file per unit of work
     shards/<unit>.tar         WebDataset shards
     _state/<unit>.json        completion marker of one unit: fingerprint, files, sha256s, stats
@@ -13,15 +16,19 @@ A unit of work is the stage's resumable piece (one input shard, one chunk of sam
 writes the unit's files atomically, then its marker, last. On a rerun a unit is skipped when its
 marker exists, its fingerprint matches and its files are present with the recorded sizes, so a
 crash at any point loses at most the units in flight and a deleted shard is redone alone.
-Markers and files of units that no longer exist (another shard size, say) are removed.
+Markers and files of units that no longer exist (another shard size, say) are removed, and so are
+the temporary files (``.<name>.<random>.tmp``) a killed run left behind.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -52,8 +59,90 @@ ERROR_SCHEMA = pa.schema(
 )
 
 
+ERRORS_PATH = "errors/errors.parquet"
+LEGACY_ERRORS_PATH = "errors.parquet"
+
+
 class ArtifactMissing(FileNotFoundError):
     pass
+
+
+class ArtifactBusy(RuntimeError):
+    """Another live run holds the artifact's lock; the message names the holder."""
+
+
+class OutputPathError(RuntimeError):
+    """The output folder (or an artifact folder in it) cannot be used; the message names the path."""
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def ensure_dir(path: Path, what: str = "output") -> None:
+    """Create ``path`` as a writable folder or raise :class:`OutputPathError` naming the problem."""
+    for p in [path, *path.parents]:
+        if p.exists() and not p.is_dir():
+            raise OutputPathError(f"{what} path {p} is a file, not a folder")
+        if p.exists():
+            break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputPathError(f"{what} folder {path}: cannot create ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{what} folder {path} is not writable")
+
+
+# Locks this process holds, by artifact folder (re-entrant within one process: a stage that
+# failed in a test and is run again in the same process takes its own lock again).
+_HELD: dict[str, int] = {}
+
+
+def acquire_lock(artifact_dir: Path) -> None:
+    """Take ``<artifact_dir>/_lock`` (exclusive ``flock``) or raise :class:`ArtifactBusy`.
+
+    ``flock`` belongs to the open file: the kernel drops it when the holder exits for any reason,
+    kill -9 included, so a lock is never stale; the file's text (pid, host, start time) only
+    serves the message shown to a second run.
+    """
+    key = str(Path(artifact_dir).resolve())
+    if key in _HELD:
+        return
+    path = Path(artifact_dir) / "_lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+        finally:
+            os.close(fd)
+        raise ArtifactBusy(f"{artifact_dir} is being written by another run ({holder}); wait for it to finish or stop it") from None
+    os.ftruncate(fd, 0)
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now}".encode(), 0)
+    _HELD[key] = fd
+
+
+def release_lock(artifact_dir: Path | None = None) -> None:
+    """Release the lock on ``artifact_dir`` (or every lock this process holds)."""
+    keys = list(_HELD) if artifact_dir is None else [str(Path(artifact_dir).resolve())]
+    for key in keys:
+        fd = _HELD.pop(key, None)
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
+
+
+def remove_stale_tmp(artifact_dir: Path) -> int:
+    """Delete ``.<name>.<hex>.tmp`` files (and folders) a killed run left; returns how many."""
+    n = 0
+    for p in Path(artifact_dir).rglob(".*.tmp"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        n += 1
+    return n
 
 
 def code_version() -> str:
@@ -93,7 +182,7 @@ def error_row(stage: str, unit: str, reason: str, detail: str = "", *, sample_id
         "caption_id": None if caption_id is None else int(caption_id),
         "source_id": None if source_id is None else str(source_id),
         "reason": reason,
-        "detail": str(detail)[:2000],
+        "detail": _ADDRESS.sub("", str(detail))[:2000],  # no memory addresses: identical runs, identical bytes
     }
 
 
@@ -177,10 +266,18 @@ class ArtifactWriter:
         self.artifact, self.stage = artifact, stage
         self.params, self.inputs, self.models = params, dict(inputs or {}), dict(models or {})
         self.force = force
+        self.input_rows: int | None = None  # the stage's input samples (set by run_units)
+        self.error_check = None  # fn(errors, output rows, where) -> raise on too many rejections
         # Everything a unit's content depends on apart from its own input slice.
         semantic = {k: v for k, v in params.items() if k not in EXECUTION_ONLY}
         self.base_fingerprint = fingerprint(SCHEMA_VERSION, stage, semantic, self.inputs, self.models)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        ensure_dir(Path(output))
+        ensure_dir(self.dir, "artifact")
+        acquire_lock(self.dir)
+        if n := remove_stale_tmp(self.dir):
+            import logging
+
+            logging.getLogger("pipeline").info("%s: removed %d temporary files left by an interrupted run", artifact, n)
         if force:
             for sub in ("_state", "_errors"):
                 shutil.rmtree(self.dir / sub, ignore_errors=True)
@@ -235,7 +332,8 @@ class ArtifactWriter:
         error_files = [self.dir / "_errors" / f"{u}.parquet" for u in units]
         error_tables = [pq.read_table(p) for p in error_files if p.exists()]
         errors = pa.concat_tables(error_tables) if error_tables else ERROR_SCHEMA.empty_table()
-        write_parquet_atomic(errors, self.dir / "errors.parquet")
+        write_parquet_atomic(errors, self.dir / ERRORS_PATH)
+        (self.dir / LEGACY_ERRORS_PATH).unlink(missing_ok=True)  # written by older versions at the root
         tables: dict[str, dict] = {}
         shards = []
         for m in markers:
@@ -249,6 +347,11 @@ class ArtifactWriter:
             for k, v in m.get("stats", {}).items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     stats[k] = stats.get(k, 0) + v
+        if self.error_check is not None:
+            out_rows = sum(int(m.get("stats", {}).get("rows", 0)) for m in markers)
+            if not any("rows" in m.get("stats", {}) for m in markers):
+                out_rows = sum(t["rows"] for t in tables.values())
+            self.error_check(errors, out_rows, self.dir / ERRORS_PATH)
         random_models = [k for k, v in self.models.items() if v.get("random_weights")]
         manifest = {
             "artifact": self.artifact,
@@ -264,12 +367,13 @@ class ArtifactWriter:
             "tables": tables,
             "shards": [{k: f[k] for k in ("table", "path", "rows", "bytes", "sha256")} for f in shards],
             "units": len(units),
-            "errors": {"path": "errors.parquet", "rows": errors.num_rows},
+            "errors": {"path": ERRORS_PATH, "rows": errors.num_rows},
             "stats": stats,
             "schema": schema or {},
         }
         manifest.update(extra or {})
         write_json_atomic(self.dir / "_manifest.json", manifest)
+        release_lock(self.dir)
         return manifest
 
 
@@ -315,8 +419,21 @@ class Artifact:
         return pl.scan_parquet([str(f) for f in self.files(table)])
 
     def errors(self) -> pa.Table:
-        path = self.dir / "errors.parquet"
+        path = self.dir / self.manifest.get("errors", {}).get("path", ERRORS_PATH)
         return pq.read_table(path) if path.exists() else ERROR_SCHEMA.empty_table()
+
+    def verify(self) -> list[str]:
+        """Check every recorded file against its size and sha256; one problem line per bad file."""
+        problems = []
+        for s in self.manifest["shards"]:
+            p = self.dir / s["path"]
+            if not p.is_file():
+                problems.append(f"{p}: missing")
+            elif p.stat().st_size != s["bytes"]:
+                problems.append(f"{p}: {p.stat().st_size} bytes, recorded {s['bytes']}")
+            elif sha256_file(p) != s["sha256"]:
+                problems.append(f"{p}: sha256 differs from the one recorded (content changed or corrupt)")
+        return problems
 
 
 def shard_inputs_fingerprint(entries: list[dict]) -> str:

@@ -47,8 +47,14 @@ def write_json_atomic(path: str | Path, obj) -> None:
 
 
 def write_parquet_atomic(table: pa.Table, path: str | Path, compression: str = "zstd") -> None:
+    """A zero-row table is written with no row group at all (schema only): ``pq.write_table`` would
+    write one row group of 0 rows, which readers that size their batches by the first row group
+    (Hugging Face ``datasets``: "BatchSize must be greater than 0") cannot load."""
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression=compression)
+        if table.num_rows == 0:
+            pq.ParquetWriter(tmp, table.schema, compression=compression).close()
+        else:
+            pq.write_table(table, tmp, compression=compression)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import polars as pl
 
 from pipeline.io.atomic import fingerprint
-from pipeline.stage import RunContext, StageError
+from pipeline.stage import RunContext, StageError, describe_exception
 
 
 def load_samples(ctx: RunContext, with_captions: bool, with_instances: bool = False) -> tuple[list[dict], dict]:
@@ -72,7 +72,8 @@ def image_units(records: list[dict], shard_size: int) -> list[tuple[str, object,
 
 
 def prefetched_batches(
-    records: list[dict], batch_size: int, decode: Callable[[list[dict]], tuple[list[dict], object, list[tuple[dict, str]]]]
+    records: list[dict], batch_size: int, decode: Callable[[list[dict]], tuple[list[dict], object, list[tuple[dict, str]]]],
+    failure=None,
 ) -> Iterator[tuple[list[dict], object, list[tuple[dict, str]], float]]:
     """Yield ``(kept records, decoded batch, failures, decode seconds)`` per batch, decoding batch
     i+1 in a thread while the caller works on batch i. ``decode(records)`` returns the records it
@@ -80,7 +81,7 @@ def prefetched_batches(
 
     def timed(chunk):
         t0 = time.perf_counter()
-        out = decode(chunk)
+        out = isolated_decode(decode, chunk, failure)
         return (*out, time.perf_counter() - t0)
 
     chunks = [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
@@ -93,6 +94,30 @@ def prefetched_batches(
             if k + 1 < len(chunks):
                 fut = pool.submit(timed, chunks[k + 1])
             yield result
+
+
+def isolated_decode(decode, records: list[dict], failure=None):
+    """``decode(records)``; when it raises for the batch (a processor that cannot resize a 1x300
+    image, say), decode each record alone to find the ones it fails on, report them as failures
+    (``failure(record, exception)``, default ``(record, "Type: message")``) and decode the rest
+    together: the shared error policy of :mod:`pipeline.stage`, applied to decoding."""
+    failure = failure or (lambda r, e: (r, describe_exception(e)))
+    try:
+        return decode(records)
+    except Exception as e:
+        if len(records) == 1:
+            return [], None, [failure(records[0], e)]
+    kept, failed = [], []
+    for r in records:
+        try:
+            decode([r])
+            kept.append(r)
+        except Exception as e:
+            failed.append(failure(r, e))
+    if not kept:
+        return [], None, failed
+    k2, batch, f2 = decode(kept)
+    return k2, batch, failed + list(f2)
 
 
 def decoded_batches(w, records: list[dict], batch_size: int, decode, times: dict) -> Iterator[tuple[list[dict], object]]:
@@ -117,5 +142,5 @@ def open_images(records: list[dict]):
             images.append(open_image(r["image"]))
             kept.append(r)
         except Exception as e:  # ImageError, or anything PIL raises on garbage
-            failed.append((r, f"{type(e).__name__}: {e}"))
+            failed.append((r, describe_exception(e)))
     return kept, images, failed

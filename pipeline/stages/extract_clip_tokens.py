@@ -36,7 +36,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
-from pipeline.stage import RunContext, StageConfig, run_units, unit_writer
+from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
 from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 
 NAME = "extract-clip-tokens"
@@ -130,7 +130,9 @@ class ClipTokenWorker:
         kept_records = []
         for kept, pixels in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
             t0 = time.perf_counter()
-            out = encode_images(self.model, pixels, self.project_tokens)
+            kept, out = isolate_failures(w, kept, pixels, lambda _r, px: encode_images(self.model, px, self.project_tokens))
+            if out is None:
+                continue
             patches = out["patch_tokens"].float().cpu().numpy().astype(np.float16)
             pooled = out["image_embed"].float().cpu().numpy().astype(np.float16)
             t_img += time.perf_counter() - t0
@@ -231,7 +233,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     spec = ctx.manifest.models.clip
     records, inputs = load_samples(ctx, with_captions=True)
     # Load once on the driver for provenance and dims (tiny/random: cheap; real: from local files).
-    model, _, _, record = load_clip(spec)
+    with model_key("models.clip", spec):
+        model, _, _, record = load_clip(spec)
     dims = {k: record[k] for k in ("image_size", "patch_size", "n_patches", "vision_dim", "text_dim", "projection_dim")}
     del model
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})

@@ -27,7 +27,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
-from pipeline.stage import RunContext, StageConfig, run_units, unit_writer
+from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
 from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 from pipeline.stages.extract_clip_tokens import _f16_list
 
@@ -79,7 +79,9 @@ class GroupWorker:
         results = []
         for kept, pixels in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
             t0 = time.perf_counter()
-            out = {k: _np16(v) for k, v in encode_groups(self.model, pixels).items()}
+            kept, out = isolate_failures(w, kept, pixels, lambda _r, px: {k: _np16(v) for k, v in encode_groups(self.model, px).items()})
+            if out is None:
+                continue
             t_enc += time.perf_counter() - t0
             for i, r in enumerate(kept):
                 results.append((r["sample_id"], {f"{k}.npy": v[i] for k, v in out.items()}))
@@ -113,7 +115,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
 
     spec = ctx.manifest.models.groupvit
     records, inputs = load_samples(ctx, with_captions=False)
-    _, _, record = load_groupvit(spec)
+    with model_key("models.groupvit", spec):
+        _, _, record = load_groupvit(spec)
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
     writer = ctx.writer("image_groups", NAME, params, inputs=inputs, models={"groupvit": record})

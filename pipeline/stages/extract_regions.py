@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
-from pipeline.stage import RunContext, StageConfig, run_units, unit_writer
+from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
 from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 
 NAME = "extract-regions"
@@ -75,6 +75,35 @@ class RegionWorker:
         kept, images, failed = open_images(records)
         return kept, images, failed
 
+    def _run(self, kept: list[dict], images: list) -> list[tuple[dict, tuple, dict]]:
+        """Regions of one batch: ``(record, image size, fields)`` per image."""
+        results = []
+        if self.backend == "detector":
+            for r, im, reg in zip(kept, images, self.det.detect(images)):
+                fields = {
+                    "boxes.npy": reg.boxes.astype(np.float32),
+                    "scores.npy": reg.scores.astype(np.float32),
+                    "labels.npy": reg.labels.astype(np.int64),
+                    "features.npy": reg.features.astype(np.float16),
+                }
+                results.append((r, im.size, fields))
+            return results
+        gts = [r["instances"] for r in kept]
+        boxes = [np.asarray(g["boxes"][: self.max_boxes], np.float32).reshape(-1, 4) for g in gts]
+        feats = self.det.pool(images, boxes)
+        for r, im, g, b, f in zip(kept, images, gts, boxes, feats):
+            n = len(b)  # 0 for a sample without annotations: stored with R = 0
+            fields = {
+                "boxes.npy": b,
+                "scores.npy": np.ones(n, np.float32),
+                "labels.npy": np.full(n, -1, np.int64),
+                "features.npy": f.astype(np.float16),
+                "instance_ids.npy": np.asarray(g["instance_ids"][:n], np.int64),
+                "categories.json": list(g["categories"][:n]),
+            }
+            results.append((r, im.size, fields))
+        return results
+
     def __call__(self, payload: dict) -> dict:
         w = unit_writer(payload)
         t_enc = 0.0
@@ -82,31 +111,11 @@ class RegionWorker:
         results = []
         for kept, images in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
             t0 = time.perf_counter()
-            if self.backend == "detector":
-                regions = self.det.detect(images)
-                for r, im, reg in zip(kept, images, regions):
-                    fields = {
-                        "boxes.npy": reg.boxes.astype(np.float32),
-                        "scores.npy": reg.scores.astype(np.float32),
-                        "labels.npy": reg.labels.astype(np.int64),
-                        "features.npy": reg.features.astype(np.float16),
-                    }
-                    results.append((r, im.size, fields))
-            else:
-                gts = [r["instances"] for r in kept]
-                boxes = [np.asarray(g["boxes"][: self.max_boxes], np.float32).reshape(-1, 4) for g in gts]
-                feats = self.det.pool(images, boxes)
-                for r, im, g, b, f in zip(kept, images, gts, boxes, feats):
-                    n = len(b)  # 0 for a sample without annotations: stored with R = 0
-                    fields = {
-                        "boxes.npy": b,
-                        "scores.npy": np.ones(n, np.float32),
-                        "labels.npy": np.full(n, -1, np.int64),
-                        "features.npy": f.astype(np.float16),
-                        "instance_ids.npy": np.asarray(g["instance_ids"][:n], np.int64),
-                        "categories.json": list(g["categories"][:n]),
-                    }
-                    results.append((r, im.size, fields))
+            # an image the model cannot take (e.g. 1x300, resized to a zero-width side) is rejected
+            # alone: the shared policy retries the batch without it
+            kept, out = isolate_failures(w, kept, images, self._run)
+            if out is not None:
+                results.extend(out)
             t_enc += time.perf_counter() - t0
         t0 = time.perf_counter()
         path = w.shard_path()
@@ -135,7 +144,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
 
     spec = ctx.manifest.models.detector
     records, inputs = load_samples(ctx, with_captions=False, with_instances=cfg.backend == "annotations")
-    det = load_detector(spec, score_thresh=cfg.score_thresh, min_size=cfg.min_size, max_boxes=cfg.max_boxes)
+    with model_key("models.detector", spec):
+        det = load_detector(spec, score_thresh=cfg.score_thresh, min_size=cfg.min_size, max_boxes=cfg.max_boxes)
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
     writer = ctx.writer("regions", NAME, params, inputs=inputs, models={"detector": det.record})

@@ -46,7 +46,7 @@ import polars as pl
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
-from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
+from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, isolate_failures, run_units, unit_writer
 from pipeline.stages._image_units import image_units, load_samples, prefetched_batches
 from pipeline.visual_tokens.predicates import DEFAULT_PREDICATE_MAP
 
@@ -68,7 +68,9 @@ class Config(StageConfig):
     context_length: int = Field(77, ge=1, description="max |T| = 1 + |V| + |U| (paper: 77)")
     relation_threshold: float = Field(0.05, ge=0, le=1, description="triplet score threshold (paper/RAM: 0.05)")
     max_predicates_per_pair: int | None = Field(None, ge=1, description="keep at most this many predicates per pair (None: all over threshold)")
-    predicates: str | list[str] = Field("psg56", description="predicate vocabulary: psg56 (default), synthetic, or a list")
+    predicates: str | list[str] = Field(
+        "auto", description="predicate vocabulary: auto (psg56+left for the generated dataset, so every generated "
+        "relation is directed in the rank matrix; psg56 for real data), psg56, psg56+left, synthetic, or a list")
     predicate_map: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_PREDICATE_MAP), description="dataset predicate -> vocabulary ('~p': swap subject/object)")
     # SAM automatic mask generator (SamAutomaticMaskGenerator defaults) + Relate-Anything dedup + paper score threshold
     points_per_side: int = Field(32, ge=1)
@@ -142,7 +144,7 @@ class VisualTokenWorker:
             try:
                 im = open_image(r["image"])
             except Exception as e:
-                failed.append((r, "unreadable_image", f"{r['image']}: {type(e).__name__}: {e}"))
+                failed.append((r, "unreadable_image", describe_exception(e)))
                 continue
             W, H = im.size
             if min(W, H) < c.min_side:
@@ -155,20 +157,15 @@ class VisualTokenWorker:
         return kept, images, failed
 
     def _segment(self, w, kept, images):
-        """Segment a batch; when it fails, retry image by image so one bad sample is rejected alone."""
-        anns = [r.get("instances", []) for r in kept] if self.cfg.segmenter == "annotations" else None
-        try:
-            return list(zip(kept, images, self.segmenter.segment(images, anns)))
-        except Exception:
-            if len(kept) == 1:
-                raise
-        out = []
-        for k, (r, im) in enumerate(zip(kept, images)):
-            try:
-                out.append((r, im, self.segmenter.segment([im], None if anns is None else [anns[k]])[0]))
-            except Exception as e:
-                w.error("segmentation_failed", f"{type(e).__name__}: {e}", sample_id=r["sample_id"], source_id=r["source_id"])
-        return out
+        """Segment a batch; a sample the segmenter fails on is rejected alone (shared policy:
+        :func:`pipeline.stage.isolate_failures` retries the batch without it)."""
+        ann = self.cfg.segmenter == "annotations"
+
+        def run(recs, ims):
+            return list(zip(recs, ims, self.segmenter.segment(ims, [r.get("instances", []) for r in recs] if ann else None)))
+
+        _, out = isolate_failures(w, kept, images, run, reason="segmentation_failed")
+        return out or []
 
     def __call__(self, payload: dict) -> dict:
         from pipeline.visual_tokens.graph import build_graph
@@ -180,25 +177,22 @@ class VisualTokenWorker:
         rows = 0
         path = w.shard_path()
         with ShardWriter(path) as sw:
-            for kept, images, failed, dt in prefetched_batches(payload["records"], c.batch_size, self._decode):
+            for kept, images, failed, dt in prefetched_batches(
+                payload["records"], c.batch_size, self._decode, failure=lambda r, e: (r, "unreadable_image", describe_exception(e))
+            ):
                 t_dec += dt
                 for r, reason, detail in failed:
                     w.error(reason, detail, sample_id=r["sample_id"], source_id=r["source_id"])
                 if not kept:
                     continue
                 t0 = time.perf_counter()
-                try:
-                    segs = self._segment(w, kept, images)
-                except Exception as e:
-                    r = kept[0]
-                    w.error("segmentation_failed", f"{type(e).__name__}: {e}", sample_id=r["sample_id"], source_id=r["source_id"])
-                    segs = []
+                segs = self._segment(w, kept, images)
                 preds, ok_segs = [], []
                 for r, im, seg in segs:
                     try:
                         scores, st = self.predictor.predict(seg, image_size=im.shape[:2], relations=r.get("relations"))
                     except Exception as e:
-                        w.error("relations_failed", f"{type(e).__name__}: {e}", sample_id=r["sample_id"], source_id=r["source_id"])
+                        w.error("relations_failed", describe_exception(e), sample_id=r["sample_id"], source_id=r["source_id"])
                         continue
                     stats["unmapped_predicates"] += st.get("unmapped_predicates", 0)
                     preds.append(scores)
@@ -330,6 +324,10 @@ def model_records(cfg: Config, models: dict) -> dict:
 
 def run(ctx: RunContext, cfg: Config) -> dict:
     m = ctx.manifest.models
+    if cfg.predicates == "auto":  # resolved once here: the workers, params and manifest see the real name
+        from pipeline.visual_tokens.predicates import default_vocabulary
+
+        cfg = cfg.model_copy(update={"predicates": default_vocabulary(ctx.manifest.dataset.kind)})
     models = {"sam": m.sam, "predicate_encoder": m.predicate_encoder, "relation_head": m.relation_head}
     vocab = _pred_vocab(cfg)
     records, inputs = load_samples(ctx, with_captions=False)
