@@ -16,6 +16,7 @@ from pipeline.readers.base import EMPTY_CAPTION
 from pipeline.readers.flickr import read_flickr30k_entities
 from pipeline.readers.karpathy import read_karpathy
 from pipeline.synthetic.generate import NEGATIVE_KINDS, generate
+from pipeline.synthetic.captions import PRED_PHRASES
 from pipeline.synthetic.scene import COLORS, INVERSE, PREDICATES
 
 PARAMS = dict(n_images=24, seed=3, image_size=64, captions_per_image=4, min_objects=1, max_objects=4)
@@ -218,3 +219,99 @@ def test_empty_scenes_and_crowded_scenes(tmp_path):
     p = generate(tmp_path / "c", n_images=3, seed=1, image_size=64, captions_per_image=3, min_objects=8, max_objects=8)
     recs = list(read_coco(p["captions"], p["images"], p["instances"], p["scene_graphs"]))
     assert [len(r.instances) for r in recs] == [8, 8, 8] and all(len(r.relations) == 56 for r in recs)
+
+
+def _graph_of(r):
+    """(colour, shape) -> instance id for objects unique in the record, and the predicate table."""
+    from collections import Counter
+
+    descs = Counter((i.attributes["color"], i.category) for i in r.instances)
+    ids = {(i.attributes["color"], i.category): i.id for i in r.instances if descs[(i.attributes["color"], i.category)] == 1}
+    return ids, {(x.subject, x.object): x.predicate for x in r.relations}
+
+
+def test_benchmark_files_read_back_and_match_the_images(gen):
+    """Every generated benchmark goes through its reader without a malformed row, and each image key
+    reaches a sample through the matcher (corrupt images are still named: ingest rejects them)."""
+    from train.eval.benchmarks import read_benchmark
+    from train.eval.images import ImageMatcher
+
+    paths, recs = gen
+    root = paths["root"]
+    m = ImageMatcher({"sample_id": list(range(len(recs))), "source_id": [r.source_id for r in recs],
+                      "image": [r.image for r in recs]})
+    specs = {"sugarcrepe": root / "sugarcrepe", "aro_vg_relation": root / "aro" / "visual_genome_relation.json",
+             "aro_vg_attribution": root / "aro" / "visual_genome_attribution.json", "valse": root / "valse",
+             "vl_checklist": root / "vl_checklist" / "corpus", "foil": root / "foil" / "foilv1.0_test_2017.json",
+             "winoground": root / "winoground" / "examples.jsonl"}
+    counts = {}
+    for fmt, path in specs.items():
+        s = types.SimpleNamespace(name=fmt, format=fmt, path=str(path), images=None, image_map=None, split=None,
+                                  max_items=None, subsets=None, options={"min_count": 1})
+        d = read_benchmark(s)
+        assert d.skipped == {} and d.total == len(d.items), fmt
+        keys = [p.image for it in d.items for p in it.pairs]
+        assert (m.match_many(keys) >= 0).all(), (fmt, m.summary(keys).line())
+        counts[fmt] = len(d.items)
+        if d.items and fmt != "winoground":  # an oracle that ranks the true caption first scores 100 everywhere
+            rows = d.score(d.items, [np.arange(len(it.pairs), 0, -1, dtype=float) for it in d.items])
+            assert rows and all(r.value == 100.0 and r.chance == 50.0 for r in rows), fmt
+    n = PARAMS["n_images"]
+    assert counts["aro_vg_relation"] > n and counts["aro_vg_attribution"] > n // 2 and counts["foil"] > n // 2
+    assert counts["valse"] > 3 * n and counts["vl_checklist"] > 2 * n
+    for typ in ("Attribute/color", "Attribute/size", "Relation/spatial"):
+        assert (root / "vl_checklist" / "corpus" / typ / "synthetic.yaml").is_file()
+    assert any((root / "vl_checklist" / "corpus" / "Object" / "Location").iterdir())
+
+
+def test_aro_cases_agree_with_the_scene_graph(gen):
+    paths, recs = gen
+    by_file = {Path(r.image).name: r for r in recs}
+    rel = json.loads((paths["root"] / "aro" / "visual_genome_relation.json").read_text())
+    assert rel and set(rel[0]) == {"image_id", "image_path", "relation_name", "bbox_x", "bbox_y", "bbox_w", "bbox_h",
+                                   "true_caption", "false_caption"}
+    for case in rel:
+        r = by_file[case["image_path"]]
+        ids, pred = _graph_of(r)
+        phrase = next(ph[0] for p, ph in PRED_PHRASES.items() if p == case["relation_name"])
+        a, b = case["true_caption"].split(f" is {phrase} ")
+        sa, sb = (tuple(x.split()[1:3]) for x in (a, b))
+        assert pred[(ids[sa], ids[sb])] == case["relation_name"]  # true caption holds
+        assert pred[(ids[sb], ids[sa])] == INVERSE[case["relation_name"]] != case["relation_name"]  # the swap does not
+        assert case["false_caption"] == f"{b} is {phrase} {a}"
+        boxes = [next(i.box for i in r.instances if i.id == ids[s]) for s in (sa, sb)]
+        assert case["bbox_x"] == min(bx[0] for bx in boxes) and case["bbox_x"] + case["bbox_w"] == max(bx[2] for bx in boxes)
+    att = json.loads((paths["root"] / "aro" / "visual_genome_attribution.json").read_text())
+    for case in att:
+        present = {(i.attributes["color"], i.category) for i in by_file[case["image_path"]].instances}
+        w = case["false_caption"].split()
+        assert (w[1], w[2]) not in present and (w[5], w[6]) not in present and case["attributes"] == [w[5], w[1]]
+
+
+def test_winoground_pairs_are_true_for_exactly_their_image(tmp_path):
+    """Each caption holds in its own image and not in the other (checked on the scene graph)."""
+    from collections import Counter
+
+    from pipeline.readers.coco import read_coco
+
+    p = generate(tmp_path / "w", n_images=60, seed=5, image_size=64, captions_per_image=1)
+    recs = {Path(r.image).stem: r for r in read_coco(p["captions"], p["images"], p["instances"], p["scene_graphs"])}
+    ex = [json.loads(x) for x in (p["root"] / "winoground" / "examples.jsonl").read_text().splitlines()]
+    assert len(ex) >= 5 and {e["collapsed_tag"] for e in ex} == {"Object", "Attribute"}
+
+    def holds(r, caption) -> bool:
+        key = "category" if not caption.split()[2] == "shape" else "color"
+        phrase = next(ph[0] for ph in PRED_PHRASES.values() if f" is {ph[0]} " in caption)
+        p_name = next(k for k, ph in PRED_PHRASES.items() if ph[0] == phrase)
+        a, b = (x.split()[1] for x in caption.split(f" is {phrase} "))
+        val = (lambda i: i.category) if key == "category" else (lambda i: i.attributes["color"])
+        c = Counter(val(i) for i in r.instances)
+        assert c[a] == 1 and c[b] == 1, "named objects must be unique in both images"
+        ia, ib = (next(i.id for i in r.instances if val(i) == v) for v in (a, b))
+        return next(x.predicate for x in r.relations if (x.subject, x.object) == (ia, ib)) == p_name
+
+    for e in ex:
+        i0, i1 = recs[e["image_0"]], recs[e["image_1"]]
+        assert sorted(e["caption_0"].split()) == sorted(e["caption_1"].split())  # same words, another order
+        assert holds(i0, e["caption_0"]) and not holds(i1, e["caption_0"])
+        assert holds(i1, e["caption_1"]) and not holds(i0, e["caption_1"])
