@@ -152,6 +152,23 @@ def _fmt_skips(reasons: Counter) -> dict[str, int]:
     return {k: int(v) for k, v in sorted(reasons.items()) if v}
 
 
+def expand_spec(spec, output: str | Path):
+    """``{output}`` in a benchmark's path, images or image_map stands for the manifest's output
+    folder (so a manifest's generated benchmark files follow ``--set output=...``)."""
+    upd = {k: str(getattr(spec, k)).replace("{output}", str(output)) for k in ("path", "images", "image_map")
+           if isinstance(getattr(spec, k, None), str) and "{output}" in getattr(spec, k)}
+    if not upd:
+        return spec
+    if hasattr(spec, "model_copy"):
+        return spec.model_copy(update=upd)
+    import copy
+
+    spec = copy.copy(spec)
+    for k, v in upd.items():
+        setattr(spec, k, v)
+    return spec
+
+
 def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], pairs_chunk: int = 2048,
                        log: Callable[[str], None] = print) -> list[Row]:
     """Rows of one benchmark (raises NoScorableItems when nothing can be scored)."""
@@ -319,7 +336,8 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
                 specs = []
         for spec in specs:
             try:
-                rows += evaluate_benchmark(job, model, spec, samples_dir, scorable, manifest.eval.pairs_chunk, log)
+                rows += evaluate_benchmark(job, model, expand_spec(spec, manifest.output), samples_dir, scorable,
+                                           manifest.eval.pairs_chunk, log)
             except (NoScorableItems, FileNotFoundError, ValueError) as e:
                 errors.append(str(e).splitlines()[0] if str(e) else f"{spec.name}: {type(e).__name__}")
     jname, variant = _job_label(job)
