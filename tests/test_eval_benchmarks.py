@@ -303,8 +303,8 @@ def test_valse_validated_items_pieces_and_phenomena(tmp_path):
     data = read_benchmark(spec("valse", d))
     assert [it.subset for it in data.items] == ["counting/counting-hard", "counting/counting-hard",
                                                 "counting/counting-small-quant", "existence/existence"]
-    assert data.skipped == {"not validated (mturk.caption < 2)": 1, "malformed: missing or empty field 'foil'": 1}
-    assert data.total == 6
+    assert data.skipped == {"malformed: missing or empty field 'foil'": 1}  # non-validated items are not skips:
+    assert data.total == 5 and "1 not validated (mturk.caption < 2)" in data.source  # they are not in the benchmark
     # counting-hard: right, wrong -> 50; small-quant: right -> 100; existence: tie -> 0
     r = rows_by(data.score(data.items, [S(1, 0), S(0, 1), S(2, 1), S(1, 1)]))
     assert r[("counting/counting-hard", "accuracy")].value == 50.0

@@ -250,7 +250,7 @@ def read_order(spec) -> BenchData:
         opts_k = [pre_caption(p, max_words) for p in perturb(tokens, tags, rng)]
         kept = [(PERTURBATIONS[j], o) for j, o in enumerate(opts_k) if o != true]
         if not kept:
-            skipped["order: every perturbation equals the caption"] += 1
+            skipped["unscorable: every perturbation equals the caption"] += 1
             continue
         pairs = [Pair(key, true)] + [Pair(key, o) for _, o in kept]
         items.append(Item(pairs, subset="all", key=str(k),

@@ -5,8 +5,9 @@
                         "mturk": {"foil": 0, "caption": 3, "other": 0}, ...}, ...}
 
 Kept, as the README says: only validated items, ``mturk["caption"] >= 2`` (at least two of three
-annotators chose the caption and not the foil); the others are counted as skipped
-(``not validated``). Items without ``mturk`` are kept only with ``options.keep_unvalidated: true``.
+annotators chose the caption and not the foil). The others are not part of the benchmark: they are
+neither scored nor counted as skipped, and ``BenchData.source`` says how many were left out. Items
+without ``mturk`` are kept only with ``options.keep_unvalidated: true``.
 The piece is the file stem; pieces group into the paper's phenomena (existence; plurality;
 counting: counting-*; spatial relations: relations; actions: action-replacement, actant-swap;
 coreference: coreference-*; foil-it). An item is correct when s(image, caption) > s(image, foil)
@@ -46,6 +47,7 @@ def read(spec) -> BenchData:
     items: list[Item] = []
     skipped: Counter = Counter()
     total = 0
+    left_out: Counter = Counter()
     for f in files:
         data = load_json(f, "VALSE file")
         if not isinstance(data, dict):
@@ -53,7 +55,6 @@ def read(spec) -> BenchData:
         rows = Rows(f, "VALSE file")
         piece = f.stem
         for key, rec in data.items():
-            total += 1
             problem = missing(rec, ("image_file", "caption", "foil"))
             if problem:
                 rows.bad(key, problem)
@@ -79,9 +80,13 @@ def read(spec) -> BenchData:
             rows.done()
         items += rows.items
         skipped.update(rows.skipped)
-        skipped.update(rows.filtered)
+        left_out.update(rows.filtered)
+        total += len(rows.items) + sum(rows.skipped.values())
+    source = ", ".join(str(f) for f in files)
+    if left_out:
+        source += " (left out as VALSE's README says: " + ", ".join(f"{v} {k}" for k, v in sorted(left_out.items())) + ")"
     return BenchData(spec.name, items, kind="pairwise", score=lambda it, sc: score(spec.name, it, sc),
-                     skipped=dict(skipped), source=", ".join(str(f) for f in files), total=total)
+                     skipped=dict(skipped), source=source, total=total)
 
 
 def score(name: str, items, scores) -> list[Row]:
