@@ -168,35 +168,40 @@ class ImageMatcher:
         sid, src, img = _samples_columns(samples)
         self.n_samples = len(sid)
         self._levels: dict[str, dict[Any, int]] = {r: {} for r in RULES[1:]}
-
-        def put(level: str, key, s: int) -> None:
-            d = self._levels[level]
-            old = d.get(key)
-            if old is None:
-                d[key] = s
-            elif old != s:
-                d[key] = _AMBIGUOUS
-
-        for s, so, im in zip(sid, src, img):
-            if so is not None and str(so) != "":
-                so = str(so)
-                put("source_id", so, s)
-                if so.isdigit():
-                    put("numeric_id", int(so), s)
-            if im:
-                name = _name(str(im))
-                put("file_name", name, s)
-                put("stem", _stem(name), s)
-                nid = numeric_id(name)
-                if nid is not None:
-                    put("numeric_id", nid, s)
+        self._build(sid, src, img)
         if image_map is None:
             self.image_map: dict[str, str] = {}
         elif isinstance(image_map, dict):
             self.image_map = {str(k): str(v) for k, v in image_map.items()}
         else:
             self.image_map = read_image_map(image_map)
-        self._cache: dict[str, tuple[int, str]] = {}
+
+    def _build(self, sid: list[int], src: list, img: list) -> None:
+        """One dict per level from the columns (polars string ops; a key shared by two samples is
+        marked ambiguous)."""
+        import polars as pl
+
+        df = pl.DataFrame({"sid": pl.Series(sid, dtype=pl.Int64),
+                           "src": pl.Series([None if x is None else str(x) for x in src], dtype=pl.Utf8),
+                           "img": pl.Series([None if x is None else str(x) for x in img], dtype=pl.Utf8)})
+        name = (pl.col("img").str.split("::").list.last().str.replace_all("\\\\", "/").str.strip_chars_end("/")
+                .str.split("/").list.last())
+        df = df.with_columns(name.alias("name")).with_columns(
+            pl.when(pl.col("name").str.slice(1).str.contains(".", literal=True))
+            .then(pl.col("name").str.replace(r"\.[^.]*$", "")).otherwise(pl.col("name")).alias("stem"))
+        coco = pl.col("stem").str.extract(r"^[A-Za-z]+_[A-Za-z]+\d{4}_(\d+)$", 1)
+        digits = pl.when(pl.col("stem").str.contains(r"^\d+$")).then(pl.col("stem")).otherwise(coco)
+        src_num = pl.when(pl.col("src").str.contains(r"^\d+$")).then(pl.col("src"))
+        df = df.with_columns(digits.str.to_integer(strict=False).alias("num_img"),
+                             src_num.str.to_integer(strict=False).alias("num_src"))
+        num = pl.concat([df.select(pl.col("num_src").alias("key"), "sid"), df.select(pl.col("num_img").alias("key"), "sid")])
+        for level, frame in (("source_id", df.select(pl.col("src").alias("key"), "sid")),
+                             ("file_name", df.select(pl.col("name").alias("key"), "sid")),
+                             ("stem", df.select(pl.col("stem").alias("key"), "sid")), ("numeric_id", num)):
+            frame = frame.drop_nulls("key").filter(pl.col("key").cast(pl.Utf8) != "")
+            g = frame.group_by("key").agg(pl.col("sid").first(), pl.col("sid").n_unique().alias("n"))
+            vals = g.select(pl.when(pl.col("n") > 1).then(pl.lit(_AMBIGUOUS, pl.Int64)).otherwise(pl.col("sid"))).to_series()
+            self._levels[level] = dict(zip(g["key"].to_list(), vals.to_list()))
 
     def _lookup(self, key: str) -> tuple[int, str, bool]:
         """(sample_id or -1, rule, ambiguous seen)."""
