@@ -86,6 +86,8 @@ def test_sugarcrepe_old_ent_names_and_unusable_file(tmp_path):
     (d / "swap_ent.json").write_text(json.dumps({"0": sc_row("a.jpg", "p", "n")}))
     data = read_benchmark(spec("sugarcrepe", d))
     assert [it.subset for it in data.items] == ["swap_obj"]
+    (d / "mine.json").write_text(json.dumps({"0": sc_row("a.jpg", "p", "n")}))
+    assert [it.subset for it in read_benchmark(spec("sugarcrepe", d / "mine.json", options={"kind": "add_att"})).items] == ["add_att"]
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "replace_rel.json").write_text(json.dumps({"0": {"filename": "a.jpg"}, "1": {"caption": "x"}}))

@@ -8,7 +8,8 @@ Layouts read:
 
       {"0": {"filename": "000000565045.jpg", "caption": "...", "negative_caption": "..."}, ...}
 
-  ``spec.path``: the ``data`` folder, one file, or a glob. Images are COCO val2017 (the file name is
+  ``spec.path``: the ``data`` folder, one file (``options.kind`` names its kind when the file name
+  does not), or a glob. Images are COCO val2017 (the file name is
   the key; it matches Karpathy ``COCO_val2014_...`` names through the COCO id).
 * the Hugging Face copies ``HuggingFaceM4/SugarCrepe_<kind>`` (``data/test-*.parquet``; columns
   ``image`` {bytes, path}, ``tested_labels`` = [caption, negative_caption] in that order,
@@ -42,8 +43,8 @@ def kind_of(name: str) -> str:
     return k
 
 
-def _read_json(path: Path, name: str, rows_out: list[Rows]) -> list[Item]:
-    kind = kind_of(path.stem)
+def _read_json(path: Path, kind: str | None, rows_out: list[Rows]) -> list[Item]:
+    kind = kind_of(kind or path.stem)
     data = load_json(path, "SugarCrepe file")
     if isinstance(data, dict):
         entries = list(data.items())
@@ -112,9 +113,10 @@ def read(spec) -> BenchData:
         if f.suffix == ".parquet":
             items += _read_parquet(f, spec.options or {}, parts)
         else:
-            if kind_of(f.stem) not in KINDS:
+            kind = (spec.options or {}).get("kind") if path.is_file() else None
+            if kind is None and kind_of(f.stem) not in KINDS:
                 continue  # not a SugarCrepe kind (e.g. a LICENSE.json next to the data)
-            items += _read_json(f, spec.name, parts)
+            items += _read_json(f, kind, parts)
     if not parts:
         raise BenchmarkError(f"SugarCrepe {path}: no file named after a SugarCrepe kind ({', '.join(KINDS)})")
     skipped = {}
