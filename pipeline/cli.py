@@ -55,6 +55,7 @@ def run(
     force: Annotated[bool, typer.Option("--force", help="redo shards that are already complete")] = False,
     limit: Annotated[Optional[int], typer.Option("--limit", help="ingest at most N samples")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    report: Annotated[bool, typer.Option("--report/--no-report", help="`all`: write the HTML run report at the end")] = True,
 ) -> None:
     """Run one stage (or `all`) of a manifest; complete shards are skipped unless --force."""
     from pipeline.config import ManifestError, load_manifest
@@ -63,6 +64,13 @@ def run(
     try:
         m = load_manifest(manifest, set_ or [])
     except ManifestError as e:
+        _fail(str(e))
+    from pipeline.io.artifacts import OutputPathError, ensure_dir
+
+    try:  # a file where the output folder should be, or no write permission: one line, exit 2
+        ensure_dir(Path(m.output))
+        ensure_dir(Path(m.output) / "_logs", "log")
+    except OutputPathError as e:
         _fail(str(e))
     setup_logging(Path(m.output), f"run-{stage}", verbose)
     reg = registry()
@@ -73,12 +81,79 @@ def run(
     else:
         _fail(f"unknown stage {stage!r}; stages: all, {', '.join(reg)}")
     ctx = RunContext(m, force=force, limit=limit)
+    from pipeline.report.build import record_stage
+
     try:
         for name in names:
             summary = run_stage(name, ctx)
+            record_stage(m.output, name, summary, manifest)
             typer.echo(f"{name}: " + json.dumps(summary))
     except (StageError, ManifestError) as e:
         _fail(str(e))
+    if stage == "all":
+        _run_summary(ctx, names, Path(m.output), manifest, report)
+
+
+def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bool) -> None:
+    """The end of `run all`: each stage's rows, errors and time, where the artifacts, the log and the report are."""
+    from pipeline.report.build import fmt_num, fmt_seconds, main_rows
+    from pipeline.stage import registry
+
+    reg = registry()
+    lines = ["", f"run all: {len(names)} stages done; artifacts under {output}/", f"  {'stage':24s} {'artifact':14s} {'rows':>8s} {'errors':>7s} {'time':>8s}"]
+    for name in names:
+        s = ctx.summaries.get(name, {})
+        try:
+            am = json.loads((output / reg[name].writes[0] / "_manifest.json").read_text())
+            rows, errors = main_rows(am), am["errors"]["rows"]
+        except (OSError, ValueError, KeyError):
+            rows, errors = None, s.get("errors")
+        lines.append(f"  {name:24s} {reg[name].writes[0]:14s} {fmt_num(rows) if rows is not None else '-':>8s} "
+                     f"{fmt_num(errors) if errors is not None else '-':>7s} {fmt_seconds(s.get('seconds', 0)):>8s}")
+    total = sum(ctx.summaries.get(n, {}).get("seconds", 0) for n in names)
+    lines.append(f"  total {fmt_seconds(total)}; log: {output / '_logs' / 'run-all.log'}; rejected rows: <artifact>/errors.parquet")
+    if report:
+        from pipeline.report import build_report
+
+        try:
+            path = build_report(output, manifest, ctx.manifest)
+            lines.append(f"report: {path}  (open it in a browser; rebuild with `pipeline report --manifest {manifest}`)")
+        except Exception as e:  # the run succeeded; a report failure must not hide that
+            lines.append(f"report: not written ({type(e).__name__}: {e}); try `pipeline report --manifest {manifest}`")
+    else:
+        lines.append(f"report: `pipeline report --manifest {manifest}` writes {output / 'report' / 'index.html'}")
+    for handler in logging.getLogger().handlers:  # the summary also goes into _logs/run-all.log
+        if isinstance(handler, logging.FileHandler):
+            handler.stream.write("\n".join(lines) + "\n")
+            handler.flush()
+    typer.echo("\n".join(lines))
+
+
+@app.command()
+def report(
+    output: Annotated[Optional[Path], typer.Argument(help="a run's output folder (or give --manifest)")] = None,
+    manifest: Annotated[Optional[Path], typer.Option("--manifest", "-m", help="run description (YAML)")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Write a static HTML report of a run (<output>/report/index.html): every artifact, with pictures."""
+    from pipeline.config import ManifestError, load_manifest
+    from pipeline.report import build_report
+
+    m = None
+    if manifest is not None:
+        try:
+            m = load_manifest(manifest, set_ or [])
+        except ManifestError as e:
+            _fail(str(e))
+        output = output or Path(m.output)
+    if output is None:
+        _fail("give a run's output folder or --manifest")
+    setup_logging(None)
+    try:
+        path = build_report(output, manifest, m)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    typer.echo(f"report: {path}")
 
 
 @app.command("list")
@@ -121,6 +196,41 @@ def inspect(
         typer.echo(json.dumps(art.manifest, indent=2))
         return
     typer.echo(describe(art, rows, _fmt_value))
+
+
+@app.command()
+def verify(
+    paths: Annotated[list[Path], typer.Argument(help="artifact folders (or an output folder: every artifact in it)")],
+    fix: Annotated[bool, typer.Option("--fix", help="forget the units of bad files, so the next run redoes them")] = False,
+) -> None:
+    """Check every file of finished artifacts against the sizes and sha256s in _manifest.json."""
+    from pipeline.io.artifacts import Artifact, ArtifactMissing, forget_units_of
+
+    arts = []
+    for p in paths:
+        if (p / "_manifest.json").is_file():
+            arts.append(p)
+        else:
+            found = sorted(d for d in p.glob("*/") if (d / "_manifest.json").is_file()) if p.is_dir() else []
+            if not found:
+                _fail(f"{p} is not a finished artifact and holds none")
+            arts.extend(found)
+    bad = 0
+    for a in arts:
+        try:
+            art = Artifact(a)
+        except ArtifactMissing as e:
+            _fail(str(e))
+        problems = art.verify()
+        bad += len(problems)
+        typer.echo(f"{a}: {'ok' if not problems else f'{len(problems)} bad files'} ({len(art.manifest['shards'])} files)")
+        for line in problems:
+            typer.echo(f"  {line}")
+        if problems and fix:
+            n = forget_units_of(art)
+            typer.echo(f"  forgot {n} units: `pipeline run` redoes them")
+    if bad:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -11,21 +11,37 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 
 class ManifestError(ValueError):
     """A manifest that cannot be used; the message names the file, the key and the problem."""
 
 
+def _number_not_bool(annotation) -> bool:
+    """True when a field takes int/float but not bool (YAML `true` must not become 1)."""
+    args = typing.get_args(annotation) or (annotation,)
+    return bool not in args and any(a in (int, float) for a in args)
+
+
 class Section(BaseModel):
-    """Base of every manifest section: unknown keys are errors, not silently ignored."""
+    """Base of every manifest section: unknown keys are errors, not silently ignored, and a
+    true/false given for a number is an error, not 1/0."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_numbers(cls, v, info):
+        if isinstance(v, bool) and info.field_name in cls.model_fields:
+            if _number_not_bool(cls.model_fields[info.field_name].annotation):
+                raise ValueError("expected a number, not true/false")
+        return v
 
 
 class RayConfig(Section):

@@ -257,7 +257,7 @@ def check_error_rate(artifact: str, stage: str, errors, input_rows: int | None, 
     reasons = "; ".join(
         f"{reason} x{n} (e.g. sample {ex['sample_id']}: {ex['detail'][:80]})" for reason, (n, ex) in top
     )
-    if output_rows == 0:
+    if rejected == 0:
         head = f"{stage}: produced no rows; {errors.num_rows} errors"
     else:
         head = f"{stage}: rejected {rejected} of {total} samples ({100 * rate:.1f}% > max_error_rate {100 * max_rate:g}%)"

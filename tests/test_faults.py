@@ -162,6 +162,7 @@ def _poison(monkeypatch, module, name, bad_value):
     return torch
 
 
+@pytest.mark.slow
 def test_clip_tokens_failing_image_is_rejected_alone(extremes, monkeypatch):
     import pipeline.models.clip as clip
     from pipeline.stages import extract_clip_tokens as st
@@ -178,6 +179,7 @@ def test_clip_tokens_failing_image_is_rejected_alone(extremes, monkeypatch):
     assert reasons == ["model_failed", "model_failed", "unreadable_image"]
 
 
+@pytest.mark.slow
 def test_image_groups_failing_image_is_rejected_alone(extremes, monkeypatch):
     import pipeline.models.groupvit as gv
     from pipeline.stages import extract_image_groups as st

@@ -243,7 +243,7 @@ def test_benchmark_files_read_back_and_match_the_images(gen):
     specs = {"sugarcrepe": root / "sugarcrepe", "aro_vg_relation": root / "aro" / "visual_genome_relation.json",
              "aro_vg_attribution": root / "aro" / "visual_genome_attribution.json", "valse": root / "valse",
              "vl_checklist": root / "vl_checklist" / "corpus", "foil": root / "foil" / "foilv1.0_test_2017.json",
-             "winoground": root / "winoground" / "examples.jsonl"}
+             "winoground": root / "winoground" / "examples.jsonl", "svo_probes": root / "svo_probes" / "svo_probes.csv"}
     counts = {}
     for fmt, path in specs.items():
         s = types.SimpleNamespace(name=fmt, format=fmt, path=str(path), images=None, image_map=None, split=None,

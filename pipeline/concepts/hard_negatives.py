@@ -96,8 +96,10 @@ def mine_hard_negatives(emb: np.ndarray, tokens: np.ndarray, k: int = 10, index:
             # stable: keep search order (best first) among the allowed neighbours
             order = np.argsort(~ok, axis=1, kind="stable")[:, :k]
             got = np.take_along_axis(ok, order, 1)
-            nb[rows] = np.where(got, np.take_along_axis(I, order, 1), -1)
-            sc[rows] = np.where(got, np.take_along_axis(D, order, 1), 0).astype(np.float32)
+            kk = order.shape[1]  # < k when the vocabulary has fewer than k other concepts
+            nb[rows, :kk] = np.where(got, np.take_along_axis(I, order, 1), -1)
+            sc[rows, :kk] = np.where(got, np.take_along_axis(D, order, 1), 0).astype(np.float32)
+            nb[rows, kk:], sc[rows, kk:] = -1, 0
             short = got.sum(1) < k
             if depth < U and short.any():
                 nxt.append(rows[short])

@@ -44,7 +44,7 @@ SCHEMA_VERSION = 1
 
 # Options that change where and how fast work runs, never what it produces: recorded in
 # _manifest.json but left out of fingerprints, so moving a run onto a GPU cluster redoes nothing.
-EXECUTION_ONLY = frozenset({"enabled", "num_gpus", "num_cpus"})
+EXECUTION_ONLY = frozenset({"enabled", "num_gpus", "num_cpus", "max_error_rate"})
 
 ERROR_SCHEMA = pa.schema(
     [
@@ -434,6 +434,23 @@ class Artifact:
             elif sha256_file(p) != s["sha256"]:
                 problems.append(f"{p}: sha256 differs from the one recorded (content changed or corrupt)")
         return problems
+
+
+def forget_units_of(art: Artifact) -> int:
+    """Remove the completion markers of the units whose files fail :meth:`Artifact.verify`, and the
+    artifact's _manifest.json, so the next run of its stage redoes exactly those units."""
+    bad = {str(Path(line.split(": ", 1)[0]).relative_to(art.dir)) for line in art.verify()}
+    n = 0
+    for marker in (art.dir / "_state").glob("*.json"):
+        try:
+            files = json.loads(marker.read_text()).get("files", [])
+        except (OSError, ValueError):
+            continue
+        if any(f["path"] in bad for f in files):
+            marker.unlink()
+            n += 1
+    (art.dir / "_manifest.json").unlink(missing_ok=True)
+    return n
 
 
 def shard_inputs_fingerprint(entries: list[dict]) -> str:

@@ -4,12 +4,15 @@ from __future__ import annotations
 import functools
 import io
 import os
+import re
 import tarfile
+import warnings
 from pathlib import Path
 
 from PIL import Image
 
 TAR_SEP = "::"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class ImageError(ValueError):
@@ -64,18 +67,72 @@ def read_image_bytes(ref: str) -> bytes:
         raise ImageError(f"image {ref}: cannot read ({e.strerror or e})") from None
 
 
-def open_image(ref: str) -> Image.Image:
-    """Fully decoded RGB image; raises :class:`ImageError` on a missing, truncated or garbage file.
+# Decoded-pixel ceiling of open_image when the caller gives none (ingest passes its manifest option
+# stages.ingest.max_pixels, 50 MP by default; extract-visual-tokens has its own max_pixels).
+DEFAULT_MAX_PIXELS = 100_000_000
+
+
+class ImageTooLarge(ImageError):
+    """The image has more pixels than allowed; found from the header, before decoding."""
+
+
+def _open_header(ref: str, data: bytes, max_pixels: int | None) -> Image.Image:
+    limit = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # we check the size ourselves
+            img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise ImageTooLarge(f"image {ref}: too large to decode ({_ADDRESS.sub('', str(e))})") from None
+    except Exception as e:
+        raise ImageError(f"image {ref}: cannot decode ({type(e).__name__}: {_ADDRESS.sub('', str(e))})") from None
+    w, h = img.size
+    if w * h > limit:
+        raise ImageTooLarge(f"image {ref}: {w}x{h} = {w * h:,} pixels > max_pixels {limit:,}")
+    return img
+
+
+def image_header_size(ref: str, max_pixels: int | None = None) -> tuple[int, int]:
+    """(width, height) from the header only; raises :class:`ImageTooLarge` past ``max_pixels``."""
+    with _open_header(ref, read_image_bytes(ref), max_pixels) as im:
+        return im.size
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB with 8 bits per channel. 16-bit (and 32-bit integer) greyscale is scaled to 0-255
+    (``convert("RGB")`` would clip every value above 255 to white); float images are refused."""
+    if img.mode == "RGB":
+        return img
+    if img.mode.startswith("I"):  # "I;16", "I;16B", "I;16L", "I" (how PIL opens 16-bit PNG / TIFF)
+        import numpy as np
+
+        a = np.asarray(img).astype(np.float64)
+        peak = 65535.0 if img.mode.startswith("I;16") or (a.size and a.max() <= 65535) else float(a.max())
+        a8 = np.clip(np.rint(a * (255.0 / peak)), 0, 255).astype(np.uint8)
+        return Image.fromarray(a8, "L").convert("RGB")
+    if img.mode == "F":
+        raise ImageError(f"floating-point image (mode F) is not supported; convert it to 8 or 16-bit integers")
+    return img.convert("RGB")
+
+
+def open_image(ref: str, max_pixels: int | None = None) -> Image.Image:
+    """Fully decoded RGB image; raises :class:`ImageError` on a missing, truncated or garbage file,
+    :class:`ImageTooLarge` when it has more than ``max_pixels`` (default :data:`DEFAULT_MAX_PIXELS`)
+    pixels: checked from the header, so an oversized image is never decoded.
 
     The bytes are read and decoded eagerly (``load()``), because PIL otherwise defers decoding and a
-    truncated JPEG would only fail later, far from the reference that caused it.
+    truncated JPEG would only fail later, far from the reference that caused it. 16-bit images are
+    scaled to 8 bits (:func:`to_rgb`).
     """
     if not ref:
         raise ImageError("image reference is empty")
     data = read_image_bytes(ref)
+    img = _open_header(ref, data, max_pixels)
     try:
-        img = Image.open(io.BytesIO(data))
         img.load()
     except Exception as e:  # PIL raises several unrelated types for bad data
-        raise ImageError(f"image {ref}: cannot decode ({type(e).__name__}: {e})") from None
-    return img.convert("RGB") if img.mode != "RGB" else img
+        raise ImageError(f"image {ref}: cannot decode ({type(e).__name__}: {_ADDRESS.sub('', str(e))})") from None
+    try:
+        return to_rgb(img)
+    except ImageError as e:
+        raise ImageError(f"image {ref}: {e}") from None

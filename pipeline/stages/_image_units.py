@@ -30,6 +30,11 @@ def load_samples(ctx: RunContext, with_captions: bool, with_instances: bool = Fa
         samples = samples.head(ctx.limit)
     if samples.height == 0:
         raise StageError("samples artifact has no samples")
+    if samples["image"].null_count() == samples.height:
+        raise StageError(
+            "the samples artifact is caption-only (ingested without dataset.images): this image stage cannot run; "
+            "set dataset.images and run ingest again"
+        )
     recs = samples.to_dicts()
     if with_captions:
         caps = (

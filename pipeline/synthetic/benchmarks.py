@@ -35,6 +35,11 @@ Under the dataset root:
     where the replaced object lies: centre within the middle third of the image, mid, margin; and by
     its size), Relation/spatial (replace_rel). ``ANNO_PATH`` is relative to the dataset root,
     ``IMG_ROOT`` is ``images/``.
+``svo_probes/svo_probes.csv``
+    SVO-Probes: one row per Winoground pair above: ``sentence`` = caption_0, positive image =
+    image_0, negative image = image_1, where the same two objects stand in the inverse relation, so
+    the negative differs in the relation (``verb_neg`` true; triplets "circle,left of,square" /
+    "circle,right of,square"). Image ids are the image file stems; urls are empty.
 ``foil/foilv1.0_test_2017.json``
     FOIL-COCO layout: each replace_obj caption (``foil: false``) and its foil (``foil: true``),
     sharing the annotation id.
@@ -215,6 +220,25 @@ def _foil(images, negatives) -> dict:
             "annotations": anns}
 
 
+def _svo(wg_rows: list[dict], path: Path) -> None:
+    import csv
+    import io
+
+    from pipeline.synthetic.scene import INVERSE
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["", "sentence", "pos_triplet", "neg_triplet", "pos_url", "neg_url", "pos_image_id", "neg_image_id",
+                "subj_neg", "verb_neg", "obj_neg"])
+    for n, e in enumerate(wg_rows):
+        phrase_of = {ph[0]: p for p, ph in PRED_PHRASES.items()}
+        p = next(q for ph, q in phrase_of.items() if f" is {ph} " in e["caption_0"])
+        a, b = (x.removeprefix("the ") for x in e["caption_0"].split(f" is {PRED_PHRASES[p][0]} "))
+        w.writerow([n, e["caption_0"], f"{a},{p},{b}", f"{a},{INVERSE[p]},{b}", "", "", e["image_0"], e["image_1"],
+                    False, True, False])
+    path.write_text(buf.getvalue(), encoding="utf-8")
+
+
 def write_benchmarks(root: Path, images, instances, graphs, negatives: dict[str, dict], dump) -> dict[str, Path]:
     """Write every benchmark file above under ``root``; return {name: path} for the manifest."""
     scenes = _scenes(images, instances, graphs)
@@ -229,7 +253,8 @@ def write_benchmarks(root: Path, images, instances, graphs, negatives: dict[str,
     paths["aro_vg_attribution"] = aro / "visual_genome_attribution.json"
     wg = root / "winoground"
     wg.mkdir(parents=True, exist_ok=True)
-    (wg / "examples.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _winoground(scenes)), encoding="utf-8")
+    wg_rows = _winoground(scenes)
+    (wg / "examples.jsonl").write_text("".join(json.dumps(e) + "\n" for e in wg_rows), encoding="utf-8")
     paths["winoground"] = wg / "examples.jsonl"
     valse = root / "valse"
     valse.mkdir(parents=True, exist_ok=True)
@@ -246,6 +271,10 @@ def write_benchmarks(root: Path, images, instances, graphs, negatives: dict[str,
         y.parent.mkdir(parents=True, exist_ok=True)
         y.write_text(f'ANNO_PATH: "{anno.as_posix()}"\nIMG_ROOT: "images/"\nTYPE: "TUPLE_JSON"\n', encoding="utf-8")
     paths["vl_checklist"] = vlc / "corpus"
+    svo = root / "svo_probes"
+    svo.mkdir(parents=True, exist_ok=True)
+    _svo(wg_rows, svo / "svo_probes.csv")
+    paths["svo_probes"] = svo / "svo_probes.csv"
     foil = root / "foil"
     foil.mkdir(parents=True, exist_ok=True)
     dump(_foil(images, negatives), foil / "foilv1.0_test_2017.json")

@@ -13,7 +13,7 @@ Layout under ``root``::
     flickr30k_entities/Sentences/<id>.txt  Flickr30k-Entities markup, one caption per line
     flickr30k_entities/Annotations/<id>.xml  boxes per entity; {train,val,test}.txt id lists
     sugarcrepe/{swap_att,swap_obj,replace_att,replace_obj,replace_rel}.json
-    aro/, winoground/, valse/, vl_checklist/, foil/   the same kinds of negatives (and cross-image
+    aro/ winoground/ valse/ vl_checklist/ svo_probes/ foil/   the same kinds of negatives (and cross-image
                                            swaps) in other benchmarks' formats: see benchmarks.py
     _params.json                           parameters + ground truth of the injected errors
 
@@ -49,7 +49,7 @@ from pipeline.synthetic.scene import PREDICATES, SHAPES, make_scene, relations
 
 GENERATOR_VERSION = 2
 NEGATIVE_KINDS = ["swap_att", "swap_obj", "replace_att", "replace_obj", "replace_rel"]
-BENCHMARK_DIRS = ["aro", "winoground", "valse", "vl_checklist", "foil"]
+BENCHMARK_DIRS = ["aro", "winoground", "valse", "vl_checklist", "svo_probes", "foil"]
 _OWNED = ["images", "annotations", "flickr30k_entities", "sugarcrepe", "karpathy.json", *BENCHMARK_DIRS]
 
 

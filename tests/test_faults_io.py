@@ -1,0 +1,289 @@
+"""Faults around the stages (issue 18): locks, leftovers, output paths, error tables, corrupt
+shards, caption-only datasets, wrong model ids, strict manifest numbers, 16-bit and huge images,
+small concept vocabularies."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipeline.config import ManifestError, load_manifest
+from pipeline.io.artifacts import (
+    ERROR_SCHEMA,
+    Artifact,
+    ArtifactBusy,
+    ArtifactWriter,
+    OutputPathError,
+    forget_units_of,
+    release_lock,
+)
+from pipeline.stage import RunContext, StageError, run_stage
+from tests.conftest import REPO, make_manifest
+
+
+def _tiny_artifact(out, errors=0, rows=3):
+    w = ArtifactWriter(out, "things", "test", {"a": 1})
+    u = w.unit_writer("00000", w.unit_fingerprint("00000", None))
+    u.write_table("things", pa.table({"sample_id": pa.array(range(rows), pa.int64())}))
+    for i in range(errors):
+        u.error("bad", f"object at 0x7f00{i:08x}", sample_id=100 + i)
+    u.commit({"rows": rows})
+    w.finalize(["00000"])
+    return Artifact(w.dir)
+
+
+# --- hard negatives with fewer concepts than k -------------------------------------------------
+
+
+@pytest.mark.parametrize("U", [2, 3, 9])
+def test_hard_negatives_with_fewer_concepts_than_k(U):
+    from pipeline.concepts.hard_negatives import mine_hard_negatives, token_matrix
+
+    rng = np.random.default_rng(U)
+    emb = rng.normal(size=(U, 8)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    texts = [f"word{i}" for i in range(U)]
+    nb, sc, kind = mine_hard_negatives(emb, token_matrix(texts, 3), k=10)
+    assert nb.shape == (U, 10) and sc.shape == (U, 10)
+    for i in range(U):
+        got = nb[i][nb[i] >= 0]
+        assert sorted(got) == sorted(set(range(U)) - {i})  # every other concept, best first
+        assert np.all(nb[i, U - 1 :] == -1)
+        np.testing.assert_allclose(sc[i, : U - 1], emb[got] @ emb[i], rtol=1e-5)
+
+
+# --- locks ---------------------------------------------------------------------------------------
+
+_HOLD = """
+import sys, time
+from pipeline.io.artifacts import ArtifactWriter
+ArtifactWriter(sys.argv[1], "things", "test", {})
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_second_run_is_refused_with_the_holder_and_kill9_leaves_no_stale_lock(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(ArtifactBusy) as e:
+            ArtifactWriter(tmp_path, "things", "test", {})
+        assert f"pid {proc.pid}" in str(e.value) and "\n" not in str(e.value)
+        os.kill(proc.pid, signal.SIGKILL)  # kill -9: the kernel drops the flock
+        proc.wait(10)
+        ArtifactWriter(tmp_path, "things", "test", {})  # taken again, no stale lock
+        assert f"pid {os.getpid()}" in (tmp_path / "things" / "_lock").read_text()
+    finally:
+        proc.kill()
+        release_lock()
+
+
+def test_lock_is_reentrant_in_one_process_and_released_by_finalize(tmp_path):
+    _tiny_artifact(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _HOLD.replace("time.sleep(60)", ""), str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr  # finalize released it: another process may take it
+
+
+# --- leftovers, error tables, verify ---------------------------------------------------------------
+
+
+def test_stale_tmp_files_are_removed_on_the_next_run(tmp_path):
+    d = tmp_path / "things" / "things"
+    d.mkdir(parents=True)
+    (d / ".things-00000.parquet.1a2b3c4d.tmp").write_bytes(b"half")
+    (tmp_path / "things" / "_state").mkdir()
+    (tmp_path / "things" / "_state" / ".00000.json.deadbeef.tmp").write_text("{")
+    _tiny_artifact(tmp_path)
+    release_lock()
+    assert not list((tmp_path / "things").rglob("*.tmp"))
+
+
+def test_errors_table_in_its_own_folder_zero_rows_without_row_groups(tmp_path):
+    art = _tiny_artifact(tmp_path / "a")
+    root = art.dir
+    assert not list(root.glob("*.parquet"))  # nothing a reader of the root folder could merge
+    path = root / "errors" / "errors.parquet"
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_rows == 0 and meta.num_row_groups == 0  # HF datasets sizes batches by row group 0
+    assert pq.read_schema(path).equals(ERROR_SCHEMA)
+    assert pads.dataset(root / "errors").to_table().num_rows == 0
+    assert pads.dataset(root / "things").to_table().column_names == ["sample_id"]
+    art2 = _tiny_artifact(tmp_path / "b", errors=2)
+    for rg in range(pq.ParquetFile(art2.dir / "errors" / "errors.parquet").metadata.num_row_groups):
+        assert pq.ParquetFile(art2.dir / "errors" / "errors.parquet").metadata.row_group(rg).num_rows > 0
+    assert [e["detail"] for e in art2.errors().to_pylist()] == ["object", "object"]  # no addresses
+    try:
+        import datasets
+    except ImportError:
+        return
+    assert len(datasets.Dataset.from_parquet(str(path))) == 0
+
+
+def test_verify_finds_a_flipped_byte_of_unchanged_size(tmp_path):
+    art = _tiny_artifact(tmp_path)
+    release_lock()
+    assert art.verify() == []
+    f = art.files("things")[0]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    problems = art.verify()
+    assert len(problems) == 1 and "sha256" in problems[0] and str(f) in problems[0]
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "verify", str(art.dir)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "1 bad files" in r.stdout
+    assert forget_units_of(art) == 1 and not (art.dir / "_manifest.json").exists()
+    assert not (art.dir / "_state" / "00000.json").exists()
+
+
+# --- output paths -----------------------------------------------------------------------------
+
+
+def test_output_path_is_a_file_is_one_line_exit_2(tmp_path):
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "ingest", "-m", str(REPO / "manifests" / "demo.yaml"),
+                        "--set", f"output={out}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: output path {out} is a file, not a folder"]
+
+
+def test_artifact_folder_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "things").write_text("x")
+    with pytest.raises(OutputPathError, match=r"artifact path .*things is a file"):
+        ArtifactWriter(tmp_path, "things", "test", {})
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_output_not_writable(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    with pytest.raises(OutputPathError, match="not writable|cannot create"):
+        ArtifactWriter(ro / "out", "things", "test", {})
+
+
+# --- manifests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["stages.ingest.shard_size", "ray.num_cpus", "stages.ingest.max_error_rate"])
+def test_manifest_numbers_are_strict(key):
+    with pytest.raises(ManifestError, match=f"key '{key}'.*not true/false"):
+        load_manifest(None, [f"{key}=true"])
+    load_manifest(None, ["stages.ingest.enabled=false"])  # bools stay bools
+
+
+# --- images -----------------------------------------------------------------------------------------
+
+
+def test_16bit_png_is_scaled_not_clipped(tmp_path):
+    from pipeline.readers.images import open_image
+
+    a = (np.arange(32 * 32, dtype=np.uint32).reshape(32, 32) * 64).astype(np.uint16)  # 0..65472
+    Image.fromarray(a).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode.startswith("I")
+    rgb = np.asarray(open_image(str(tmp_path / "g16.png")))
+    assert rgb.shape == (32, 32, 3) and (rgb[..., 0] == rgb[..., 1]).all()
+    np.testing.assert_array_equal(rgb[..., 0], np.rint(a / 257.0).astype(np.uint8))
+    assert 0.3 < (rgb[..., 0] == 255).mean() or rgb[..., 0].mean() < 200  # not all white
+    assert rgb[..., 0].mean() == pytest.approx(127.0, abs=2)
+
+
+def test_huge_image_is_rejected_from_its_header(tmp_path):
+    from pipeline.readers.images import ImageTooLarge, image_header_size, open_image
+
+    Image.new("1", (11000, 11000)).save(tmp_path / "big.png")  # 121 MP, tiny file
+    t0 = time.perf_counter()
+    with pytest.raises(ImageTooLarge, match="121,000,000 pixels > max_pixels"):
+        open_image(str(tmp_path / "big.png"))
+    with pytest.raises(ImageTooLarge):
+        image_header_size(str(tmp_path / "big.png"), max_pixels=50_000_000)
+    assert time.perf_counter() - t0 < 2  # never decoded
+    garbage = tmp_path / "g.jpg"
+    garbage.write_bytes(b"not an image")
+    with pytest.raises(Exception) as e:
+        open_image(str(garbage))
+    assert "0x" not in str(e.value)
+
+
+# --- stages on Ray: error rate, caption-only, wrong model ids, huge image -----------------------
+
+
+def _coco(tmp_path, with_images_key=True, n=6):
+    img_dir = tmp_path / "images"
+    img_dir.mkdir(exist_ok=True)
+    for i in range(n):
+        Image.new("RGB", (32, 24), (i * 30, 100, 200)).save(img_dir / f"{i:03d}.jpg")
+    data = {"annotations": [{"id": 10 + i, "image_id": i, "caption": f"picture number {i}"} for i in range(n)]}
+    if with_images_key:
+        data["images"] = [{"id": i, "file_name": f"{i:03d}.jpg"} for i in range(n)]
+    cap = tmp_path / "captions.json"
+    cap.write_text(json.dumps(data))
+    return cap, img_dir
+
+
+@pytest.mark.slow
+def test_ingest_rejecting_every_sample_fails_with_top_reasons(tmp_path, ray_session):
+    cap, img_dir = _coco(tmp_path, with_images_key=False)
+    m = make_manifest(tmp_path, ["dataset.kind=coco", f"dataset.captions={cap}", f"dataset.images={img_dir}"])
+    with pytest.raises(StageError) as e:
+        run_stage("ingest", RunContext(m))
+    msg = str(e.value)
+    assert "\n" not in msg and "rejected 6 of 6 samples (100.0% > max_error_rate 50%)" in msg and "missing_image x6" in msg
+    assert (tmp_path / "run" / "samples" / "errors" / "errors.parquet").is_file()
+    assert not (tmp_path / "run" / "samples" / "_manifest.json").exists()  # nothing downstream can use
+
+
+@pytest.mark.slow
+def test_caption_only_dataset_runs_caption_stages_and_refuses_image_stages(tmp_path, ray_session, caplog):
+    cap, _ = _coco(tmp_path, with_images_key=False)
+    m = make_manifest(tmp_path, ["dataset.kind=coco", f"dataset.captions={cap}"])
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        summary = run_stage("ingest", RunContext(m))
+    assert summary["samples"] == 6 and summary["errors"] == 0
+    assert any("caption-only dataset, image checks off" in r.getMessage() for r in caplog.records)
+    assert Artifact(tmp_path / "run" / "samples").manifest["caption_only"] is True
+    with pytest.raises(StageError, match="caption-only .* this image stage cannot run"):
+        run_stage("extract-clip-tokens", RunContext(m))
+
+
+@pytest.mark.slow
+def test_wrong_model_id_is_one_line_naming_the_manifest_key(tmp_path, ray_session):
+    cap, img_dir = _coco(tmp_path)
+    base = ["dataset.kind=coco", f"dataset.captions={cap}", f"dataset.images={img_dir}"]
+    run_stage("ingest", RunContext(make_manifest(tmp_path, base)))
+    for stage, key in [("extract-clip-tokens", "clip"), ("extract-regions", "detector"), ("extract-image-groups", "groupvit")]:
+        m = make_manifest(tmp_path, base + [f"models.{key}=no-such-org/no-such-model"])
+        with pytest.raises(StageError) as e:
+            run_stage(stage, RunContext(m))
+        msg = str(e.value)
+        assert msg.startswith(f"models.{key}: 'no-such-org/no-such-model' not found or not loadable (") and "\n" not in msg
+
+
+@pytest.mark.slow
+def test_ingest_rejects_images_over_max_pixels_and_counts_them(tmp_path, ray_session):
+    cap, img_dir = _coco(tmp_path)
+    Image.new("1", (9000, 9000)).save(img_dir / "002.jpg".replace(".jpg", ".png"))
+    data = json.loads(cap.read_text())
+    data["images"][2]["file_name"] = "002.png"
+    cap.write_text(json.dumps(data))
+    m = make_manifest(tmp_path, ["dataset.kind=coco", f"dataset.captions={cap}", f"dataset.images={img_dir}",
+                                 "stages.ingest.max_pixels=50000000"])
+    summary = run_stage("ingest", RunContext(m))
+    assert summary["samples"] == 5
+    errs = Artifact(tmp_path / "run" / "samples").errors().to_pylist()
+    assert [(e["reason"], e["sample_id"]) for e in errs] == [("image_too_large", 2)]
+    assert "81,000,000 pixels > max_pixels 50,000,000" in errs[0]["detail"]
