@@ -90,7 +90,7 @@ def stage_run(tmp_path, local_units):
 
 
 def test_tables_shards_errors_and_loader(stage_run):
-    from pipeline.negatives.loader import NegativesReader, load_word_features, pick_nouns
+    from pipeline.loaders.negatives import NegativesReader, load_word_features, pick_nouns
 
     m, summary, art, ran = stage_run
     assert len(ran) == 4 and summary["captions"] == 7
@@ -188,7 +188,7 @@ def test_demo_manifest_on_ray(tmp_path, ray_session):
     art = Artifact(tmp_path / "run" / "negatives")
     assert s["nouns"] > 0 and art.manifest["feature_dim"] == 384
     assert art.manifest["random_weights"] == ["mlm"]  # the MiniLM word encoder is real
-    from pipeline.negatives.loader import load_word_features
+    from pipeline.loaders.negatives import load_word_features
 
     feats = load_word_features(art.dir)
     assert all(f.word_features.shape[1] == 384 for f in feats.values())

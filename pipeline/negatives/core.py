@@ -58,6 +58,9 @@ class MinerOptions:
     max_tokens: int = 128
     noun_pos: tuple[str, ...] = ("NOUN",)
     feature_pos: tuple[str, ...] = ("NOUN", "ADJ")
+    # spaCy's small English model tags several common nouns as PROPN (e.g. "hexagon", "cyan" in
+    # the generated captions): on, PROPN words are treated as nouns (substituted and given features)
+    include_propn: bool = True
     exclude_self: bool = True
     exclude_inflections: bool = True
     exclude_subwords: bool = True
@@ -71,6 +74,14 @@ class MinerOptions:
     max_batch: int = 128
     seed: int = 0
     positive_features: bool = True
+
+    def noun_tags(self) -> frozenset[str]:
+        """POS tags of the words substituted: ``noun_pos``, plus PROPN when ``include_propn``."""
+        return frozenset(self.noun_pos) | ({"PROPN"} if self.include_propn else set())
+
+    def feature_tags(self) -> frozenset[str]:
+        """POS tags of the words given features: ``feature_pos`` and every noun tag."""
+        return frozenset(self.feature_pos) | self.noun_tags()
 
 
 @dataclass
@@ -266,7 +277,7 @@ class NegativeMiner:
         o = self.opts
         results: list[CaptionResult] = []
         for (cid, sid, text), words in zip(captions, tagged):
-            fw = [w for w in words if w.pos in o.feature_pos and any(ch.isalnum() for ch in w.text)]
+            fw = [w for w in words if w.pos in o.feature_tags() and any(ch.isalnum() for ch in w.text)]
             results.append(CaptionResult(int(cid), int(sid), text, fw, np.zeros((0, self.we_model.config.hidden_size), np.float32), []))
         live = [r for r in results if r.words]
         if not live:
@@ -290,7 +301,7 @@ class NegativeMiner:
 
         ids = [list(x) for x in enc["input_ids"]]
         # nouns: (live caption index, word index within r.words)
-        nouns = [(k, j) for k, r in enumerate(live) for j, w in enumerate(r.words) if w.pos in o.noun_pos]
+        nouns = [(k, j) for k, r in enumerate(live) for j, w in enumerate(r.words) if w.pos in o.noun_tags()]
 
         # ---- pass 1: unmasked captions (q for every noun; positive features when shared)
         q_pos: list[list[int]] = [[] for _ in live]

@@ -8,7 +8,7 @@ in :mod:`pipeline.negatives.core`. Output, the ``negatives`` artifact:
   best p/q first), candidate_ids, p, q, score (= p/q), rejected (the top-30 candidates that
   re-ranking dropped) and feature_row (row of the sample's ``negs.npy``, -1 when not computed).
   Every noun of every caption is listed (the paper sampled one per caption at random; the
-  trainer samples from this table reproducibly, see ``pipeline.negatives.loader``).
+  trainer samples from this table reproducibly, see ``pipeline.loaders.negatives``).
 * table ``words``: one row per noun/adjective of each caption with its ``feature_row`` in the
   sample's ``words.npy``.
 * WebDataset shards ``shards/<unit>.tar``, one entry per sample (key ``sample_key(sample_id)``):
@@ -48,6 +48,7 @@ class Config(StageConfig):
     keep: int = Field(25, ge=1, description="negatives kept after re-ranking by p/q (paper: 25)")
     noun_pos: list[str] = Field(["NOUN"], description="universal POS tags of the words substituted")
     feature_pos: list[str] = Field(["NOUN", "ADJ"], description="POS tags of the words given features (paper: nouns and adjectives)")
+    include_propn: bool = Field(True, description="treat PROPN as a noun tag (substituted, given features): the packaged spaCy model tags common nouns such as 'hexagon' or 'cyan' PROPN")
     exclude_self: bool = Field(True, description="never propose the noun itself")
     exclude_inflections: bool = Field(True, description="never propose its singular/plural forms")
     exclude_subwords: bool = Field(True, description="never propose subword fragments (##xx)")
@@ -107,7 +108,7 @@ def miner_options(cfg: Config):
 
     return MinerOptions(
         top_k=cfg.top_k, keep=cfg.keep, max_tokens=cfg.max_tokens, noun_pos=tuple(cfg.noun_pos),
-        feature_pos=tuple(sorted(set(cfg.feature_pos) | set(cfg.noun_pos))), exclude_self=cfg.exclude_self,
+        feature_pos=tuple(sorted(set(cfg.feature_pos) | set(cfg.noun_pos))), include_propn=cfg.include_propn, exclude_self=cfg.exclude_self,
         exclude_inflections=cfg.exclude_inflections, exclude_subwords=cfg.exclude_subwords,
         alphabetic_only=cfg.alphabetic_only, min_chars=cfg.min_chars, q_pool=cfg.q_pool, word_pool=cfg.word_pool,
         negative_features=cfg.negative_features, negative_feature_k=min(cfg.negative_feature_k, cfg.keep),
@@ -245,7 +246,8 @@ def _count_nouns(payload: dict) -> dict:
 def _noun_vocab(ctx: RunContext, entries: list[dict], samples_dir: Path, cfg: Config, models, out_dir: Path) -> tuple[str, str]:
     from pipeline.runtime import map_units
 
-    units = [{"path": str(samples_dir / e["path"]), "spacy": models.spacy, "noun_pos": cfg.noun_pos} for e in entries]
+    units = [{"path": str(samples_dir / e["path"]), "spacy": models.spacy,
+              "noun_pos": list(cfg.noun_pos) + (["PROPN"] if cfg.include_propn else [])} for e in entries]
     total: Counter = Counter()
     for res in map_units(units, _count_nouns, ray_cfg=ctx.ray_cfg, actor=False):
         total.update(res["counts"])
