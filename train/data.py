@@ -12,7 +12,8 @@
   collates (reads the large arrays of) only the batches ``start + w, start + w + n, ...``, so the
   DataLoader's round-robin yields exactly the single-process batch sequence, for any number of
   workers;
-* ``joins`` attach columns of other artifacts by ``sample_id`` (:class:`ParquetJoin`), reading
+* ``joins`` attach columns of other artifacts by ``sample_id`` (:class:`ParquetJoin`; tables with
+  several rows per sample, e.g. phrases, words, instances: :class:`ParquetMultiJoin`), reading
   only the Parquet files whose sample_id range covers the batch (bounded memory).
 """
 
@@ -85,6 +86,59 @@ class ParquetJoin:
         row = self.lookup(int(sample["sample_id"]))
         if row is not None:
             sample.update(row)
+        return sample
+
+
+class ParquetMultiJoin(ParquetJoin):
+    """All rows of a Parquet table with a given sample_id (tables with several rows per key:
+    ``phrases``, ``words``, ``instances``), as ``{column: list of values}`` in file order.
+
+    Same file selection and cache as :class:`ParquetJoin`; a file is grouped by key once when
+    loaded (one stable argsort), so a lookup is a binary search plus one slice per column. A
+    sample_id without rows gives empty lists (``lookup`` -> None, ``__call__`` -> empty lists), so a
+    caller can count the samples that have none."""
+
+    def _load(self, f: str) -> dict:
+        if f in self.cache:
+            self.cache.move_to_end(f)
+            return self.cache[f]
+        import numpy as np
+
+        t = pq.read_table(f, columns=[self.key, *self.columns])
+        keys = t.column(self.key).to_numpy(zero_copy_only=False)
+        order = np.argsort(keys, kind="stable")
+        sk = keys[order]
+        uniq, starts = np.unique(sk, return_index=True)
+        ends = np.append(starts[1:], len(sk)).astype(np.int64)
+        cols = {}
+        for c in self.columns:
+            vals = t.column(c).to_pylist()
+            cols[c] = [vals[i] for i in order]
+        entry = {"keys": uniq, "starts": starts, "ends": ends, "cols": cols}
+        self.cache[f] = entry
+        while len(self.cache) > self.cache_files:
+            self.cache.popitem(last=False)
+        return entry
+
+    def lookup(self, sample_id: int) -> dict | None:
+        import numpy as np
+
+        out: dict | None = None
+        for f, (lo, hi) in zip(self.files, self.ranges):
+            if lo is not None and lo <= sample_id <= hi:
+                e = self._load(f)
+                k = int(np.searchsorted(e["keys"], sample_id))
+                if k < len(e["keys"]) and e["keys"][k] == sample_id:
+                    a, b = int(e["starts"][k]), int(e["ends"][k])
+                    if out is None:
+                        out = {self.prefix + c: [] for c in self.columns}
+                    for c in self.columns:  # a key may span files: rows of every covering file, in file order
+                        out[self.prefix + c].extend(e["cols"][c][a:b])
+        return out
+
+    def __call__(self, sample: dict) -> dict:
+        row = self.lookup(int(sample["sample_id"]))
+        sample.update(row if row is not None else {self.prefix + c: [] for c in self.columns})
         return sample
 
 
