@@ -1,58 +1,42 @@
-"""Run-length encoding of binary masks, bit-compatible with COCO / pycocotools.
+"""COCO masks: polygons and run-length encoding, through ``pycocotools.mask`` (the reference).
 
-pycocotools is not a dependency, so this is a numpy re-implementation of its ``maskApi.c``.
+The one RLE module of the project: readers, the synthetic generator, the visual-token stage and the
+loaders all encode and decode here.
 
 Format. A mask of shape (h, w) is flattened in column-major (Fortran) order and stored as the
 lengths of alternating runs, starting with a run of zeros (which is 0 when the first pixel is set).
 Two spellings of ``counts`` exist, both accepted everywhere here:
 
 * uncompressed: ``{"size": [h, w], "counts": [int, ...]}`` (COCO ``iscrowd`` annotations);
-* compressed:   ``{"size": [h, w], "counts": "<ascii>"}`` -- pycocotools' string form (each count,
-  from the fourth on, stored as a delta to the count two before it, then as 5-bit little-endian
-  chunks offset by 48). This is what :func:`rle_encode` produces and what the readers emit,
-  so any RLE coming out of ``pipeline.readers`` can be handed to ``pycocotools.mask.decode``.
+* compressed:   ``{"size": [h, w], "counts": "<ascii>"}`` -- pycocotools' string form. This is what
+  :func:`rle_encode` produces (``counts`` as ``str``, so it serialises as JSON).
+
+Encoding, decoding, areas, boxes and polygon rasterisation are pycocotools' C code. RLEs read from
+files are checked first (:func:`rle_counts`: run lengths non-negative and summing to h*w), because
+pycocotools' decoder writes runs without bounds checks and a bad string would overrun its buffer.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-
-
-def _counts_from_mask(mask: np.ndarray) -> list[int]:
-    flat = np.asarray(mask, dtype=bool).ravel(order="F")
-    if flat.size == 0:
-        return []
-    # Positions where the value changes delimit the runs; a leading zero-length run of zeros is
-    # needed when the first pixel is set, because counts always start with a zeros run.
-    change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    bounds = np.concatenate(([0], change, [flat.size]))
-    counts = np.diff(bounds)
-    if flat[0]:
-        counts = np.concatenate(([0], counts))
-    return counts.tolist()
+from pycocotools import mask as _cm
 
 
 def counts_to_string(counts: list[int]) -> str:
-    """pycocotools ``rleToString``."""
-    out: list[str] = []
-    for i, c in enumerate(counts):
-        x = int(c)
-        if i > 2:
-            x -= int(counts[i - 2])
-        more = True
-        while more:
-            ch = x & 0x1F
-            x >>= 5  # arithmetic shift, as in C on a signed long
-            more = (x != -1) if (ch & 0x10) else (x != 0)
-            if more:
-                ch |= 0x20
-            out.append(chr(ch + 48))
-    return "".join(out)
+    """Uncompressed counts -> pycocotools' compressed string (its ``rleToString``)."""
+    counts = [int(c) for c in counts]
+    n = sum(counts)
+    rle = _cm.frPyObjects({"size": [n, 1], "counts": counts}, n, 1)
+    return rle["counts"].decode("ascii")
 
 
 def string_to_counts(s: str) -> list[int]:
-    """pycocotools ``rleFrString``."""
+    """pycocotools' ``rleFrString`` in Python: the run lengths of a compressed string.
+
+    pycocotools exposes no way to read the counts without decoding into a buffer it does not bound;
+    this parser is what validates an untrusted string before it reaches the C decoder.
+    """
     counts: list[int] = []
     p, n = 0, len(s)
     while p < n:
@@ -75,72 +59,88 @@ def string_to_counts(s: str) -> list[int]:
     return counts
 
 
+def _as_str(rle: dict) -> dict[str, Any]:
+    c = rle["counts"]
+    return {"size": [int(v) for v in rle["size"]], "counts": c.decode("ascii") if isinstance(c, bytes) else c}
+
+
+def rle_encode_many(masks: np.ndarray) -> list[dict[str, Any]]:
+    """[V, H, W] masks -> V compressed RLE dicts (``counts`` as str)."""
+    masks = np.asarray(masks)
+    if masks.ndim != 3:
+        raise ValueError(f"rle_encode_many expects [V, H, W] masks, got shape {masks.shape}")
+    if len(masks) == 0:
+        return []
+    stack = np.asfortranarray(masks.astype(np.uint8, copy=False).transpose(1, 2, 0))
+    return [_as_str(r) for r in _cm.encode(stack)]
+
+
 def rle_encode(mask: np.ndarray) -> dict[str, Any]:
     """Binary mask (h, w) -> compressed COCO RLE ``{"size": [h, w], "counts": str}``."""
     mask = np.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"rle_encode expects a 2-D mask, got shape {mask.shape}")
-    h, w = mask.shape
-    return {"size": [int(h), int(w)], "counts": counts_to_string(_counts_from_mask(mask))}
+    return rle_encode_many(mask[None])[0]
 
 
 def rle_counts(rle: dict[str, Any]) -> list[int]:
+    """Run lengths of either spelling, checked: non-negative and summing to h*w."""
+    h, w = (int(v) for v in rle["size"])
     counts = rle["counts"]
     if isinstance(counts, (bytes, bytearray)):
         counts = counts.decode("ascii")
-    if isinstance(counts, str):
-        return string_to_counts(counts)
-    return [int(c) for c in counts]
+    out = string_to_counts(counts) if isinstance(counts, str) else [int(c) for c in counts]
+    if any(c < 0 for c in out):
+        raise ValueError("RLE has a negative run length")
+    if sum(out) != h * w:
+        raise ValueError(f"RLE run lengths sum to {sum(out)}, expected h*w = {h * w}")
+    return out
+
+
+def _checked(rle: dict[str, Any]) -> dict[str, Any]:
+    """A compressed RLE pycocotools can take safely (validated; bytes counts)."""
+    h, w = (int(v) for v in rle["size"])
+    counts = rle_counts(rle)
+    if isinstance(rle["counts"], (str, bytes, bytearray)):
+        c = rle["counts"]
+        return {"size": [h, w], "counts": c.encode("ascii") if isinstance(c, str) else bytes(c)}
+    return _cm.frPyObjects({"size": [h, w], "counts": counts}, h, w)
 
 
 def rle_decode(rle: dict[str, Any]) -> np.ndarray:
     """COCO RLE (either spelling) -> bool mask of shape ``rle["size"]``."""
-    h, w = (int(v) for v in rle["size"])
-    counts = np.asarray(rle_counts(rle), dtype=np.int64)
-    if counts.size and (counts < 0).any():
-        raise ValueError("RLE has a negative run length")
-    if int(counts.sum()) != h * w:
-        raise ValueError(f"RLE run lengths sum to {int(counts.sum())}, expected h*w = {h * w}")
-    values = np.zeros(counts.size, dtype=bool)
-    values[1::2] = True
-    flat = np.repeat(values, counts)
-    return flat.reshape((w, h)).T.copy()
+    return _cm.decode(_checked(rle)).astype(bool)
 
 
 def rle_compress(rle: dict[str, Any]) -> dict[str, Any]:
     """Any spelling -> compressed string spelling (no pixel decode needed)."""
-    return {"size": [int(v) for v in rle["size"]], "counts": counts_to_string(rle_counts(rle))}
+    return _as_str(_checked(rle))
 
 
 def rle_area(rle: dict[str, Any]) -> int:
-    return int(sum(rle_counts(rle)[1::2]))
+    return int(_cm.area(_checked(rle)))
 
 
 def rle_to_bbox(rle: dict[str, Any]) -> tuple[float, float, float, float]:
     """Tight (x0, y0, x1, y1) box of the set pixels, x1/y1 exclusive; zeros when empty."""
-    m = rle_decode(rle)
-    ys, xs = np.nonzero(m)
-    if ys.size == 0:
-        return (0.0, 0.0, 0.0, 0.0)
-    return (float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1))
+    x, y, w, h = (float(v) for v in _cm.toBbox(_checked(rle)))
+    return (x, y, x + w, y + h)
+
+
+def polygons_to_rle(polygons: list[list[float]], h: int, w: int) -> dict[str, Any]:
+    """COCO polygon segmentation (flat [x0, y0, x1, y1, ...] lists) -> the compressed RLE of their
+    union, rasterised by pycocotools exactly as the COCO API does. Parts with fewer than three
+    points are ignored."""
+    parts = [[float(v) for v in p] for p in polygons if len(p) >= 6]
+    if not parts:
+        return rle_encode(np.zeros((int(h), int(w)), bool))
+    rles = _cm.frPyObjects(parts, int(h), int(w))
+    return _as_str(_cm.merge(rles) if len(rles) > 1 else rles[0])
 
 
 def polygons_to_mask(polygons: list[list[float]], h: int, w: int) -> np.ndarray:
-    """COCO polygon segmentation (list of flat [x0, y0, x1, y1, ...] lists) -> bool mask.
-
-    Rasterised with PIL; the union of all polygons (COCO semantics for multi-part objects).
-    Pixel-exact agreement with pycocotools' own rasteriser is not promised -- edges may differ
-    by one pixel -- which is fine for training masks.
-    """
-    from PIL import Image, ImageDraw
-
-    img = Image.new("L", (int(w), int(h)), 0)
-    draw = ImageDraw.Draw(img)
-    for poly in polygons:
-        pts = [(float(poly[i]), float(poly[i + 1])) for i in range(0, len(poly) - 1, 2)]
-        if len(pts) >= 3:
-            draw.polygon(pts, fill=1, outline=1)
-    return np.asarray(img, dtype=bool)
+    """COCO polygons -> bool mask (h, w), rasterised by pycocotools."""
+    return rle_decode(polygons_to_rle(polygons, h, w))
 
 
 def segmentation_to_rle(seg: Any, h: int, w: int) -> dict[str, Any]:
@@ -150,5 +150,5 @@ def segmentation_to_rle(seg: Any, h: int, w: int) -> dict[str, Any]:
             raise ValueError("RLE segmentation needs 'size' and 'counts'")
         return rle_compress(seg)
     if isinstance(seg, list):
-        return rle_encode(polygons_to_mask(seg, h, w))
+        return polygons_to_rle(seg, h, w)
     raise ValueError(f"unsupported segmentation of type {type(seg).__name__}")

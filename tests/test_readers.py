@@ -89,10 +89,11 @@ def test_rle_roundtrip_and_column_major_order():
 
 
 def test_polygon_mask():
+    # pycocotools' rasteriser (COCO's own): the rectangle x 2..8, y 2..6 covers pixels x 2-7, y 2-5
     m = polygons_to_mask([[2, 2, 8, 2, 8, 6, 2, 6]], 10, 12)
     assert m.shape == (10, 12)
     assert m[4, 5] and not m[0, 0] and not m[9, 11]
-    assert m[2:7, 2:9].all() and m.sum() == 7 * 5
+    assert m[2:6, 2:8].all() and m.sum() == 6 * 4
 
 
 # -- COCO -----------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def test_coco_instances_and_scene_graph(tmp_path):
     assert dog.category == "dog" and dog.box == (2.0, 2.0, 8.0, 6.0) and dog.attributes == {"color": "red"}
     assert isinstance(dog.mask_rle["counts"], str)  # polygons converted to compressed RLE
     m = rle_decode(dog.mask_rle)
-    assert m.shape == (10, 12) and m[3, 4] and m.sum() == 35
+    assert m.shape == (10, 12) and m[3, 4] and m.sum() == 24  # pycocotools: pixels x 2-7, y 2-5
     assert isinstance(crowd.mask_rle["counts"], str) and rle_decode(crowd.mask_rle).sum() == 1
     assert [(x.subject, x.object, x.predicate) for x in r.relations] == [(21, 20, "right of")]
     (p,) = r.phrases

@@ -171,8 +171,7 @@ def test_learned_relations_load_and_refuse_mismatch(tmp_path):
 
 
 def test_batched_rle_equals_reference_encoder():
-    from pipeline.masks import rle_decode, rle_encode
-    from pipeline.visual_tokens.rle import rle_encode_many
+    from pipeline.masks import rle_decode, rle_encode, rle_encode_many
 
     rng = np.random.default_rng(0)
     cases = [np.zeros((5, 7), bool), np.ones((5, 7), bool)]

@@ -219,7 +219,7 @@ class VisualTokenWorker:
 
 def sample_fields(record: dict, image_hw: tuple[int, int], seg, g, vocab: list[str], pred_emb: np.ndarray) -> dict:
     """The WebDataset fields of one sample (see the module docstring) from its segmentation and graph."""
-    from pipeline.visual_tokens.rle import rle_encode_many
+    from pipeline.masks import rle_encode_many
 
     k = g.keep
     return {
