@@ -286,6 +286,7 @@ def test_aro_cases_agree_with_the_scene_graph(gen):
         present = {(i.attributes["color"], i.category) for i in by_file[case["image_path"]].instances}
         w = case["false_caption"].split()
         assert (w[1], w[2]) not in present and (w[5], w[6]) not in present and case["attributes"] == [w[5], w[1]]
+        assert case["attributes"] == sorted(case["attributes"])  # one group per colour pair
 
 
 def test_winoground_pairs_are_true_for_exactly_their_image(tmp_path):

@@ -14,7 +14,8 @@ Under the dataset root:
 ``aro/visual_genome_attribution.json``
     ARO VG-Attribution: pairs with different colours and shapes whose swapped combinations are not
     in the image: true "the red circle and the blue square", false "the blue circle and the red
-    square", ``attributes`` = [colour of i, colour of j], box = union.
+    square", ``attributes`` = the two colours in alphabetical order (the objects named in that order,
+    so that each colour pair is one group), box = union.
 ``winoground/examples.jsonl``
     Winoground: pairs of images whose captions are word-order swaps of each other. Random scenes
     rarely hold the same two coloured shapes, so the captions name objects by shape alone (or by
@@ -106,9 +107,10 @@ def _aro(scenes) -> tuple[list, list]:
                                      "false_caption": f"{nb} is {_phrase(p)} {na}"})
                 if (a["color"] != b["color"] and a["shape"] != b["shape"] and (b["color"], a["shape"]) not in present
                         and (a["color"], b["shape"]) not in present):
-                    attribution.append({**base, "attributes": [a["color"], b["color"]], **_union(a["bbox"], b["bbox"]),
-                                        "true_caption": f"{na} and {nb}",
-                                        "false_caption": f"the {b['color']} {a['shape']} and the {a['color']} {b['shape']}"})
+                    x, y = (a, b) if a["color"] < b["color"] else (b, a)  # one group per colour pair, alphabetical
+                    attribution.append({**base, "attributes": [x["color"], y["color"]], **_union(x["bbox"], y["bbox"]),
+                                        "true_caption": f"the {x['color']} {x['shape']} and the {y['color']} {y['shape']}",
+                                        "false_caption": f"the {y['color']} {x['shape']} and the {x['color']} {y['shape']}"})
     return relation, attribution
 
 
