@@ -200,9 +200,10 @@ def isolate_failures(w: UnitWriter, records: list[dict], inputs, fn, *, reason: 
     """
     try:
         return records, fn(records, inputs)
-    except Exception as first:
+    except Exception as e:
+        first = e  # `e` is unbound after the except block
         if len(records) == 1:
-            _record_failure(w, records[0], reason, first)
+            _record_failure(w, records[0], reason, e)
             return records[:0], None
     good = []
     for i, r in enumerate(records):

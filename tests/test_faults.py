@@ -72,6 +72,10 @@ def test_isolate_failures_retries_the_batch_without_the_bad_sample():
     w = _W()
     assert isolate_failures(w, recs[:1], [13], fn) == ([], None)
     assert len(w.errors) == 1
+    # every sample passes alone but the batch fails: the batch is rejected, each sample named
+    w = _W()
+    kept, out = isolate_failures(w, recs[:2], [1, 2], lambda r, x: (_ for _ in ()).throw(MemoryError()) if len(x) > 1 else x)
+    assert kept == [] and out is None and [e[1] for e in w.errors] == [0, 1]
     # a numpy batch is sliced along its first axis
     w = _W()
     kept, out = isolate_failures(w, recs[:3], np.array([1, 13, 3]), lambda r, x: (_ for _ in ()).throw(ValueError("x")) if 13 in x else x)

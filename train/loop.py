@@ -26,12 +26,17 @@ BLAS reductions are not bitwise reproducible from run to run, resumed or not), m
 lines as JSON (``metrics.jsonl``) and a plot (``metrics.png``), periodic evaluation and a
 progress bar with steps/s and samples/s.
 
-Run folder (``cfg.run_dir`` or ``<output>/train/<job>``)::
+Run folder (``cfg.run_dir`` or ``<output>/train/<job>/<variant>[-<hash>]``, see
+:meth:`train.config.TrainerConfig.run_tag`; one configuration per folder: resuming a checkpoint
+of another training configuration raises :class:`RunMismatch` before anything is written)::
 
     config.json       the resolved job config
     metrics.jsonl     {"kind": "train"|"eval", "step", "epoch", ...} one line each
     metrics.png       losses and eval metrics against steps
     checkpoints/last.pt, checkpoints/final.pt
+    checkpoints/best.pt  with ``best_metric``: the model at the evaluation with the best value of
+                      that evaluate() key so far (``best_mode`` max|min); a {"kind": "best"} metric
+                      line records each new best
     eval/             whatever the job's evaluate() writes (final evaluation: eval/final/)
 """
 
@@ -40,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -50,6 +54,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pipeline.io.checkpoint import load_checkpoint as _load_checkpoint
+from pipeline.io.checkpoint import save_checkpoint_file
 
 
 class Job:
@@ -156,21 +163,20 @@ def _rng_state() -> dict:
 
 def _set_rng_state(st: dict) -> None:
     random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    ns = st["numpy"]  # saved through plain(): the key array as a tensor
+    np.random.set_state((ns[0], np.asarray(ns[1], dtype=np.uint32), *ns[2:]))
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    """Tensors + plain data only (pipeline.io.checkpoint.plain), so it loads with weights_only=True."""
+    save_checkpoint_file(path, payload)
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    return torch.load(path, map_location=map_location, weights_only=False)
+    return _load_checkpoint(path, map_location)  # weights_only=True; pickled objects are refused
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -220,6 +226,38 @@ def _batch_size(batch: Any) -> int:
     return 0
 
 
+class RunMismatch(RuntimeError):
+    """A run folder whose checkpoint was trained with another configuration (one line: both configs
+    and the way out)."""
+
+
+def check_run_folder(run_dir: Path, cfg, job_name: str = "") -> None:
+    """Refuse to resume ``run_dir`` when its checkpoint (else its config.json) holds another training
+    configuration (train.config.config_differences: evaluation-only options may differ)."""
+    from train.config import config_differences
+
+    last = Path(run_dir) / "checkpoints" / "last.pt"
+    stored, src = None, None
+    if last.is_file():
+        stored, src = (load_checkpoint(last).get("config") or None), last
+    elif (Path(run_dir) / "config.json").is_file() and (Path(run_dir) / "checkpoints").is_dir():
+        try:
+            stored, src = json.loads((Path(run_dir) / "config.json").read_text()), Path(run_dir) / "config.json"
+        except ValueError:
+            stored = None
+    if not stored:
+        return
+    diff = config_differences(stored, cfg)
+    if diff:
+        shown = list(diff.items())[:4]
+        more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
+        key = f"train.{job_name.replace('-', '_')}" if job_name else "train.<job>"
+        raise RunMismatch(
+            f"{run_dir} holds a run of another configuration ({src.name}: "
+            f"{', '.join(f'{k}={a}' for k, (a, _) in shown)}; now: {', '.join(f'{k}={b}' for k, (_, b) in shown)}{more}): "
+            f"pass --fresh to start over in it, or set {key}.run_dir to another folder")
+
+
 def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> dict:
     """Train ``job`` to ``cfg.max_steps`` (or ``cfg.epochs``); returns the final eval metrics.
 
@@ -228,9 +266,11 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
     """
     cfg = job.cfg
     run_dir = job.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = run_dir / "checkpoints"
     metrics_path = run_dir / "metrics.jsonl"
+    if resume:
+        check_run_folder(run_dir, cfg, getattr(job, "NAME", ""))  # before anything in the folder is touched
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
     prev_threads = torch.get_num_threads()
     if cfg.threads:
@@ -273,6 +313,9 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
 
     step, epoch, pos = 0, 0, 0
     last = ckpt_dir / "last.pt"
+    # model selection (cfg.best_metric): the best value so far travels in last.pt, so a resumed run
+    # keeps comparing against it
+    best: dict = {"metric": getattr(cfg, "best_metric", None), "value": None, "step": None}
     if resume and last.exists() and params:
         ck = load_checkpoint(last)
         model.load_state_dict(ck["model"])
@@ -282,10 +325,13 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
             scaler.load_state_dict(ck["scaler"])
         step, epoch, pos = ck["step"], ck["epoch"], ck["batch_in_epoch"]
         _set_rng_state(ck["rng"])
+        if (ck.get("best") or {}).get("metric") == best["metric"]:
+            best.update(ck["best"])
         _truncate_metrics(metrics_path, step)
         print(f"resumed from {last} at step {step} (epoch {epoch}, batch {pos})", file=sys.stderr)
     elif not resume or not params:
         metrics_path.unlink(missing_ok=True)
+        (ckpt_dir / "best.pt").unlink(missing_ok=True)
 
     def checkpoint(path: Path) -> None:
         save_checkpoint(path, {
@@ -295,7 +341,7 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
             "scaler": scaler.state_dict() if scaler else None,
             "step": step, "epoch": epoch, "batch_in_epoch": pos,
             "rng": _rng_state(), "config": cfg.model_dump(mode="json"),
-            "job": getattr(job, "NAME", type(job).__name__),
+            "job": getattr(job, "NAME", type(job).__name__), "best": dict(best),
         })
 
     def log(row: dict) -> None:
@@ -309,7 +355,20 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
         model.train()
         log({"kind": "eval", "step": step, "epoch": epoch, **res})
         plot_metrics(metrics_path, run_dir / "metrics.png")
+        select_best(res)
         return res
+
+    def select_best(res: dict) -> None:
+        """checkpoints/best.pt <- the model now, when res[cfg.best_metric] beats the best so far."""
+        name = best["metric"]
+        val = res.get(name) if name else None
+        if not isinstance(val, (int, float)) or not math.isfinite(val) or not params:
+            return
+        better = best["value"] is None or (val > best["value"] if cfg.best_mode == "max" else val < best["value"])
+        if better:
+            best.update(value=float(val), step=step)
+            checkpoint(ckpt_dir / "best.pt")
+            log({"kind": "best", "step": step, "epoch": epoch, "metric": name, "value": float(val)})
 
     bar = _Progress(total, step, progress)
     model.train()
@@ -380,7 +439,37 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
     res = run_eval("final")
     (run_dir / "eval" / "final").mkdir(parents=True, exist_ok=True)
     (run_dir / "eval" / "final" / "metrics.json").write_text(json.dumps(res, indent=1))
+    if getattr(cfg, "benchmarks_at_end", False):
+        final_benchmarks(job, model, run_dir / "eval" / "final", ckpt_dir / "final.pt", step)
     return res
+
+
+def final_benchmarks(job: Job, model: torch.nn.Module, out_dir: Path, checkpoint: Path, step: int) -> None:
+    """The harness (train/eval/harness.py) on the final model: eval/final/results.parquet, the
+    table `train compare` reads. Problems are reported, never fail a finished training run."""
+    from train.eval.harness import run_harness
+
+    has_own = type(job).job_metrics is not Job.job_metrics
+    if not (job.manifest.eval.benchmarks or has_own):
+        return
+    try:
+        table, errors = run_harness(job, model, job.manifest, out_dir, checkpoint=str(checkpoint), step=step)
+    except Exception as e:  # noqa: BLE001 - report, keep the trained model
+        print(f"benchmarks: not scored ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+              file=sys.stderr)
+        return
+    for e in errors:
+        print(f"benchmarks: {e}", file=sys.stderr)
+    print(f"benchmarks: {len(table)} result rows in {out_dir / 'results.parquet'}", file=sys.stderr)
+
+
+def load_model_for_eval(job: Job, checkpoint: str | Path):
+    """(model in eval mode with the checkpoint's weights, the checkpoint's step)."""
+    model = job.build_model().to(job.device)
+    ck = load_checkpoint(checkpoint, map_location=job.device)
+    model.load_state_dict(ck["model"])
+    model.eval()
+    return model, int(ck.get("step", 0) or 0)
 
 
 def evaluate_checkpoint(job: Job, checkpoint: str | Path, out_dir: Path | None = None) -> dict:

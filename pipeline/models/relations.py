@@ -190,9 +190,16 @@ def build_relation_head(**cfg):
 
 
 def load_relation_checkpoint(path: str | Path):
-    import torch
+    """(model, checkpoint dict) of a `train run relation-head` export; loaded with weights_only=True
+    (pipeline.io.checkpoint): a file carrying pickled objects is refused, not run."""
+    from pipeline.io.checkpoint import load_checkpoint
 
-    ck = torch.load(str(path), map_location="cpu", weights_only=False)
+    ck = load_checkpoint(path)
+    for key in ("config", "state_dict"):
+        if key not in ck:
+            from pipeline.io.checkpoint import CheckpointError
+
+            raise CheckpointError(f"checkpoint {path}: no {key!r}: not a relation-head checkpoint")
     model = build_relation_head(**ck["config"])
     model.load_state_dict(ck["state_dict"])
     return model.eval(), ck

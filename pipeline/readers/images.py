@@ -111,7 +111,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
         a8 = np.clip(np.rint(a * (255.0 / peak)), 0, 255).astype(np.uint8)
         return Image.fromarray(a8, "L").convert("RGB")
     if img.mode == "F":
-        raise ImageError(f"floating-point image (mode F) is not supported; convert it to 8 or 16-bit integers")
+        raise ImageError("floating-point image (mode F) is not supported; convert it to 8 or 16-bit integers")
     return img.convert("RGB")
 
 

@@ -313,9 +313,12 @@ def model_records(cfg: Config, models: dict) -> dict:
             raise StageError("relations: learned needs models.relation_head (a `train run relation-head` checkpoint); or set stages.extract_visual_tokens.relations to geometric/annotations")
         if not Path(ck).is_file():
             raise StageError(f"models.relation_head: checkpoint {ck} not found")
-        import torch
+        from pipeline.io.checkpoint import CheckpointError, load_checkpoint
 
-        meta = torch.load(ck, map_location="cpu", weights_only=False).get("provenance", {})
+        try:
+            meta = load_checkpoint(ck).get("provenance", {})
+        except CheckpointError as e:
+            raise StageError(f"models.relation_head: {e}") from None
         recs["relation_head"] = model_record(
             "relation_head", ck, random_weights=False, weights_sha256=weights_hash([ck]), trained_on=meta
         )

@@ -18,7 +18,7 @@ Training runs in the shared loop (``train/loop.py``: AdamW, warmup + cosine, cli
 checkpoints and exact resume, metrics.jsonl). Split: the samples artifact's ``split`` column
 (``train_splits`` / ``eval_splits``); without one, ``val_fraction`` of the ids by hash.
 
-After the final evaluation the job exports ``<run_dir>/relation_head.pt`` (``torch.save`` dict:
+After the final evaluation the job exports ``<run_dir>/relation_head.pt`` (tensors + plain data, loaded with ``weights_only=True``; a dict:
 ``state_dict``, the head's ``config``, the ``predicates`` vocabulary and the ``embedding``
 settings of the artifact it was trained on -- the stage refuses it on other embeddings --,
 ``metrics``, ``provenance``). Point ``models.relation_head`` at it and set
@@ -176,8 +176,6 @@ def _split(manifest, cfg: Config, sample_ids: list[int]) -> tuple[set[int], set[
 
 def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_man: dict, art_dir: Path, cfg: Config, metrics: dict) -> None:
     """The file ``models.relation_head`` points at (what the stage's ``learned`` backend loads)."""
-    import torch
-
     ck = {
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "config": head_cfg,
@@ -191,10 +189,9 @@ def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_m
             "job_config": cfg.model_dump(mode="json"),
         },
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(ck, tmp)
-    tmp.replace(path)
+    from pipeline.io.checkpoint import save_checkpoint_file
+
+    save_checkpoint_file(path, ck)  # tensors + plain data: loads with weights_only=True
 
 
 def make_job(cfg: Config, manifest, run_dir, device):
