@@ -63,7 +63,8 @@ def run(
 
     _, cfg, _, j = build_job(job, manifest, set_)
     res = train(j, resume=not fresh, progress=progress)
-    typer.echo(json.dumps({"job": job, "run_dir": str(j.run_dir), **res}))
+    # rounded for people (4 decimals: 40.00000059604645 -> 40.0); metrics.jsonl keeps full precision
+    typer.echo(json.dumps({"job": job, "run_dir": str(j.run_dir), **{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}}))
 
 
 @app.command("eval")
