@@ -67,7 +67,22 @@ def is_fraction_metric(key: str) -> bool:
 
 
 def _family(key: str) -> str:
-    return key.split("/", 1)[0] if "/" in key else "other"
+    if "/" in key:
+        return key.split("/", 1)[0]
+    return key.split("_", 1)[0] if "_" in key else "other"
+
+
+def chance_keys(metrics: list[str], chances: list[str]) -> dict[str, str]:
+    """metric -> the key of its chance level: ``chance/<m>`` (concept-ot: ``chance/i2t_R@1`` for
+    ``global/i2t_R@1``), ``chance_<m>`` or ``<prefix>_chance_<m>`` (relation-head:
+    ``val_chance_recall@20`` for ``val_recall@20``)."""
+    out = {}
+    for c in chances:
+        bare = c.replace("chance/", "").replace("chance_", "")
+        for m in metrics:
+            if m == bare or m.endswith("/" + bare):
+                out.setdefault(m, c)
+    return out
 
 
 def metric_panels(rows: list[dict]) -> list[dict]:
@@ -100,19 +115,24 @@ def metric_panels(rows: list[dict]) -> list[dict]:
         add(f"train: {fam}", keys, tr, "train")
 
     ekeys = sorted({k for r in ev for k, v in r.items() if _is_num(v)} - TRAIN_BOOKKEEPING)
-    chance = {k.split("/", 1)[1]: k for k in ekeys if k.startswith("chance/")}
-    metric_keys = [k for k in ekeys if not k.startswith("chance/") and not k.startswith(COUNT_PREFIXES)]
+    metric_keys = [k for k in ekeys if "chance" not in k and not k.startswith(COUNT_PREFIXES)]
+    chance = chance_keys(metric_keys, [k for k in ekeys if "chance" in k])
     efams: dict[str, list[str]] = defaultdict(list)
     for k in metric_keys:
         efams[_family(k)].append(k)
     for fam, keys in sorted(efams.items()):
-        pct = [k for k in keys if is_percent_metric(k)]
-        frac = [k for k in keys if k not in pct and is_fraction_metric(k)]
-        other = [k for k in keys if k not in pct and k not in frac]
-        ch = {k: chance[k.split("/", 1)[-1]] for k in pct + frac if k.split("/", 1)[-1] in chance}
+        named_pct = [k for k in keys if is_percent_metric(k)]
+        # percentages on a 0-100 axis; a rate whose values all stay <= 1 may have been logged as a
+        # fraction: it gets an axis of its own, scaled to the data and labelled "as logged"
+        pct = [k for k in named_pct if max(_series(ev, k)[1] or [0]) > 1.0]
+        frac = [k for k in keys if k not in named_pct and is_fraction_metric(k)]
+        small = [k for k in named_pct if k not in pct]
+        other = [k for k in keys if k not in pct and k not in frac and k not in small]
+        ch = {k: chance[k] for k in keys if k in chance}
         add(f"eval: {fam} (%)", pct, ev, "eval", ylim=(0, 100), chance=ch, ylabel="%")
         add(f"eval: {fam} (0-1)", frac, ev, "eval", ylim=(0, 1), chance=ch, ylabel="fraction")
-        add(f"eval: {fam}", other, ev, "eval")
+        add(f"eval: {fam} (rates <= 1)", small, ev, "eval", chance=ch, ylabel="as logged")
+        add(f"eval: {fam}", other, ev, "eval", chance=ch)
     return panels
 
 

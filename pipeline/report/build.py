@@ -449,19 +449,18 @@ def _eval_tables(run_dir: Path) -> list[dict]:
                 res = json.loads(mj.read_text())
             except ValueError:
                 continue
-            chance = {k.split("/", 1)[1]: v for k, v in res.items() if k.startswith("chance/")}
-            from train.plots import is_fraction_metric, is_percent_metric
+            from train.plots import chance_keys
 
+            chance_of = chance_keys([k for k in res if "chance" not in k], [k for k in res if "chance" in k])
             out_rows = []
             for k, v in res.items():
-                if k.startswith("chance/"):
+                if "chance" in k:
                     continue
-                suffix = k.split("/", 1)[-1]
-                unit = "%" if is_percent_metric(k) else ("fraction" if is_fraction_metric(k) else "")
                 if not isinstance(v, (int, float)) or isinstance(v, bool):
                     out_rows.append({"metric": k, "value": str(v)[:200], "chance": "", "unit": ""})
                     continue
-                c = chance.get(suffix)
+                c = res.get(chance_of[k]) if k in chance_of else None
+                unit = ""  # metrics.json carries no units: numbers as logged (results.parquet has them)
                 out_rows.append({"metric": k, "value": fmt_value(v, unit), "chance": fmt_value(c, unit) if c is not None else
                                  ("n/a" if unit else ""), "unit": unit, "above": c is not None and v > c})
             tables.append({"tag": d.name, "source": "metrics.json", "rows": out_rows, "kind": "metrics"})
