@@ -323,7 +323,6 @@ def test_valse_validated_items_pieces_and_phenomena(tmp_path):
 def test_vl_checklist_configs_and_category_averages(tmp_path):
     root = tmp_path / "vlc"
     corpus = root / "corpus" / "v1"
-    data = root / "data"
     entries = {
         ("Attribute/color", "vg"): [["VG_100K/1.jpg", {"POS": ["a red car"], "NEG": ["a blue car"]}],
                                     ["VG_100K/2.jpg", {"POS": ["a white cat"], "NEG": ["a black cat"]}]],
@@ -346,11 +345,9 @@ def test_vl_checklist_configs_and_category_averages(tmp_path):
                                     "Relation/spatial/vg"]
     assert d.skipped == {"malformed: POS is not a non-empty list of texts": 1}
     assert d.items[subsets.index("Object/Location/center/vg_obj")].pairs[0].image == "vg/VG_100K_2/5.jpg"
-    order = {s: [] for s in subsets}
     sc = {"Attribute/color/vg": [S(1, 0), S(0, 1)], "Attribute/size/vaw": [S(1, 0)],
           "Object/Location/center/vg_obj": [S(0, 0)], "Relation/spatial/vg": [S(1, 0), S(1, 0)]}
     scores = [sc[s][sum(1 for t in subsets[:k] if t == s)] for k, s in enumerate(subsets)]
-    del order
     r = rows_by(d.score(d.items, scores))
     assert r[("Attribute/color", "accuracy")].value == 50.0 and r[("Attribute/size", "accuracy")].value == 100.0
     assert r[("Attribute", "accuracy")].value == pytest.approx(75.0)  # mean of its two types, not pooled (66.7)
