@@ -441,3 +441,14 @@ def test_formats_subsets_and_max_items(tmp_path):
         read_benchmark(spec("sugarcrepe", d, subsets=["swap_rel"]))
     with pytest.raises(BenchmarkError, match="not found"):
         read_benchmark(spec("sugarcrepe", tmp_path / "absent"))
+
+
+def test_published_sugarcrepe_counts(sugarcrepe_dir):
+    """The shared copy of RAIVNLab/sugar-crepe data/ reads whole: the published per-kind counts."""
+    d = read_benchmark(spec("sugarcrepe", sugarcrepe_dir))
+    from collections import Counter
+
+    assert d.skipped == {} and Counter(it.subset for it in d.items) == {
+        "replace_obj": 1652, "replace_att": 788, "replace_rel": 1406, "swap_obj": 245, "swap_att": 666,
+        "add_obj": 2062, "add_att": 692}
+    assert all(it.pairs[0].image.endswith(".jpg") and it.pairs[0].text != it.pairs[1].text for it in d.items)
