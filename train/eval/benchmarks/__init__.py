@@ -24,7 +24,7 @@ from train.eval.benchmarks import aro, foil, retrieval, sugarcrepe, svo_probes, 
 from train.eval.benchmarks._common import BenchmarkError
 from train.eval.interface import BenchData
 
-__all__ = ["FORMATS", "BenchmarkError", "read_benchmark", "select"]
+__all__ = ["FORMATS", "FORMAT_HELP", "BenchmarkError", "read_benchmark", "select"]
 
 FORMATS: dict[str, Callable] = {
     "sugarcrepe": sugarcrepe.read,
@@ -37,6 +37,20 @@ FORMATS: dict[str, Callable] = {
     "svo_probes": svo_probes.read,
     "foil": foil.read,
     "retrieval": retrieval.read,
+}
+
+
+FORMAT_HELP: dict[str, str] = {  # one line per format, for `train eval --formats`
+    "sugarcrepe": "SugarCrepe JSON (RAIVNLab/sugar-crepe data/<kind>.json) or HF SugarCrepe_<kind> parquet; pos > neg",
+    "aro_vg_relation": "ARO visual_genome_relation.json; true > false caption on the bbox crop; macro over relations",
+    "aro_vg_attribution": "ARO visual_genome_attribution.json; macro over attribute pairs with >= options.min_count (25)",
+    "aro_order": "COCO/Flickr-Order from a Karpathy JSON (split, default test): caption vs its 4 ARO shuffles",
+    "winoground": "Winoground examples.jsonl: text / image / group scores",
+    "valse": "VALSE data/*.json pieces (mturk.caption >= 2): caption > foil per piece and phenomenon",
+    "vl_checklist": "VL-CheckList corpus/ YAMLs + data JSON: POS > NEG; Attribute / Object / Relation averages",
+    "svo_probes": "SVO-Probes svo_probes.csv: positive image > negative image for the sentence",
+    "foil": "FOIL-COCO foilv1.0_test_2017.json: original caption > foil",
+    "retrieval": "Karpathy dataset_coco.json / dataset_flickr30k.json split (default test): R@K by the harness",
 }
 
 
