@@ -26,8 +26,16 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def build_job(name: str, manifest: Path | None, overrides: list[str] | None):
-    """(job module, resolved Config, manifest, Job instance)."""
+def build_job(name: str, manifest: Path | None, overrides: list[str] | None, checkpoint: Path | None = None):
+    """(job module, resolved Config, manifest, Job instance).
+
+    Run folder: ``train.<job>.run_dir``, else ``<output>/train/<job>/<tag>`` where the tag is the
+    variant (``default`` for jobs without one) when every training option is at its default, else
+    ``<variant>-<6-hex hash of the options that differ>`` (TrainerConfig.run_tag): a folder holds
+    one configuration. ``checkpoint`` (``train eval``): the job is built with the training options
+    stored in the checkpoint (variant, d_c, ...; the manifest's evaluation-only options still
+    apply) and its run folder is the checkpoint's (``<run>/checkpoints/x.pt`` -> ``<run>``);
+    a ``--set`` of a training option that contradicts the checkpoint is an error."""
     from pipeline.config import ManifestError, load_manifest
     from train.registry import registry
 
@@ -39,15 +47,49 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None):
     except ManifestError as e:
         _fail(str(e))
     mod = reg[name]
-    cfg = getattr(m.train, name.replace("-", "_"))
+    key = name.replace("-", "_")
+    cfg = getattr(m.train, key)
     from train.loop import resolve_device
 
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(m.output) / "train" / name
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(m.output) / "train" / name / cfg.run_tag()
+    if checkpoint is not None:
+        cfg, run_dir = _config_of_checkpoint(name, cfg, checkpoint, overrides or [])
+        setattr(m.train, key, cfg)
     try:
         job = mod.make_job(cfg, m, run_dir, resolve_device(cfg.device))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     return mod, cfg, m, job
+
+
+def _config_of_checkpoint(name: str, cfg, checkpoint: Path, overrides: list[str]):
+    """(cfg with the checkpoint's training options, the checkpoint's run folder)."""
+    from train.config import config_differences
+    from train.loop import load_checkpoint
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_file():
+        _fail(f"checkpoint {checkpoint} does not exist")
+    try:
+        stored = load_checkpoint(checkpoint).get("config") or {}
+    except Exception as e:  # a truncated or foreign file
+        _fail(f"checkpoint {checkpoint} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+    prefix = f"train.{name.replace('-', '_')}."
+    set_here = {o.split("=", 1)[0][len(prefix):] for o in overrides if o.startswith(prefix)}
+    diff = config_differences(stored, cfg)
+    clash = {k: v for k, v in diff.items() if k in set_here}
+    if clash:
+        _fail(f"--set {', '.join(f'{k}={v[1]}' for k, v in clash.items())} contradicts checkpoint {checkpoint} "
+              f"({', '.join(f'{k}={v[0]}' for k, v in clash.items())}); drop the --set")
+    update = {k: stored[k] for k in cfg.training_config() if k in stored and k in diff}
+    try:
+        cfg = type(cfg).model_validate({**cfg.model_dump(mode="json"), **update})
+    except ValueError as e:
+        _fail(f"checkpoint {checkpoint}: its config does not validate for {name} ({str(e).splitlines()[0]})")
+    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    if cfg.run_dir:
+        run_dir = Path(cfg.run_dir)
+    return cfg, run_dir
 
 
 @app.command()
@@ -58,11 +100,16 @@ def run(
     fresh: Annotated[bool, typer.Option("--fresh", help="ignore an existing checkpoint and start over")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
 ) -> None:
-    """Train a job on the manifest's artifacts (resumes from the run's last checkpoint)."""
-    from train.loop import train
+    """Train a job on the manifest's artifacts (resumes from the run's last checkpoint when it has
+    the same training configuration; another configuration's checkpoint is refused)."""
+    from train.loop import RunMismatch, train
 
     _, cfg, _, j = build_job(job, manifest, set_)
-    res = train(j, resume=not fresh, progress=progress)
+    typer.echo(f"run folder: {j.run_dir}", err=True)
+    try:
+        res = train(j, resume=not fresh, progress=progress)
+    except RunMismatch as e:
+        _fail(str(e))
     # rounded for people (4 decimals: 40.00000059604645 -> 40.0); metrics.jsonl keeps full precision
     typer.echo(json.dumps({"job": job, "run_dir": str(j.run_dir), **{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}}))
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import hashlib
+import json
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -38,10 +40,61 @@ class TrainerConfig(Section):
     log_every: int = Field(10, ge=1, description="steps between metric lines")
     eval_every: int | None = Field(None, ge=1, description="steps between evaluations (None: at the end only)")
     ckpt_every: int = Field(200, ge=1, description="steps between checkpoints (always one at the end)")
+    best_metric: str | None = Field(None, description="model selection: an evaluate() key; at each evaluation that "
+                                    "improves it, checkpoints/best.pt is written beside last.pt (None: off)")
+    best_mode: Literal["max", "min"] = Field("max", description="whether a larger or a smaller best_metric is better")
     run_dir: str | None = Field(None, description="default <output>/train/<job>")
+    benchmarks_at_end: bool = Field(True, description="after training, score the final model on the manifest's "
+                                    "eval.benchmarks and the job's own metrics (eval/final/results.parquet)")
 
     @field_validator("amp", mode="before")
     @classmethod
     def _yaml_off(cls, v):
         # YAML 1.1 reads a bare `amp: off` (or `--set ...amp=off`) as the boolean false
         return "off" if v is False else v
+
+    # --- which options define a run (run folder name, resume check) ---------------------------
+    # Options that change neither the trained model nor its data order: they may differ between
+    # a run and its resume, and are left out of the run folder's hash. A job adds its evaluation-only
+    # options with ``EVAL_ONLY = TrainerConfig.EVAL_ONLY | {...}``.
+    EVAL_ONLY: ClassVar[frozenset[str]] = frozenset(
+        {"run_dir", "device", "threads", "num_workers", "log_every", "eval_every", "ckpt_every", "best_metric",
+         "best_mode", "benchmarks_at_end"})
+    # Options named in the run folder instead of hashed (a job's ``variant``)
+    NAMED: ClassVar[tuple[str, ...]] = ("variant",)
+
+    def training_config(self) -> dict[str, Any]:
+        """The options that define the trained model (JSON values), i.e. all but ``EVAL_ONLY``."""
+        d = self.model_dump(mode="json")
+        return {k: v for k, v in d.items() if k not in self.EVAL_ONLY}
+
+    def run_tag(self) -> str:
+        """The default run folder's name: the ``variant`` (``default`` for jobs without one) when
+        every training option is at the job's default (for that variant), else ``<variant>-<hash>``
+        with a 6-hex-digit hash of the options that differ, e.g. ``conceptot-1a2b3c``. So one
+        folder holds one configuration; :func:`train.loop.train` still refuses to resume a
+        checkpoint of another configuration (e.g. after a default changed)."""
+        named = {k: getattr(self, k) for k in self.NAMED if k in type(self).model_fields}
+        base = type(self).model_validate(named).training_config()
+        mine = self.training_config()
+        diff = {k: v for k, v in mine.items() if k not in named and base.get(k) != v}
+        name = "-".join(str(v) for v in named.values()) or "default"
+        if not diff:
+            return name
+        h = hashlib.sha1(json.dumps(diff, sort_keys=True).encode()).hexdigest()[:6]
+        return f"{name}-{h}"
+
+
+def config_differences(stored: dict[str, Any], cfg: TrainerConfig) -> dict[str, tuple[Any, Any]]:
+    """{option: (stored value, current value)} over the training options of ``cfg`` (EVAL_ONLY
+    ones are ignored; an option missing from ``stored`` counts as different unless it is at its
+    default now: an option added to the job since)."""
+    now = cfg.training_config()
+    named = {k: getattr(cfg, k) for k in cfg.NAMED if k in type(cfg).model_fields}
+    base = type(cfg).model_validate(named).training_config()
+    old = {k: v for k, v in stored.items() if k not in cfg.EVAL_ONLY}
+    for k, v in now.items():
+        if k not in old and base.get(k) == v:
+            old[k] = v
+    return {k: (old.get(k, "(absent)"), now.get(k, "(absent)"))
+            for k in sorted(set(now) | set(old)) if k not in old or k not in now or old[k] != now[k]}

@@ -42,9 +42,9 @@ implementation is in :mod:`train.jobs.concept_ot.job`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from train.config import TrainerConfig
 
@@ -54,8 +54,34 @@ READS = ["clip_tokens", "samples", "index"]  # `index` only with hard_negatives:
 Variant = Literal["conceptot", "dense-uot", "balanced-ot", "filip", "text-attn", "global-patch", "global-only"]
 
 
+TRANSPORT_VARIANTS = ("conceptot", "dense-uot", "balanced-ot")
+
+
+def default_epochs(variant: str) -> float:
+    """Sec. 3.2 / App. G: transport methods train 3 epochs, the simpler baselines 8 (global-only
+    trains nothing)."""
+    return 3.0 if variant in TRANSPORT_VARIANTS else 8.0
+
+
 class Config(TrainerConfig):
+    # options that do not change the trained model (left out of the run folder's hash and of the
+    # resume check, train/config.py)
+    EVAL_ONLY: ClassVar[frozenset[str]] = TrainerConfig.EVAL_ONLY | {
+        "eval_splits", "rerank_top_k", "eval_max_images", "eval_pairs_chunk", "sugarcrepe_dirs",
+        "sugarcrepe_max_per_kind", "heatmaps", "box_threshold", "grounding_max_phrases", "ot_chunk"}
+
     variant: Variant = "conceptot"
+    epochs: float | None = Field(
+        None, gt=0, description="passes over the training data (fractional allowed); default per variant as the paper: "
+        "3 for the transport variants (conceptot, dense-uot, balanced-ot), 8 for filip, text-attn, global-patch")
+    epoch_unit: Literal["images", "captions"] = Field(
+        "images", description="images: an epoch is one pass over the training images (one random caption each); "
+        "captions: one pass over the (image, caption) pairs, as round(captions per image) image passes in which each "
+        "image takes its captions in a seeded order (COCO: 5 passes)")
+    train_subset: int | None = Field(
+        None, ge=2, description="train on a seeded subset of this many training images (the paper's 20K-image "
+        "COCO setting: 20000); None: all")
+    train_subset_seed: int = Field(0, description="seed of the train_subset draw (fixed across training seeds)")
     artifact: str = Field("clip_tokens", description="clip_tokens artifact folder, relative to `output` (or absolute)")
     samples_artifact: str = Field("samples", description="for splits, captions texts and image files")
     train_splits: list[str] = ["train"]
@@ -106,6 +132,17 @@ class Config(TrainerConfig):
     sugarcrepe_dirs: list[str] | None = Field(None, description="folders of SugarCrepe-format JSON (None: auto)")
     sugarcrepe_max_per_kind: int | None = Field(None, ge=1)
     heatmaps: int = Field(4, ge=0, description="eval images with phrase heatmaps saved as PNG")
+    box_threshold: float = Field(0.5, gt=0, le=1, description="Sec. 2.6 box prediction: patches whose heatmap value "
+                                 "is >= box_threshold * the heatmap's max; the box is their patch envelope")
+    grounding_max_phrases: int = Field(2000, ge=1, description="phrases scored by the grounding evaluation (first "
+                                       "ones of the eval images, in sample order)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _variant_epochs(cls, data):
+        if isinstance(data, dict) and data.get("epochs") is None:
+            data = {**data, "epochs": default_epochs(data.get("variant") or "conceptot")}
+        return data
 
 
 def make_job(cfg: Config, manifest, run_dir, device):

@@ -16,8 +16,10 @@ from pipeline.io.artifacts import Artifact, ArtifactMissing
 from pipeline.loaders.clip_tokens import collate as ct_collate
 from pipeline.loaders.clip_tokens import fits_in_memory, read_sample, read_shard
 from train.data import ParquetJoin, ShardStream, loader
-from train.eval.retrieval import retrieval_report
+from train.eval.interface import NoScorableItems
+from train.eval.retrieval import retrieval_report, two_stage_scores
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
+from train.jobs.concept_ot.boxes import box_iou, box_patch_mask, heatmap_boxes, random_patch_boxes
 from train.jobs.concept_ot.index_negatives import IndexNeighbours, IndexNeighbourStream, SampleTable, index_hits, require_index
 from train.loop import Job
 from train.jobs.concept_ot.model import ConceptOTModel, _normalize
@@ -25,8 +27,29 @@ from train.jobs.concept_ot.ot import anchor_diversity
 
 
 
-def _collate_random(samples, rng: random.Random, attach=None):
-    """One random caption per image (a module-level function: DataLoader workers pickle it)."""
+class _CaptionPass:
+    """Stands in for the collate's rng in pass ``k`` of an epoch over caption pairs
+    (``epoch_unit: captions``): the batch's i-th sample takes caption ``perm[k % c]`` of a
+    permutation of its c captions seeded by (seed, epoch, sample_id), so with c == passes every
+    (image, caption) pair is used exactly once per epoch. ``collate`` asks ``randrange(c)`` once
+    per sample, in sample order."""
+
+    def __init__(self, samples, seed: int, epoch: int, k: int):
+        self._sids = iter([int(s["sample_id"]) for s in samples])
+        self.seed, self.epoch, self.k = int(seed), int(epoch), int(k)
+
+    def randrange(self, c: int) -> int:
+        sid = next(self._sids)
+        perm = list(range(c))
+        random.Random((self.seed * 1_000_003 + self.epoch) * 1_000_033 + sid).shuffle(perm)
+        return perm[self.k % c]
+
+
+def _collate_random(samples, rng: random.Random, attach=None, caption_pass=None):
+    """One random caption per image (a module-level function: DataLoader workers pickle it);
+    ``caption_pass`` = (seed, epoch, k): the caption of pass k of an epoch over caption pairs."""
+    if caption_pass is not None:
+        rng = _CaptionPass(samples, *caption_pass)
     b = ct_collate(samples, "random", rng)
     return attach(b) if attach is not None else b
 
@@ -74,6 +97,16 @@ class ConceptOTJob(Job):
             self._split_join = ParquetJoin(self.samples, "samples", ["split"])
         self._bpe = None
         self._lazy = not fits_in_memory(self.shards)
+        self._tab: dict | None = None  # sample_id -> shard, position, captions, split (see _table)
+        self._text_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.crop_note = ""
+        tab = self._table()
+        if not tab["eval"].any():
+            present = ", ".join(f"{k}={v}" for k, v in sorted(zip(*np.unique(tab["split"], return_counts=True))))
+            raise ValueError(
+                f"no eval images: 0 of {len(tab['ids'])} samples in {self.art.dir} are in eval_splits "
+                f"{list(cfg.eval_splits)} (splits: {present or 'none'}): ingest a split with held-out images (COCO: the "
+                f"Karpathy split JSON, dataset.kind: karpathy, see manifests/coco.yaml) or set train.concept_ot.eval_splits")
         self.index_dir = _resolve(manifest, cfg.index_artifact)
         self._nb: IndexNeighbours | None | bool = False  # False: not loaded yet
         if cfg.hard_negatives == "index":
@@ -98,31 +131,113 @@ class ConceptOTJob(Job):
         return self._nb
 
     # ---------------------------------------------------------------------------------- splits
+    @staticmethod
+    def _hash_split(sample_id: int) -> str:
+        r = int(sample_id) % 20
+        return "val" if r == 18 else "test" if r == 19 else "train"
+
     def split_of(self, sample_id: int) -> str:
         """The samples artifact's split; without one, a stable hash split (sample_id % 20:
         18 -> val, 19 -> test, as the generated dataset does)."""
+        tab = self._tab
+        if tab is not None:
+            r = int(np.searchsorted(tab["ids"], int(sample_id)))
+            if r < len(tab["ids"]) and tab["ids"][r] == int(sample_id):
+                return str(tab["split"][r])
         if self._split_join is not None:
             row = self._split_join.lookup(int(sample_id))
             if row is not None and row.get("split"):
                 return str(row["split"])
-        r = int(sample_id) % 20
-        return "val" if r == 18 else "test" if r == 19 else "train"
+        return self._hash_split(sample_id)
+
+    def _table(self) -> dict:
+        """Every sample of the shards, sorted by id: ``ids``, ``shard`` (index into self.shards),
+        ``pos`` (position in the shard), ``ncap`` (captions), ``split``, ``train`` (a training sample:
+        captions, a train split and, with ``train_subset``, in the subset), ``eval`` (captions and an
+        eval split). One pass over the shards' headers; the splits in one vectorised join."""
+        if self._tab is not None:
+            return self._tab
+        ids, sh, pos, ncap = [], [], [], []
+        for k, path in enumerate(self.shards):
+            for p, s in enumerate(read_shard(path, fields=("caption_ids",), lazy=True)):
+                ids.append(int(s["sample_id"]))
+                sh.append(k)
+                pos.append(p)
+                ncap.append(int(s["caption_ids"].shape[0]))
+        ids_a = np.asarray(ids, np.int64)
+        order = np.argsort(ids_a, kind="stable")
+        ids_a = ids_a[order]
+        if ids_a.size > 1 and (np.diff(ids_a) == 0).any():
+            raise ValueError(f"{self.art.dir}: sample_id {int(ids_a[1:][np.diff(ids_a) == 0][0])} occurs more than once")
+        split = np.array([self._hash_split(i) for i in ids_a.tolist()], dtype=object)
+        if self._split_join is not None:
+            import polars as pl
+
+            t = self.samples.scan("samples").select("sample_id", "split").filter(
+                pl.col("sample_id").is_in(ids_a.tolist()) & pl.col("split").is_not_null()).collect()
+            r = np.searchsorted(ids_a, t["sample_id"].to_numpy())
+            split[r] = np.asarray(t["split"].to_list(), dtype=object)
+        ncap_a = np.asarray(ncap, np.int64)[order]
+        train = (ncap_a > 0) & np.isin(split, list(self.cfg.train_splits))
+        n_train = int(train.sum())
+        if self.cfg.train_subset is not None and self.cfg.train_subset < n_train:
+            # a seeded draw from the sorted training ids: independent of shard order and of cfg.seed
+            pick = np.random.default_rng(self.cfg.train_subset_seed).choice(n_train, self.cfg.train_subset, replace=False)
+            sub = np.zeros(n_train, bool)
+            sub[pick] = True
+            train[np.flatnonzero(train)] = sub
+        elif self.cfg.train_subset is not None:
+            import sys
+
+            print(f"concept-ot: train_subset {self.cfg.train_subset} >= the {n_train} training images: using all",
+                  file=sys.stderr)
+        self._tab = {"ids": ids_a, "shard": np.asarray(sh, np.int32)[order], "pos": np.asarray(pos, np.int64)[order],
+                     "ncap": ncap_a, "split": split, "train": train,
+                     "eval": (ncap_a > 0) & np.isin(split, list(self.cfg.eval_splits))}
+        return self._tab
+
+    def _rows(self, sample_ids) -> np.ndarray:
+        """Table rows of ``sample_ids``, -1 where an id is not in the shards."""
+        ids = self._table()["ids"]
+        q = np.asarray(sample_ids, np.int64)
+        if ids.size == 0:
+            return np.full(q.shape, -1, np.int64)
+        i = np.minimum(np.searchsorted(ids, q), ids.size - 1)
+        return np.where(ids[i] == q, i, -1)
+
+    def train_sample_ids(self) -> np.ndarray:
+        """The training images (after ``train_subset``), sorted."""
+        t = self._table()
+        return t["ids"][t["train"]]
 
     def _keep_train(self, s: dict) -> bool:
-        return s["caption_ids"].shape[0] > 0 and self.split_of(s["sample_id"]) in self.cfg.train_splits
+        r = int(self._rows([s["sample_id"]])[0])
+        return r >= 0 and bool(self._table()["train"][r])
 
-    def _stream(self) -> ShardStream:
+    def _passes(self) -> int:
+        """Image passes per epoch: 1 (epoch_unit: images), or round(mean captions per training image)
+        (epoch_unit: captions)."""
+        if self.cfg.epoch_unit == "images":
+            return 1
+        t = self._table()
+        n = t["ncap"][t["train"]]
+        return max(1, int(round(float(n.mean())))) if n.size else 1
+
+    def _stream(self, caption_pass: tuple[int, int] | None = None) -> ShardStream:
         cfg = self.cfg
 
         nb = self.neighbours()
         read = functools.partial(read_shard, lazy=self._lazy)
+        coll = _collate_random
+        if caption_pass is not None:
+            coll = functools.partial(_collate_random, caption_pass=(cfg.seed, *caption_pass))
         if cfg.hard_negatives == "index":
-            return IndexNeighbourStream(self.shards, read, _collate_random, self.batch_size, neighbours=nb,
+            return IndexNeighbourStream(self.shards, read, coll, self.batch_size, neighbours=nb,
                                         m=cfg.index_neighbours,
                                         read_sample=functools.partial(read_sample, lazy=self._lazy),
                                         shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed,
                                         keep=self._keep_train)
-        collate = _collate_random if nb is None else functools.partial(_collate_random, attach=nb.attach)
+        collate = coll if nb is None else functools.partial(coll, attach=nb.attach)
         return ShardStream(self.shards, read, collate, self.batch_size,
                            shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed, drop_last=True,
                            keep=self._keep_train)
@@ -137,7 +252,7 @@ class ConceptOTJob(Job):
         demo's 64 images): a warning says so."""
         if getattr(self, "_bs", None) is None:
             self._bs = self.cfg.batch_size
-            n = sum(1 for p in self.shards for s in read_shard(p, fields=("caption_ids",)) if self._keep_train(s))
+            n = int(self._table()["train"].sum())
             if 2 <= n < self.cfg.batch_size:
                 import sys
 
@@ -149,10 +264,21 @@ class ConceptOTJob(Job):
     def batches_per_epoch(self) -> int:
         if self._bpe is None:
             self._bpe = self._stream().count_batches()
-        return self._bpe
+        return self._bpe * self._passes()
 
     def batches(self, epoch: int, start: int):
-        return loader(self._stream().set_position(epoch, start), self.cfg.num_workers)
+        R = self._passes()
+        if R == 1:
+            return loader(self._stream().set_position(epoch, start), self.cfg.num_workers)
+        # an epoch over caption pairs: R image passes, pass k shuffled as stream epoch epoch * R + k
+        n = self.batches_per_epoch() // R
+
+        def passes():
+            for k in range(start // n, R):
+                st = self._stream((epoch, k)).set_position(epoch * R + k, start % n if k == start // n else 0)
+                yield from loader(st, self.cfg.num_workers)
+
+        return passes()
 
     def loss(self, model: ConceptOTModel, batch: dict):
         cfg = self.cfg
@@ -254,7 +380,319 @@ class ConceptOTJob(Job):
             res.update(self._sugarcrepe(model))
         except (OSError, ValueError, RuntimeError) as e:  # e.g. the CLIP text tower cannot be loaded
             res["sugarcrepe/error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        try:
+            for row in self._grounding(model):
+                res[f"grounding/{row.metric}"] = row.value
+                res[f"chance/grounding_{row.metric}"] = row.chance
+                res["grounding/phrases"] = float(row.n)
+                res["grounding/skipped"] = float(row.skipped)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:  # NoScorableItems is a RuntimeError
+            res["grounding/error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         return res
+
+    # ------------------------------------------------- scoring interface (train/eval/interface.py)
+    def scorable_sample_ids(self) -> np.ndarray:
+        """Every sample id of the clip_tokens shards (any split: benchmarks choose their images)."""
+        return self._table()["ids"].copy()
+
+    def _read_images(self, sample_ids, fields=("patch_tokens", "image_embed")) -> dict[str, np.ndarray]:
+        """Stacked arrays of ``sample_ids`` by random access into the shards (shard, position from
+        the sample table)."""
+        rows = self._rows(sample_ids)
+        if (rows < 0).any():
+            raise KeyError(f"sample_id {int(np.asarray(sample_ids)[rows < 0][0])} is not in {self.art.dir}")
+        t = self._table()
+        out: dict[str, list] = {f: [] for f in fields}
+        for r in rows.tolist():
+            s = read_sample(self.shards[int(t["shard"][r])], int(t["pos"][r]), fields=fields, lazy=self._lazy)
+            for f in fields:
+                out[f].append(np.asarray(s[f]))
+        return {f: np.stack(v) if f in ("patch_tokens", "image_embed") else v for f, v in out.items()}
+
+    def _texts(self, texts: list[str]) -> dict:
+        """Frozen CLIP text encodings (tokens, mask, embed) of ``texts``, padded, from a per-text cache
+        (:meth:`_encode_texts` for the texts not seen yet)."""
+        new = [t for t in dict.fromkeys(texts) if t not in self._text_cache]
+        if new:
+            enc = self._encode_texts(new)
+            for k, t in enumerate(new):
+                m = enc["mask"][k].bool()
+                self._text_cache[t] = (enc["tokens"][k][m].float(), enc["embed"][k].float())
+        toks = [self._text_cache[t][0] for t in texts]
+        return {"tokens": torch.nn.utils.rnn.pad_sequence(toks, batch_first=True),
+                "mask": torch.nn.utils.rnn.pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in toks],
+                                                        batch_first=True),
+                "embed": torch.stack([self._text_cache[t][1] for t in texts])}
+
+    def _box_views(self, sids: np.ndarray, boxes) -> tuple[np.ndarray, list[np.ndarray | None]]:
+        """(view of each pair [P], the patch indices of each view, None = all patches): the distinct
+        (image, patch subset) combinations a chunk of pairs needs."""
+        P = len(sids)
+        keep: list = [None] * P
+        if boxes is not None:
+            b = np.asarray(boxes, np.float64).reshape(P, 4)
+            has = np.isfinite(b).all(1)
+            if has.any():
+                side = int(round(math.sqrt(self.n_patches)))
+                if side * side != self.n_patches:
+                    raise ValueError(f"{self.art.dir}: {self.n_patches} patch tokens are not a square grid; cannot crop")
+                wh = self._image_sizes(sids[has])
+                masks = box_patch_mask(b[has], wh[:, 0], wh[:, 1], side)
+                for p, m in zip(np.flatnonzero(has).tolist(), masks):
+                    keep[p] = np.flatnonzero(m)
+        key_of: dict = {}
+        views: list = []
+        view = np.empty(P, np.int64)
+        for p in range(P):
+            key = (int(sids[p]), None if keep[p] is None or len(keep[p]) == self.n_patches else keep[p].tobytes())
+            if key not in key_of:
+                key_of[key] = len(views)
+                views.append((int(sids[p]), None if key[1] is None else keep[p]))
+            view[p] = key_of[key]
+        return view, views
+
+    def _image_sizes(self, sids) -> np.ndarray:
+        """[n, 2] (width, height) from the samples artifact."""
+        import polars as pl
+
+        if self.samples is None:
+            raise ValueError(f"boxes need the samples artifact's image sizes ({self.cfg.samples_artifact} is missing)")
+        u = np.unique(np.asarray(sids, np.int64))
+        t = self.samples.scan("samples").select("sample_id", "width", "height").filter(
+            pl.col("sample_id").is_in(u.tolist())).collect()
+        wh = dict(zip(t["sample_id"].to_list(), zip(t["width"].to_list(), t["height"].to_list())))
+        out = np.empty((len(sids), 2), np.float64)
+        for k, s in enumerate(np.asarray(sids).tolist()):
+            w, h = wh.get(int(s), (None, None))
+            if not w or not h:
+                raise ValueError(f"sample {s}: no width/height in {self.samples.dir}; cannot map its box to patches")
+            out[k] = (w, h)
+        return out
+
+    @torch.no_grad()
+    def score_pairs(self, model: ConceptOTModel, sample_ids, texts, boxes=None) -> np.ndarray:
+        """s(I, x) = g + lambda_local * s_local (global-only: g), as the SugarCrepe evaluation and the
+        G.4 rerank score. g: cosine of the frozen pooled CLIP embeddings; texts are encoded by the frozen
+        CLIP text tower (``models.clip``, cached per text); image features are read by random access.
+        ``boxes`` [P, 4] (NaN rows: no box): the local score uses only the patch tokens overlapping the
+        box (masses renormalised over them); the global term stays the whole image's pooled embedding
+        (the artifact holds no crop embedding), which ``crop_note`` records."""
+        sids = np.asarray(sample_ids, np.int64).reshape(-1)
+        texts = list(texts)
+        P = len(sids)
+        out = np.empty(P, np.float64)
+        if P == 0:
+            return out
+        if len(texts) != P:
+            raise ValueError(f"score_pairs: {P} sample ids but {len(texts)} texts")
+        if boxes is not None and np.isfinite(np.asarray(boxes, np.float64)).all(1).any():
+            self.crop_note = ("global-only: boxes ignored (pooled whole-image embedding)" if self.cfg.variant == "global-only"
+                              else "local score over the patches overlapping the box; global term of the whole image")
+        dev, lam = self.device, self.cfg.lambda_local
+        chunk = self.cfg.eval_pairs_chunk
+        for s in range(0, P, chunk):
+            e = min(P, s + chunk)
+            cs, ct = sids[s:e], texts[s:e]
+            u_sid, inv_i = np.unique(cs, return_inverse=True)
+            u_txt = list(dict.fromkeys(ct))
+            t_of = {t: k for k, t in enumerate(u_txt)}
+            inv_t = torch.tensor([t_of[t] for t in ct])
+            arr = self._read_images(u_sid)
+            tok = self._texts(u_txt)
+            ie = _normalize(torch.from_numpy(arr["image_embed"]).float())
+            te = _normalize(tok["embed"].float())
+            g = (ie[torch.from_numpy(inv_i)] * te[inv_t]).sum(-1).double()
+            if self.cfg.variant == "global-only":
+                out[s:e] = g.numpy()
+                continue
+            txt = model.text_features(tok["tokens"].to(dev), tok["mask"].to(dev))
+            view, views = self._box_views(cs, None if boxes is None else np.asarray(boxes)[s:e])
+            loc = torch.empty(e - s, dtype=torch.float64)
+            patches = torch.from_numpy(arr["patch_tokens"])
+            row_of = {int(x): k for k, x in enumerate(u_sid.tolist())}
+            by_size: dict[int, list[int]] = {}
+            for v, (sid, keep) in enumerate(views):
+                by_size.setdefault(self.n_patches if keep is None else len(keep), []).append(v)
+            for n, vs in by_size.items():
+                feats = torch.stack([patches[row_of[views[v][0]]] if views[v][1] is None
+                                     else patches[row_of[views[v][0]]][torch.from_numpy(views[v][1])] for v in vs])
+                img = model.image_features(feats.to(dev))
+                local_of = {v: k for k, v in enumerate(vs)}
+                ps = np.flatnonzero(np.isin(view, vs))
+                ii = torch.tensor([local_of[int(view[p])] for p in ps], device=dev)
+                loc[torch.from_numpy(ps)] = model.score_pairs(img, txt, ii, inv_t[ps].to(dev)).double().cpu()
+            out[s:e] = (g + lam * loc).numpy()
+        return out
+
+    def _stored_texts(self, caption_ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{caption_id: (tokens [m, d], embed)} for the ids the clip_tokens artifact holds (its frozen
+        encodings, as training saw them), read from their images' samples."""
+        import polars as pl
+
+        cids = np.unique(np.asarray(caption_ids, np.int64))
+        cids = cids[cids >= 0]
+        if not cids.size or "captions" not in self.art.tables():
+            return {}
+        own = self.art.scan("captions").select("caption_id", "sample_id").filter(
+            pl.col("caption_id").is_in(cids.tolist())).collect()
+        owners = np.unique(own["sample_id"].to_numpy())
+        owners = owners[self._rows(owners) >= 0]
+        out = {}
+        if not owners.size:
+            return out
+        arr = self._read_images(owners, fields=("text_tokens", "text_mask", "text_embed", "caption_ids"))
+        want = set(cids.tolist())
+        for tk, mk, em, ci in zip(arr["text_tokens"], arr["text_mask"], arr["text_embed"], arr["caption_ids"]):
+            for j, c in enumerate(np.asarray(ci).tolist()):
+                if c in want:
+                    m = np.asarray(mk[j], bool)
+                    out[int(c)] = (torch.from_numpy(np.array(tk[j])[m]).float(), torch.from_numpy(np.array(em[j])).float())
+        return out
+
+    @torch.no_grad()
+    def retrieval_scores(self, model: ConceptOTModel, sample_ids, caption_ids, texts) -> dict:
+        """ConceptOT G.4: ``global`` = g [I, T]; the two-stage protocol (global top-``rerank_top_k``
+        candidates per query, reranked by g + lambda_local * s_local, the rest below them in g order)
+        ranks each direction over its own candidates, so it is returned per direction:
+        ``rerank/i2t`` (read along rows) and ``rerank/t2i`` (read along columns), both [I, T].
+        Captions the artifact holds use their stored (frozen) encodings; others are encoded."""
+        sids = np.asarray(sample_ids, np.int64).reshape(-1)
+        cids = np.asarray(caption_ids, np.int64).reshape(-1)
+        texts = list(texts)
+        stored = self._stored_texts(cids)
+        miss = [t for c, t in zip(cids.tolist(), texts) if c not in stored]
+        enc = self._texts(miss) if miss else None
+        enc_of = {t: k for k, t in enumerate(miss)}
+        toks, embs = [], []
+        for c, t in zip(cids.tolist(), texts):
+            if c in stored:
+                toks.append(stored[c][0])
+                embs.append(stored[c][1])
+            else:
+                k = enc_of[t]
+                toks.append(enc["tokens"][k][enc["mask"][k]])
+                embs.append(enc["embed"][k])
+        arr = self._read_images(sids)
+        ie = _normalize(torch.from_numpy(arr["image_embed"]).float())
+        te = _normalize(torch.stack(embs).float())
+        g = ie @ te.t()
+        res = {"global": g.double().numpy()}
+        if self.cfg.variant == "global-only":
+            return res
+        dev = self.device
+        img = model.image_features(torch.from_numpy(arr["patch_tokens"]).to(dev))
+        tt = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)
+        mm = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in toks], batch_first=True)
+        txt = model.text_features(tt.to(dev), mm.to(dev))
+
+        def local(qi, ti):
+            return model.score_pairs(img, txt, qi.to(dev), ti.to(dev)).cpu()
+
+        s_i2t, s_t2i = two_stage_scores(g, local, self.cfg.lambda_local, self.cfg.rerank_top_k, self.cfg.eval_pairs_chunk)
+        res["rerank/i2t"] = s_i2t.numpy()
+        res["rerank/t2i"] = s_t2i.t().contiguous().numpy()
+        return res
+
+    # ------------------------------------------------------ Sec. 2.6 box prediction (grounding)
+    def job_metrics(self, model: ConceptOTModel, out_dir: Path) -> list:
+        return self._grounding(model)
+
+    @torch.no_grad()
+    def _grounding(self, model: ConceptOTModel) -> list:
+        """Sec. 2.6 weak grounding: for every phrase of the eval images that the samples artifact
+        links to ground-truth boxes (``phrases`` + ``instances`` tables: the generated dataset,
+        Flickr30k Entities), the phrase heatmap h_i(J) over the tokens of the phrase's character span
+        is thresholded (``box_threshold`` x its max) and the patch envelope is the predicted box; the
+        ground truth is the union box of the phrase's instances (Flickr30k Entities' merged-box
+        convention). Rows: accuracy@IoU0.5 (%) and mean IoU (fraction), chance = the whole-image box
+        (the note gives a uniformly random patch-aligned box too). [] when the dataset has no phrases
+        or the variant has no heatmap (global-only)."""
+        from train.eval.interface import Row
+
+        if self.cfg.variant == "global-only" or self.samples is None:
+            return []
+        tables = self.samples.tables()
+        if "phrases" not in tables or "instances" not in tables:
+            return []
+        import polars as pl
+
+        t = self._table()
+        ev = t["ids"][t["eval"]]
+        ph = self.samples.scan("phrases").filter(pl.col("sample_id").is_in(ev.tolist())).sort(
+            ["sample_id", "caption_id", "start"]).collect()
+        if ph.height == 0:
+            return []
+        skipped: dict[str, int] = {}
+        total = ph.height
+        has_inst = ph["instance_ids"].list.len() > 0
+        if int((~has_inst).sum()):
+            skipped["no_box"] = int((~has_inst).sum())
+        ph = ph.filter(has_inst)
+        if ph.height > self.cfg.grounding_max_phrases:
+            skipped["over_grounding_max_phrases"] = ph.height - self.cfg.grounding_max_phrases
+            ph = ph.head(self.cfg.grounding_max_phrases)
+        inst = self.samples.scan("instances").select("sample_id", "instance_id", "box").filter(
+            pl.col("sample_id").is_in(ph["sample_id"].unique().to_list())).collect()
+        box_of = {(int(a), int(b)): np.asarray(c, np.float64) for a, b, c in inst.iter_rows()}
+        u_sid = np.unique(ph["sample_id"].to_numpy())
+        arr = self._read_images(u_sid, fields=("patch_tokens", "text_tokens", "text_mask", "caption_ids", "token_offsets"))
+        row_of = {int(s): k for k, s in enumerate(u_sid.tolist())}
+        # per phrase: (image row, caption tokens, token weights, gt box)
+        pi, toks, weights, gts, psid = [], [], [], [], []
+        for sid, cid, st, en, insts in ph.select("sample_id", "caption_id", "start", "end", "instance_ids").iter_rows():
+            r = row_of[int(sid)]
+            cl = np.asarray(arr["caption_ids"][r]).tolist()
+            if int(cid) not in cl:
+                skipped["caption_not_in_clip_tokens"] = skipped.get("caption_not_in_clip_tokens", 0) + 1
+                continue
+            j = cl.index(int(cid))
+            m = np.asarray(arr["text_mask"][r][j], bool)
+            offs = np.asarray(arr["token_offsets"][r][j])[: int(m.sum())]
+            w = (offs[:, 1] > offs[:, 0]) & (offs[:, 0] < int(en)) & (offs[:, 1] > int(st))
+            bx = [box_of.get((int(sid), int(i))) for i in insts]
+            bx = [b for b in bx if b is not None and len(b) == 4]
+            if not w.any():
+                skipped["phrase_tokens_truncated"] = skipped.get("phrase_tokens_truncated", 0) + 1
+                continue
+            if not bx:
+                skipped["no_box"] = skipped.get("no_box", 0) + 1
+                continue
+            b = np.stack(bx)
+            pi.append(r)
+            psid.append(int(sid))
+            toks.append(torch.from_numpy(np.array(arr["text_tokens"][r][j][: int(m.sum())])).float())
+            weights.append(torch.from_numpy(w.astype(np.float32)))
+            gts.append([b[:, 0].min(), b[:, 1].min(), b[:, 2].max(), b[:, 3].max()])
+        if not pi:
+            raise NoScorableItems(f"grounding: 0 of {total} phrases of the eval images could be scored ({skipped})")
+        side = int(round(math.sqrt(self.n_patches)))
+        dev = self.device
+        img = model.image_features(torch.from_numpy(np.asarray(arr["patch_tokens"])).to(dev))
+        heat = []
+        ch = max(1, self.cfg.eval_pairs_chunk // 4)
+        for s in range(0, len(pi), ch):
+            tk = torch.nn.utils.rnn.pad_sequence(toks[s:s + ch], batch_first=True)
+            mk = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in toks[s:s + ch]],
+                                                 batch_first=True)
+            W = torch.nn.utils.rnn.pad_sequence(weights[s:s + ch], batch_first=True)
+            txt = model.text_features(tk.to(dev), mk.to(dev))
+            n = len(toks[s:s + ch])
+            heat.append(model.phrase_heatmaps(img, txt, torch.tensor(pi[s:s + ch], device=dev),
+                                              torch.arange(n, device=dev), W.to(dev)).float().cpu().numpy())
+        H = np.concatenate(heat)
+        wh = self._image_sizes(np.asarray(psid))
+        gt = np.asarray(gts, np.float64)
+        pred = heatmap_boxes(H, wh[:, 0], wh[:, 1], side, self.cfg.box_threshold)
+        iou = box_iou(pred, gt)
+        whole = box_iou(np.stack([np.zeros(len(wh)), np.zeros(len(wh)), wh[:, 0], wh[:, 1]], 1), gt)
+        rnd = box_iou(random_patch_boxes(len(wh), wh[:, 0], wh[:, 1], side, seed=0), gt)
+        n, nsk = len(iou), sum(skipped.values())
+        note = (f"chance: the whole-image box; a random patch-aligned box scores {100 * float((rnd >= 0.5).mean()):.1f}% "
+                f"/ mean IoU {float(rnd.mean()):.3f}; threshold {self.cfg.box_threshold} x max, patch envelope")
+        return [Row("grounding", "all", "acc@IoU0.5", 100 * float((iou >= 0.5).mean()), n, 100 * float((whole >= 0.5).mean()),
+                    nsk, dict(skipped), "%", note),
+                Row("grounding", "all", "mean_IoU", float(iou.mean()), n, float(whole.mean()), nsk, dict(skipped),
+                    "fraction", note)]
 
     # SugarCrepe-format pairwise accuracy
     def _sugarcrepe_dirs(self) -> list[Path]:

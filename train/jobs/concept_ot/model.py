@@ -121,24 +121,35 @@ class ConceptOTModel(nn.Module):
 
     def phrase_heatmap(self, img: dict, txt: dict, i: int, t: int, token_weights: torch.Tensor) -> torch.Tensor:
         """[N] patch heatmap for a phrase (token weights [M]) of caption t on image i (Sec. 2.6)."""
+        dev = token_weights.device
+        return self.phrase_heatmaps(img, txt, torch.tensor([i], device=dev), torch.tensor([t], device=dev),
+                                    token_weights[None])[0]
+
+    def phrase_heatmaps(self, img: dict, txt: dict, ii: torch.Tensor, tt: torch.Tensor,
+                        token_weights: torch.Tensor) -> torch.Tensor:
+        """[P, N] patch heatmaps h_i(J) = sum_{j in J} Pi_ij (Sec. 2.6) for P (image ii[p], caption
+        tt[p], token weights [P, M]) triples; transport variants aggregate their plan, text-attn its
+        attention, filip / global-patch the positive cosine similarities; global-only has none
+        (an empty [P, 0])."""
         cfg, v = self.cfg, self.variant
-        ii, tt = torch.tensor([i]), torch.tensor([t])
-        mask = txt["mask"][tt]
-        w = token_weights[None].float() * mask
-        if v == "conceptot":
-            res = uot_lowrank(img["z"], txt["y"], self.anchors, img["mu"], txt["nu"], cfg.eps, cfg.tau_v, cfg.tau_t,
-                              cfg.n_iter, mask_t=txt["mask"], img_index=ii, txt_index=tt, kpp_reg=cfg.kpp_reg,
-                              center=cfg.lr_center, clamp=cfg.lr_clamp)
-            return res.heatmap(w)[0]
-        if v in ("dense-uot", "balanced-ot"):
-            S = torch.bmm(img["z"][ii], txt["y"][tt].transpose(1, 2))
-            tau = (None, None) if v == "balanced-ot" else (cfg.tau_v, cfg.tau_t)
-            P = uot_dense(1 - S, img["mu"][ii], txt["nu"][tt], cfg.eps, tau[0], tau[1], cfg.n_iter, mask_t=mask)
-            return (P * w[:, None, :]).sum(-1)[0]
-        if v == "text-attn":
-            logits = torch.bmm(txt["q"][tt], img["k"][ii].transpose(1, 2)) / math.sqrt(cfg.d_c)
-            return (torch.softmax(logits, -1) * w[..., None]).sum(1)[0]
-        if v in ("filip", "global-patch"):
-            S = torch.bmm(img["z"][ii], txt["y"][tt].transpose(1, 2))[0]  # [N,M]
-            return (S.clamp_min(0) * w[0][None, :]).sum(-1)
-        return torch.zeros(0)
+        if v == "global-only":
+            return torch.zeros(ii.shape[0], 0)
+        with torch.autocast(ii.device.type, enabled=False):
+            img = {k: (x.float() if x.is_floating_point() else x) for k, x in img.items()}
+            txt = {k: (x.float() if x.is_floating_point() else x) for k, x in txt.items()}
+            mask = txt["mask"][tt]
+            w = token_weights.float() * mask
+            if v == "conceptot":
+                res = uot_lowrank(img["z"], txt["y"], self.anchors, img["mu"], txt["nu"], cfg.eps, cfg.tau_v, cfg.tau_t,
+                                  cfg.n_iter, mask_t=txt["mask"], img_index=ii, txt_index=tt, kpp_reg=cfg.kpp_reg,
+                                  center=cfg.lr_center, clamp=cfg.lr_clamp)
+                return res.heatmap(w)
+            if v == "text-attn":
+                logits = torch.bmm(txt["q"][tt], img["k"][ii].transpose(1, 2)) / math.sqrt(cfg.d_c)
+                return (torch.softmax(logits, -1) * w[..., None]).sum(1)
+            S = torch.bmm(img["z"][ii], txt["y"][tt].transpose(1, 2))  # [P,N,M]
+            if v in ("dense-uot", "balanced-ot"):
+                tau = (None, None) if v == "balanced-ot" else (cfg.tau_v, cfg.tau_t)
+                P = uot_dense(1 - S, img["mu"][ii], txt["nu"][tt], cfg.eps, tau[0], tau[1], cfg.n_iter, mask_t=mask)
+                return (P * w[:, None, :]).sum(-1)
+            return (S.clamp_min(0) * w[:, None, :]).sum(-1)  # filip, global-patch

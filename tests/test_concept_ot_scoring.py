@@ -1,0 +1,183 @@
+"""concept-ot's side of the evaluation harness contract (train/eval/interface.py): score_pairs agrees
+with the in-job SugarCrepe scoring for every variant, boxes restrict the local score to the patches
+they overlap, retrieval_scores reproduces the job's own two-stage retrieval, scorable_sample_ids
+lists the shards' samples. (Planted concept-ot beating global-only through score_pairs:
+tests/test_concept_ot_planted.py.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cot_planted import write_planted  # noqa: E402
+
+from pipeline.io.artifacts import Artifact  # noqa: E402
+
+VARIANTS = ["conceptot", "dense-uot", "balanced-ot", "filip", "text-attn", "global-patch", "global-only"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cot_scoring")
+    pl_ = write_planted(out, n_images=60, captions_per_image=2, shard_size=16, seed=7)
+    return out, pl_
+
+
+def planted_encoder(pl_):
+    def encode_texts(texts):  # the planted "text encoder" stands in for the CLIP text tower
+        enc = [pl_.text(t) for t in texts]
+        return {"tokens": torch.nn.utils.rnn.pad_sequence([torch.tensor(t).float() for t, _ in enc], batch_first=True),
+                "mask": torch.nn.utils.rnn.pad_sequence([torch.ones(len(t), dtype=torch.bool) for t, _ in enc],
+                                                        batch_first=True),
+                "embed": torch.tensor(np.stack([e for _, e in enc])).float()}
+    return encode_texts
+
+
+def make(out, pl_, variant, **over):
+    from pipeline.config import load_manifest
+    from train.jobs.concept_ot import make_job
+
+    sets = [f"output={out}", f"train.concept_ot.variant={variant}", "train.concept_ot.d_c=16", "train.concept_ot.rank=8",
+            "train.concept_ot.eval_splits=[test]", "train.concept_ot.heatmaps=0", "train.concept_ot.eval_pairs_chunk=7",
+            f"train.concept_ot.sugarcrepe_dirs=[{out / 'sugarcrepe'}]"]
+    sets += [f"train.concept_ot.{k}={v}" for k, v in over.items()]
+    m = load_manifest(None, sets)
+    job = make_job(m.train.concept_ot, m, out / "train" / variant, torch.device("cpu"))
+    job._encode_texts = planted_encoder(pl_)
+    torch.manual_seed(1)
+    model = job.build_model()
+    with torch.no_grad():  # move the untrained mass heads off uniform, so masses matter
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return job, model.eval()
+
+
+def triples(out):
+    from train.eval.sugarcrepe import read_sugarcrepe
+
+    data = read_sugarcrepe([out / "sugarcrepe"])
+    rows = data["swap_att"] + data["replace_att"]
+    return [int(Path(r["filename"]).stem) for r in rows], [r["caption"] for r in rows], [r["negative_caption"] for r in rows]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_score_pairs_agrees_with_the_in_job_sugarcrepe_scoring(planted, variant):
+    """The reference is the in-job path (ConceptOTJob._sugarcrepe): all images and all texts encoded
+    at once, g + lambda * s_local; score_pairs reads images by random access and chunks pairs (7)."""
+    from train.jobs.concept_ot.model import _normalize
+
+    out, pl_ = planted
+    job, model = make(out, pl_, variant)
+    sids, pos, neg = triples(out)
+    with torch.no_grad():
+        got_p = job.score_pairs(model, sids, pos)
+        got_n = job.score_pairs(model, np.asarray(sids), neg)
+        rows = job._load_images(sorted(set(sids)))
+        row_of = {s["sample_id"]: k for k, s in enumerate(rows)}
+        texts = sorted(set(pos) | set(neg))
+        tok = job._encode_texts(texts)
+        img = model.image_features(torch.from_numpy(np.stack([r["patch_tokens"] for r in rows])))
+        txt = model.text_features(tok["tokens"], tok["mask"])
+        ie = _normalize(torch.from_numpy(np.stack([r["image_embed"] for r in rows])).float())
+        te = _normalize(tok["embed"])
+        ii = torch.tensor([row_of[s] for s in sids])
+        for got, tx in ((got_p, pos), (got_n, neg)):
+            tt = torch.tensor([texts.index(t) for t in tx])
+            ref = (ie[ii] * te[tt]).sum(-1).double()
+            if variant != "global-only":
+                ref = ref + job.cfg.lambda_local * model.score_pairs(img, txt, ii, tt).double()
+            assert got.dtype == np.float64 and got.shape == (len(sids),)
+            np.testing.assert_allclose(got, ref.numpy(), rtol=1e-5, atol=1e-6)
+        res = job._sugarcrepe(model)
+    from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
+
+    assert res["sugarcrepe/triples"] == len(sids)  # every triple's image is in the artifact
+    k = len(read_sugarcrepe([out / "sugarcrepe"])["swap_att"])
+    assert pairwise_accuracy(got_p[:k], got_n[:k]) == pytest.approx(res["sugarcrepe/swap_att"])
+    assert pairwise_accuracy(got_p[k:], got_n[k:]) == pytest.approx(res["sugarcrepe/replace_att"])
+
+
+def test_score_pairs_boxes_restrict_the_local_score(planted):
+    out, pl_ = planted
+    job, model = make(out, pl_, "dense-uot")
+    sids, pos, _ = triples(out)
+    sids, pos = sids[:6], pos[:6]
+    with torch.no_grad():
+        plain = job.score_pairs(model, sids, pos)
+        assert job.crop_note == ""
+        # NaN rows: no box; whole-image boxes: all patches -> the plain score
+        whole = np.array([[0, 0, 64, 64]] * 6, np.float64)
+        whole[::2] = np.nan
+        np.testing.assert_allclose(job.score_pairs(model, sids, pos, whole), plain, rtol=1e-6)
+        # the top-left quarter of a 64 x 64 image on the 4 x 4 grid: patches 0, 1, 4, 5
+        q = np.array([[0, 0, 31, 31]] * 6, np.float64)
+        got = job.score_pairs(model, sids, pos, q)
+        assert "patches overlapping the box" in job.crop_note
+        ref = []
+        for s, t in zip(sids, pos):
+            rows = job._read_images([s])
+            tok = job._encode_texts([t])
+            img = model.image_features(torch.from_numpy(rows["patch_tokens"][:, [0, 1, 4, 5]]))
+            txt = model.text_features(tok["tokens"], tok["mask"])
+            from train.jobs.concept_ot.model import _normalize
+
+            g = float((_normalize(torch.from_numpy(rows["image_embed"]).float()) * _normalize(tok["embed"])).sum())
+            ref.append(g + job.cfg.lambda_local * float(model.score_pairs(img, txt, torch.tensor([0]), torch.tensor([0]))))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(got, plain)
+
+
+def test_box_patch_mask_and_heatmap_box_by_hand():
+    from train.jobs.concept_ot.boxes import box_iou, box_patch_mask, heatmap_boxes, patch_edges
+
+    # a 200 x 100 image: the grid covers the centre square x in [50, 150], 4 x 4 patches of 25 px
+    xs, ys = patch_edges([200], [100], 4)
+    assert xs[0].tolist() == [50, 75, 100, 125, 150] and ys[0].tolist() == [0, 25, 50, 75, 100]
+    m = box_patch_mask(np.array([[60, 30, 99, 49]]), [200], [100], 4)[0].reshape(4, 4)
+    assert np.argwhere(m).tolist() == [[1, 0], [1, 1]]
+    # outside the centre square: the nearest patch
+    assert np.argwhere(box_patch_mask(np.array([[0, 0, 10, 10]]), [200], [100], 4)[0].reshape(4, 4)).tolist() == [[0, 0]]
+    h = np.zeros((4, 4))
+    h[1, 1], h[1, 2], h[2, 1] = 1.0, 0.6, 0.4  # threshold 0.5 x max keeps (1,1), (1,2)
+    b = heatmap_boxes(h.reshape(1, -1), [200], [100], 4, 0.5)[0]
+    assert b.tolist() == [75, 25, 125, 50]
+    b3 = heatmap_boxes(h.reshape(1, -1), [200], [100], 4, 0.3)[0]  # also (2,1)
+    assert b3.tolist() == [75, 25, 125, 75]
+    assert box_iou(np.array([b]), np.array([[75, 25, 125, 50]]))[0] == pytest.approx(1.0)
+    # IoU by hand: [0,0,2,2] vs [1,1,3,3] -> 1 / 7
+    assert box_iou(np.array([[0, 0, 2, 2]]), np.array([[1, 1, 3, 3]]))[0] == pytest.approx(1 / 7)
+    assert box_iou(np.array([[0, 0, 1, 1]]), np.array([[2, 2, 3, 3]]))[0] == 0
+
+
+def test_retrieval_scores_reproduce_the_job_retrieval(planted):
+    from train.eval.harness import recall_first_hit
+
+    out, pl_ = planted
+    job, model = make(out, pl_, "conceptot", rerank_top_k=5, eval_max_images=1000)
+    t = Artifact(out / "samples").read("samples").to_pydict()
+    test = sorted(s for s, sp in zip(t["sample_id"], t["split"]) if sp == "test")
+    caps = Artifact(out / "samples").read("captions").to_pydict()
+    pairs = sorted((s, c, x) for c, s, x in zip(caps["caption_id"], caps["sample_id"], caps["text"]) if s in set(test))
+    img_of = np.array([test.index(s) for s, _, _ in pairs])
+    with torch.no_grad():
+        mats = job.retrieval_scores(model, test, [c for _, c, _ in pairs], [x for _, _, x in pairs])
+        ref = job.evaluate(model, out / "eval_tmp")
+    assert set(mats) == {"global", "rerank/i2t", "rerank/t2i"}
+    gt = np.zeros((len(test), len(pairs)), bool)
+    gt[img_of, np.arange(len(pairs))] = True
+    for proto, tag in (("global", "global"), ("rerank/i2t", "rerank")):
+        assert 100 * (recall_first_hit(mats[proto], gt) < 1).mean() == pytest.approx(ref[f"{tag}/i2t_R@1"])
+    for proto, tag in (("global", "global"), ("rerank/t2i", "rerank")):
+        assert 100 * (recall_first_hit(mats[proto].T, gt.T) < 1).mean() == pytest.approx(ref[f"{tag}/t2i_R@1"])
+    # stored (frozen) encodings: a caption id the artifact holds scores its stored tokens, so an
+    # unknown id with the same text (encoded by the planted encoder, the same arrays) agrees
+    m2 = job.retrieval_scores(model, test[:3], [-1] * 3, [x for _, _, x in pairs[:3]])
+    np.testing.assert_allclose(m2["global"], mats["global"][:3, :3], atol=2e-3)
+    assert np.array_equal(job.scorable_sample_ids(), np.arange(1, 61))
