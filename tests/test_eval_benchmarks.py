@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from train.eval.benchmarks import FORMATS, BenchmarkError, read_benchmark
+from train.eval.benchmarks import FORMAT_HELP, FORMATS, BenchmarkError, read_benchmark
 from train.eval.images import ImageMatcher
 
 
@@ -429,6 +429,7 @@ def test_retrieval_karpathy_split(tmp_path):
 def test_formats_subsets_and_max_items(tmp_path):
     assert set(FORMATS) == {"sugarcrepe", "aro_vg_relation", "aro_vg_attribution", "aro_order", "winoground", "valse",
                             "vl_checklist", "svo_probes", "foil", "retrieval"}
+    assert set(FORMAT_HELP) == set(FORMATS)
     d = write_sugarcrepe(tmp_path / "data")
     with pytest.raises(BenchmarkError, match="unknown format 'nope'"):
         read_benchmark(spec("nope", d))
