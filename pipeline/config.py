@@ -80,6 +80,9 @@ class DatasetConfig(Section):
     instances: str | None = Field(None, description="optional COCO instances JSON (boxes, masks)")
     scene_graphs: str | None = Field(None, description="optional scene-graph JSON")
     split: str | None = Field(None, description="keep only this split (Karpathy)")
+    max_member_bytes: int = Field(
+        64 * 1024**2, ge=1, description="webdataset: reject a sample with a tar member larger than this (bytes)"
+    )
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
 
 

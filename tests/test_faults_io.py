@@ -287,3 +287,47 @@ def test_ingest_rejects_images_over_max_pixels_and_counts_them(tmp_path, ray_ses
     errs = Artifact(tmp_path / "run" / "samples").errors().to_pylist()
     assert [(e["reason"], e["sample_id"]) for e in errs] == [("image_too_large", 2)]
     assert "81,000,000 pixels > max_pixels 50,000,000" in errs[0]["detail"]
+
+
+# --- webdataset tars from users -------------------------------------------------------------------
+
+
+def test_webdataset_tar_members_never_reach_disk_and_size_is_limited(tmp_path):
+    import io
+    import tarfile
+
+    from pipeline.readers.wds import read_webdataset
+
+    def add(tf, name, data=b"", **kw):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        for k, v in kw.items():
+            setattr(info, k, v)
+        tf.addfile(info, io.BytesIO(data))
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, "JPEG")
+    jpg = buf.getvalue()
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with tarfile.open(shards / "000.tar", "w") as tf:
+        add(tf, "../../escape.jpg", jpg)
+        add(tf, "../../escape.txt", b"a caption that tries to escape")
+        add(tf, "/abs/evil.jpg", jpg)
+        add(tf, "/abs/evil.txt", b"absolute name")
+        add(tf, "link.jpg", type=tarfile.SYMTYPE, linkname="/etc/passwd")
+        add(tf, "link.txt", b"a link")
+        add(tf, "big.jpg", jpg)
+        add(tf, "big.txt", b"x" * 5000)
+        add(tf, "ok.jpg", jpg)
+        add(tf, "ok.txt", b"fine")
+    before = sorted(p for p in tmp_path.parent.rglob("*"))
+    recs = {r.source_id: r for r in read_webdataset(shards, max_member_bytes=4096)}
+    assert sorted(p for p in tmp_path.parent.rglob("*")) == before  # nothing written anywhere
+    assert recs["ok"].captions == ["fine"] and not recs["ok"].problems
+    assert recs["../../escape"].image.endswith("::../../escape.jpg")  # a key inside the tar, nothing more
+    assert recs["link"].image is None  # the symlink member is ignored
+    assert recs["big"].problems[0] == (None, "member 'big.txt' is 5,000 bytes > dataset.max_member_bytes 4,096")
+    from pipeline.stages.ingest import _reason
+
+    assert _reason(recs["big"].problems[0][1], "bad_record") == "member_too_large"

@@ -54,7 +54,7 @@ def read_dataset(ds: "DatasetConfig", output_root: Path) -> Iterator[SourceRecor
     if kind == "webdataset":
         from pipeline.readers.wds import read_webdataset
 
-        return read_webdataset(_need(ds, "path"), ds.split)
+        return read_webdataset(_need(ds, "path"), ds.split, max_member_bytes=ds.max_member_bytes)
     if kind == "folder":
         from pipeline.readers.folder import read_folder
 

@@ -8,6 +8,11 @@ base name) and must be adjacent, as WebDataset writers produce them. ``source_id
 content (stripped); without a ``.txt``, the ``caption`` field of the ``.json`` is used. Images stay
 in the tar: ``image`` is ``"<abs tar>::<member>"`` (see ``readers.images.open_image``).
 Tars are read header by header, so image bytes are skipped, not loaded.
+
+User-supplied tars are untrusted: nothing is ever extracted to disk (member names are only keys,
+so ``../`` or absolute names cannot reach outside anything), links and other non-file members are
+ignored, and a sample with a member larger than ``max_member_bytes`` (manifest
+``dataset.max_member_bytes``, 64 MB) is rejected without reading that member.
 """
 from __future__ import annotations
 
@@ -46,8 +51,13 @@ def split_key(name: str) -> tuple[str, str]:
     return (f"{d}/{stem}" if d else stem), ext.lower()
 
 
-def _make_record(tar: Path, key: str, members: dict[str, tuple[str, bytes | None]], split: str) -> SourceRecord:
+DEFAULT_MAX_MEMBER_BYTES = 64 * 1024**2
+
+
+def _make_record(tar: Path, key: str, members: dict[str, tuple[str, bytes | None]], split: str, too_large=()) -> SourceRecord:
     rec = SourceRecord(source_id=key, image=None, captions=[], split=split)
+    for problem in too_large:
+        rec.problems.append((None, problem))
     img = next((members[e][0] for e in IMAGE_EXTS if e in members), None)
     if img is None:
         rec.problems.append((None, MISSING_IMAGE_FIELD))
@@ -66,26 +76,30 @@ def _make_record(tar: Path, key: str, members: dict[str, tuple[str, bytes | None
     return finish(rec)
 
 
-def read_webdataset(path: str | Path, split: str | None = None) -> Iterator[SourceRecord]:
+def read_webdataset(path: str | Path, split: str | None = None, max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES) -> Iterator[SourceRecord]:
     seen: dict[str, Path] = {}
     for tar in shard_paths(path):
         try:
             with tarfile.open(tar, "r:") as tf:  # uncompressed only: images are read by offset
                 key = None
                 members: dict[str, tuple[str, bytes | None]] = {}
+                too_large: list[str] = []
                 for m in tf:
-                    if not m.isfile():
+                    if not m.isfile():  # links, folders, devices: never followed
                         continue
                     k, ext = split_key(m.name)
                     if k != key and key is not None:
-                        yield _dedupe(_make_record(tar, key, members, split or "train"), seen, tar)
-                        members = {}
+                        yield _dedupe(_make_record(tar, key, members, split or "train", too_large), seen, tar)
+                        members, too_large = {}, []
                     key = k
-                    # only the small text members are read; image bytes stay in the tar
+                    if m.size > max_member_bytes:
+                        too_large.append(f"member {m.name!r} is {m.size:,} bytes > dataset.max_member_bytes {max_member_bytes:,}")
+                        continue
+                    # only the small text members are read (into memory); image bytes stay in the tar
                     data = tf.extractfile(m).read() if ext in ("txt", "json") else None
                     members[ext] = (m.name, data)
                 if key is not None:
-                    yield _dedupe(_make_record(tar, key, members, split or "train"), seen, tar)
+                    yield _dedupe(_make_record(tar, key, members, split or "train", too_large), seen, tar)
         except (tarfile.TarError, EOFError, OSError) as e:
             raise ReaderError(f"WebDataset shard {tar}: unreadable tar ({e})") from None
 

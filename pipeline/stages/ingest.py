@@ -138,6 +138,8 @@ def _reason(problem: str, default: str) -> str:
         base.NO_CAPTIONS: "no_captions",
         base.MISSING_IMAGE_FIELD: "missing_image",
     }
+    if problem.startswith("member ") and "max_member_bytes" in problem:
+        return "member_too_large"
     return codes.get(problem, default)
 
 
