@@ -1,0 +1,175 @@
+"""The c3 trainer on planted data (tests/c3_planted.py): batches are valid triplets (partners and
+negatives from the training split; type-1 images without C; type-2 concepts in neither image;
+MCC false negatives masked) and a pure function of (seed, epoch, batch); exact resume; every
+variant trains a step; score_pairs; bad input (partner-less concepts counted, missing or partial
+encodings, empty database). The planted-signal test is in test_c3_planted.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from c3_planted import planted_encode, write_c3_planted  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = ["train.c3.batch_size=16", "train.c3.d_model=32", "train.c3.layers=1", "train.c3.heads=2",
+         "train.c3.mcc_rank=8", "train.c3.mcc_hidden=32", "train.c3.adapter_rank=4", "train.c3.threads=1",
+         "train.c3.eval_splits=[test]", "train.c3.eval_max_triplets=64", "train.c3.eval_max_concepts=20",
+         "train.c3.amp=off", "train.c3.log_every=1"]
+
+
+def _no_harness() -> list[str]:
+    from train.config import TrainerConfig
+
+    return ["train.c3.benchmarks_at_end=false"] if "benchmarks_at_end" in TrainerConfig.model_fields else []
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("c3_small")
+    pl_ = write_c3_planted(out, n_images=100, seed=1)
+    return out, pl_
+
+
+def _job(out: Path, extra=(), run="c3"):
+    from pipeline.config import load_manifest
+    from train.jobs.c3 import make_job
+
+    m = load_manifest(None, [f"output={out}", *SMALL, *_no_harness(), *extra])
+    return make_job(m.train.c3, m, out / "train" / run, torch.device("cpu"))
+
+
+def test_batches_are_valid_and_deterministic(data):
+    out, _ = data
+    job = _job(out, ["train.c3.type2_source=hard"])
+    sids = job.store.sids
+    b1 = next(iter(job.batches(1, 2)))
+    b2 = list(job.batches(1, 0))[2]
+    for k in b1:
+        if isinstance(b1[k], torch.Tensor):
+            assert torch.equal(b1[k], b2[k]), k
+    assert not torch.equal(next(iter(job.batches(0, 2)))["mcp_y"], b1["mcp_y"]) or \
+        not torch.equal(next(iter(job.batches(0, 2)))["img_rows"], b1["img_rows"])
+    img_sid = sids[b1["img_rows"].numpy()]
+    assert job.is_train[b1["img_rows"].numpy()].all()  # every image of a training batch is a training image
+    con = b1["con_id"].numpy()
+    pi, pt = b1["pair_img"].numpy(), b1["pair_txt"].numpy()
+    a, b, y, t = (b1[k].numpy() for k in ("mcp_a", "mcp_b", "mcp_y", "mcp_type"))
+    contains = job.member.contains
+    # positives: both images contain C; type 1: the second image does not; type 2: neither contains C'
+    for ty in (0, 1, 2):
+        sel = t == ty
+        assert sel.any(), ty
+        ca, cb = con[pt[a[sel]]], con[pt[b[sel]]]
+        assert (ca == cb).all()
+        ia, ib = img_sid[pi[a[sel]]], img_sid[pi[b[sel]]]
+        if ty == 0:
+            assert contains(ca, ia).all() and contains(ca, ib).all() and (y[sel] == 1).all()
+        elif ty == 1:
+            assert contains(ca, ia).all() and not contains(ca, ib).any() and (y[sel] == 0).all()
+        else:
+            assert not contains(ca, ia).any() and not contains(ca, ib).any() and (y[sel] == 0).all()
+    fn = b1["mcc_fn"].numpy()
+    ci, cj, cc = (b1[k].numpy() for k in ("mcc_i", "mcc_j", "mcc_c"))
+    want = contains(con[cc][None, :], img_sid[ci][:, None]) & contains(con[cc][None, :], img_sid[cj][None, :])
+    np.fill_diagonal(want, False)
+    assert (fn == want).all()
+
+
+def test_concept_without_train_partner_is_counted(data):
+    out, _ = data
+    job = _job(out)
+    assert job.skips["no_partner_in_train_split"] > 0  # test-split partners only
+    assert job.skips["anchor_not_in_train_split"] > 0
+    assert job.p_rows.size and job.is_train[job.p_rows].all()
+
+
+def test_exact_resume_and_variants(data, tmp_path):
+    from train.loop import train
+
+    out, _ = data
+    job = _job(out, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="full")
+    train(job, resume=False, progress=False)
+    job2 = _job(out, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="split")
+    assert train(job2, resume=False, progress=False, stop_after=3) == {"interrupted_at": 3}
+    res = train(_job(out, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="split"),
+                resume=True, progress=False)
+    a = [json.loads(x) for x in (out / "train" / "full" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (out / "train" / "split" / "metrics.jsonl").read_text().splitlines()]
+    la = [r["loss"] for r in a if r["kind"] == "train"]
+    lb = [r["loss"] for r in b if r["kind"] == "train"]
+    assert len(la) == 6 and la == lb
+    sa = torch.load(out / "train" / "full" / "checkpoints" / "final.pt", weights_only=False)["model"]
+    sb = torch.load(out / "train" / "split" / "checkpoints" / "final.pt", weights_only=False)["model"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert "loss_itm" in a[0] and "loss_mcc" in a[0] and "loss_mcp" in a[0]
+    assert res["c3_mcp/type1/auc"] == res["c3_mcp/type1/auc"]  # evaluated (not NaN)
+    assert res["chance/c3_mcp/type1/auc"] == 0.5 and res["chance/c3_mcp/type1/balanced_accuracy"] == 50.0
+    assert res["data/train_rows"] > 0
+    # every Table 3 variant takes a step and evaluates
+    for extra in (["train.c3.objectives=mcp", "train.c3.negatives=type1"],
+                  ["train.c3.objectives=mcp", "train.c3.negatives=type2", "train.c3.type2_source=random"],
+                  ["train.c3.formulation=pairwise"], ["train.c3.objectives=mcc"], ["train.c3.control=shuffled"]):
+        j = _job(out, ["train.c3.max_steps=1", *extra], run="v" + "_".join(e.split("=")[-1] for e in extra))
+        r = train(j, resume=False, progress=False)
+        assert r["c3_mcp/type1/auc"] == r["c3_mcp/type1/auc"], extra
+        if "train.c3.negatives=type1" in extra:
+            b = next(iter(j.batches(0, 0)))
+            assert set(b["mcp_type"].tolist()) == {0, 1}
+
+
+def test_score_pairs(data):
+    out, pl_ = data
+    job = _job(out)
+    model = job.build_model().eval()
+    sids = job.store.sids[:6]
+    texts = ["red circle", "blue square", "red circle", "green star", "a", "orange ring"]
+    enc = planted_encode(pl_, texts)
+    s = job.score_pairs(model, sids, texts, encoded=enc)
+    assert s.dtype == np.float64 and s.shape == (6,) and np.isfinite(s).all()
+    assert job.scorable_sample_ids() == set(job.store.sids.tolist())
+    with pytest.raises(ValueError, match="sample 999999 has no clip_tokens"):
+        job.score_pairs(model, np.array([999999]), ["red circle"], encoded=planted_encode(pl_, ["red circle"]))
+
+
+def test_bad_inputs(data, tmp_path):
+    out, _ = data
+    # missing concept encodings: a clear error naming the stage to run
+    bad = tmp_path / "no_ct"
+    shutil.copytree(out, bad, ignore=shutil.ignore_patterns("concept_tokens", "train"))
+    with pytest.raises(FileNotFoundError, match="pipeline run encode-concepts"):
+        _job(bad)
+    # partially encoded vocabulary (min_df): rows of unencoded concepts are skipped and counted
+    part = tmp_path / "part"
+    write_c3_planted(part, n_images=100, seed=1, drop_encoded=40)
+    job = _job(part)
+    assert job.skips["concept_not_encoded"] > 0
+    assert (job.ct.rows(job.r_cid) >= 0).all()
+    # an empty concept database: one clear error
+    from pipeline.concepts import mining as M
+
+    empty = tmp_path / "empty"
+    with pytest.raises(ValueError, match="empty"):
+        write_c3_planted(empty, n_images=100, seed=1, mining=M.MiningParams(n_max=1, k1=5, k2=80, stopwords=tuple(
+            "there is with a and red green blue yellow purple orange circle square triangle star ring cross".split())))
+        _job(empty)
+
+
+def test_pooled_only(tmp_path):
+    from train.loop import train
+
+    write_c3_planted(tmp_path, n_images=100, seed=2, pooled_only=True)
+    job = _job(tmp_path, ["train.c3.max_steps=2"])
+    assert job.ct.pooled_only and job.d_t == 0
+    b = next(iter(job.batches(0, 0)))
+    assert "txt_tokens" not in b
+    r = train(job, resume=False, progress=False)
+    assert r["c3_mcp/type1/auc"] == r["c3_mcp/type1/auc"]

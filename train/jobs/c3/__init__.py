@@ -1,0 +1,116 @@
+"""`c3`: concept-centric learning over mined concepts (Song et al. 2024, "C3", Sec. 3.1-3.3, 4.4):
+triplets (I_i, I_j, C) of two images whose captions share a mined n-gram concept C, trained with
+Matched Concept Prediction (MCP, Eq. 5) and/or Matched Concept Contrastive (MCC, Eq. 6) in the
+paper's continual setting (a frozen CLIP with small trainable parts), on cached features only.
+
+Reads ``clip_tokens`` (patch tokens + pooled image embedding), ``concepts`` (sample -> concept with
+K1 partners; ``hard_negatives``), ``concept_tokens`` (`pipeline run encode-concepts`: the frozen
+CLIP text encodings of the vocabulary and each concept's full membership) and ``samples`` (splits).
+
+Model (:mod:`train.jobs.c3.model`):
+  * adapters: the stand-in for the paper's LoRA on CLIP. Small zero-initialised low-rank residual
+    adapters on the frozen pooled embeddings (image: h = e + U(gelu(D e + attn-pool(patches))), the
+    concept side the same over its token states), so h = the frozen CLIP embedding at step 0,
+    as LoRA starts at the frozen model; they re-read the tokens as a LoRA'd last layer's CLS would.
+  * fusion: METER-shaped co-attention layers (``layers`` x [self-attention, cross-attention to the
+    other modality, FFN] per modality, pre-LN) over (concept: [h_C; concept tokens], image:
+    [h_I; patch tokens]); z(I, C) = [pooled text cls; pooled image cls] (Eq. 1, METER's poolers).
+  * phi_MCP: MLP on z_ij^c = [z(I_i, C); z(I_j, C)] -> one logit (pairwise: on z(I, C)).
+  * phi_MCC: MLP on the concept cls h_C -> psi_c, reshaped to a [P, mcc_rank] projection.
+
+Objectives (``objectives``: mcp | mcc | both):
+  * MCP (Eq. 5): binary cross-entropy over positives (I_i, I_j, C), type-1 negatives (I_i, I'_j, C),
+    I'_j a training image whose captions do not contain C (full membership), and type-2 negatives
+    (I_i, I_j, C'), C' a concept neither image contains; ``type2_source``: ``hard`` (default: a
+    random one of C's FAISS nearest concepts in ``hard_negatives`` that neither image contains,
+    else a random one) or ``random`` (drawn from the concept rows of the training split, i.e.
+    weighted by occurrence like the positives' concepts, so the concept alone says nothing).
+    ``negatives``: both | type1 | type2 (Table 3 rows I / C); ``formulation``: triplet |
+    pairwise (Table 3 row PW: (I, C) pairs, positives (I_i, C), negatives (I'_j, C), (I_i, C')).
+  * MCC (Eq. 6): s = cos(psi_c^T h_i, psi_c^T h_j) of the adapted image cls; InfoNCE of each
+    positive against the batch's other (I'_j, C') triplets (softmax over b' of
+    s(psi_{c_b'}^T h_{i_b}, psi_{c_b'}^T h_{j_b'}) / ``mcc_temperature``); in-batch triplets that
+    are in fact positive (both images contain C') are masked out.
+  * ITM (``itm: true``): binary matching of a cached caption (clip_tokens' text tokens) with its
+    image against a random other image, through the same fusion (Table 3's ITM column).
+    MLM cannot be computed: the cached text states come from CLIP's causal text tower after the
+    fact; masking a token would need the encoder itself. It is left out (Table 3 rows 1-4 show
+    what it contributes to reasoning, not to the MCP/MCC comparison here).
+
+Partners and negatives come from the training split only (``train_splits``); concept rows
+without a partner there, without an encoding (encode-concepts' min_df) or whose image has no
+clip_tokens are skipped and counted (logged at start, ``data/*`` in the eval metrics).
+``control: shuffled`` trains on a fixed random permutation of the training images' features
+(every sample reads another training image), the chance control: held-out AUCs stay ~0.5.
+
+Evaluation (held-out ``eval_splits`` only, partners and negatives from that split, full
+membership): MCP accuracy (%) and AUC per negative type (type1, type2_random, type2_hard,
+type2_binding: C' made of words of I_i's captions that neither image contains as a phrase,
+i.e. the attribute-binding swap) with chance 50% / 0.5 and the frozen global-cosine baseline
+(cos(e_i, t_C) + cos(e_j, t_C)); concept-conditioned retrieval (MCC): precision@k of images
+containing C among the top k by cos(psi_c^T h_q, psi_c^T h_k), with its base rate, per concept
+length n and overall; and the harness's scoring interface (score_pairs: arbitrary texts are
+encoded by ``models.clip``'s text tower, as concept_tokens was; s(I, T) = phi_MCP([z(I,T);
+z(I,T)]) (pairwise: phi_MCP(z(I,T))), with ``objectives: mcc`` the cosine of the adapted cls).
+
+Defaults: the paper gives no lr, batch or widths for the continual setting (1 epoch, ~1.2% of
+CLIP trainable); METER's cross-modal layers are 6 x 768 wide. Lean choices, all options: 2
+co-attention layers of 256, 4 heads, adapters of rank 16, psi rank 64, AdamW 1e-4, batch 64,
+1 epoch, MCC temperature 0.07.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from train.config import TrainerConfig
+
+NAME = "c3"
+READS = ["clip_tokens", "concepts", "concept_tokens", "samples"]
+
+
+class Config(TrainerConfig):
+    epochs: float = Field(1.0, gt=0, description="passes over the training concept rows (paper: 1 epoch continual)")
+    objectives: Literal["mcp", "mcc", "both"] = Field("both", description="MCP (Eq. 5), MCC (Eq. 6) or both (summed)")
+    negatives: Literal["both", "type1", "type2"] = Field("both", description="MCP negatives: type 1 (mismatched image), "
+                                                          "type 2 (mismatched concept) or both (Table 3)")
+    formulation: Literal["triplet", "pairwise"] = Field("triplet", description="MCP input: (I_i, I_j, C) or (I, C) (Table 3 PW)")
+    type2_source: Literal["hard", "random"] = Field("hard", description="C' of type-2 negatives: hard (hard_negatives "
+                                                      "table, random fallback) or random (occurrence-weighted)")
+    itm: bool = Field(False, description="add ITM on cached caption tokens (Table 3's ITM column)")
+    control: Literal["none", "shuffled"] = Field("none", description="shuffled: training images' features permuted (the "
+                                                  "chance control)")
+    artifact: str = Field("clip_tokens", description="clip_tokens folder, relative to `output` (or absolute)")
+    concepts_artifact: str = "concepts"
+    concept_tokens_artifact: str = "concept_tokens"
+    samples_artifact: str = "samples"
+    train_splits: list[str] = ["train"]
+    eval_splits: list[str] = ["val", "test"]
+    d_model: int = Field(256, ge=8, description="co-attention width (METER: 768)")
+    layers: int = Field(2, ge=1, description="co-attention layers (METER: 6)")
+    heads: int = Field(4, ge=1)
+    ffn_mult: int = Field(4, ge=1)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    adapter_rank: int = Field(16, ge=1, description="rank of the zero-initialised residual adapters (LoRA stand-in)")
+    mcc_rank: int = Field(64, ge=1, description="psi_c is a [P, mcc_rank] projection")
+    mcc_hidden: int = Field(256, ge=1, description="hidden width of phi_MCC")
+    mcc_temperature: float = Field(0.07, gt=0, description="MCC temperature (the paper gives none)")
+    w_mcp: float = Field(1.0, ge=0)
+    w_mcc: float = Field(1.0, ge=0)
+    w_itm: float = Field(1.0, ge=0)
+    neg_tries: int = Field(16, ge=1, description="random draws per negative before a row's negative is dropped (counted)")
+    image_cache: Literal["auto", "memory", "random"] = Field(
+        "auto", description="memory: hold the used images' tokens in RAM; random: read each batch's images by random "
+        "access from the shards; auto: memory when the shards fit in half the available RAM")
+    eval_max_triplets: int = Field(2000, ge=1, description="held-out positives (each with one negative per type)")
+    eval_max_concepts: int = Field(500, ge=1, description="concepts queried in concept-conditioned retrieval")
+    retrieval_k: int = Field(5, ge=1)
+    eval_chunk: int = Field(256, ge=1, description="fusion pairs per forward in evaluation / scoring")
+
+
+def make_job(cfg: Config, manifest, run_dir, device):
+    from train.jobs.c3.job import C3Job
+
+    return C3Job(cfg, manifest, run_dir, device)

@@ -1,0 +1,115 @@
+"""Data side of the C3 job: the image store (random access to any sample's cached CLIP image
+features) and the training concept rows with their partners, negatives and exact-resume batches.
+
+Everything a batch holds is a pure function of (seed, epoch, batch index): the epoch's order is a
+permutation of the training rows drawn from ``np.random.default_rng([seed, epoch])``, and each
+batch draws its partners and negatives from ``default_rng([seed, epoch, batch, 1])``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.loaders.clip_tokens import fits_in_memory, read_sample, read_shard
+
+
+class ImageStore:
+    """sample_id -> (shard, position) of a `clip_tokens` artifact, and batched reads of
+    ``patch_tokens`` / ``image_embed`` (and one caption's text states for ITM).
+
+    ``mode="memory"`` copies the features of ``preload`` sample ids into two contiguous arrays
+    (the in-memory reference); ``"random"`` reads each batch's samples by random access
+    (:func:`pipeline.loaders.clip_tokens.read_sample`, lazy ``pread`` when the shards do not fit in
+    RAM, the kept map otherwise)."""
+
+    def __init__(self, shards: list[str], mode: str = "auto"):
+        self.shards = list(shards)
+        sids, shard_of, pos_of, ncap = [], [], [], []
+        for k, p in enumerate(self.shards):
+            for pos, s in enumerate(read_shard(p, fields=("caption_ids",), lazy=True)):
+                sids.append(int(s["sample_id"]))
+                shard_of.append(k)
+                pos_of.append(pos)
+                ncap.append(int(np.asarray(s["caption_ids"]).shape[0]))
+        order = np.argsort(np.asarray(sids, np.int64), kind="stable")
+        self.sids = np.asarray(sids, np.int64)[order]
+        self.shard_of = np.asarray(shard_of, np.int32)[order]
+        self.pos_of = np.asarray(pos_of, np.int32)[order]
+        self.n_captions = np.asarray(ncap, np.int32)[order]
+        if len(np.unique(self.sids)) != len(self.sids):
+            raise ValueError("clip_tokens: a sample_id occurs in two shards")
+        self.lazy = not fits_in_memory(self.shards)
+        self.mode = ("memory" if not self.lazy else "random") if mode == "auto" else mode
+        self._mem_rows: np.ndarray | None = None
+        first = read_sample(self.shards[0], 0, fields=("patch_tokens", "image_embed"), lazy=True) if self.shards else None
+        if first is None:
+            raise ValueError("clip_tokens: no samples")
+        self.N, self.d_v = np.asarray(first["patch_tokens"]).shape
+        self.P = int(np.asarray(first["image_embed"]).shape[0])
+
+    def index(self, sample_ids) -> np.ndarray:
+        """Row of each sample id in this store, -1 where the artifact does not hold it."""
+        s = np.asarray(sample_ids, np.int64)
+        at = np.searchsorted(self.sids, s)
+        atc = np.minimum(at, max(0, len(self.sids) - 1))
+        return np.where((len(self.sids) > 0) & (self.sids[atc] == s), atc, -1)
+
+    def preload(self, sample_ids) -> None:
+        """memory mode: hold these samples' features in two arrays (read shard by shard)."""
+        if self.mode != "memory":
+            return
+        rows = np.unique(self.index(sample_ids))
+        rows = rows[rows >= 0]
+        self._patches = np.zeros((len(rows), self.N, self.d_v), np.float16)
+        self._embed = np.zeros((len(rows), self.P), np.float16)
+        self._mem_rows = np.full(len(self.sids), -1, np.int64)
+        self._mem_rows[rows] = np.arange(len(rows))
+        for k, p in enumerate(self.shards):
+            want = rows[self.shard_of[rows] == k]
+            if len(want) == 0:
+                continue
+            pos = {int(self.pos_of[r]): int(self._mem_rows[r]) for r in want}
+            for q, s in enumerate(read_shard(p, fields=("patch_tokens", "image_embed"), lazy=False)):
+                m = pos.get(q)
+                if m is not None:
+                    self._patches[m] = s["patch_tokens"]
+                    self._embed[m] = s["image_embed"]
+
+    def get(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(patch_tokens float16 [n, N, d_v], image_embed float16 [n, P]) of store rows."""
+        rows = np.asarray(rows, np.int64)
+        if self._mem_rows is not None:
+            m = self._mem_rows[rows]
+            if (m >= 0).all():
+                return self._patches[m], self._embed[m]
+        patches = np.empty((len(rows), self.N, self.d_v), np.float16)
+        embed = np.empty((len(rows), self.P), np.float16)
+        for k, r in enumerate(rows):
+            s = read_sample(self.shards[self.shard_of[r]], int(self.pos_of[r]), fields=("patch_tokens", "image_embed"),
+                            lazy=self.lazy)
+            pt = s["patch_tokens"]
+            if hasattr(pt, "read_into"):
+                pt.read_into(patches, k)
+            else:
+                patches[k] = pt
+            embed[k] = s["image_embed"]
+        return patches, embed
+
+    def caption(self, row: int, which: int) -> dict[str, np.ndarray]:
+        """Caption ``which`` of a sample: text_tokens [m, d_t] (valid part), text_embed [P]."""
+        s = read_sample(self.shards[self.shard_of[row]], int(self.pos_of[row]),
+                        fields=("text_tokens", "text_mask", "text_embed"), lazy=False)
+        mask = np.asarray(s["text_mask"][which])
+        return {"tokens": np.asarray(s["text_tokens"][which])[mask], "pooled": np.asarray(s["text_embed"][which])}
+
+
+def log(msg: str) -> None:
+    print(f"c3: {msg}", file=sys.stderr)
+
+
+def resolve(manifest, p: str) -> Path:
+    q = Path(p)
+    return q if q.is_absolute() else Path(manifest.output) / q
