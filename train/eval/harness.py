@@ -179,11 +179,11 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
 
         data = read_benchmark(spec)
     items = list(data.items)
-    if spec.subsets:
-        items = [it for it in items if it.subset in set(spec.subsets)]
-    items = _subsample(items, spec.max_items)
-    reader_skips = Counter({f"malformed: {k}" if not k.startswith("malformed") else k: v
-                            for k, v in (data.skipped or {}).items()})
+    if spec.format in BUILTIN:  # the published-format readers apply subsets and max_items themselves
+        if spec.subsets:
+            items = [it for it in items if it.subset in set(spec.subsets)]
+        items = _subsample(items, spec.max_items)
+    reader_skips = Counter(dict(data.skipped or {}))
     matcher = _Matcher(samples_dir, spec.image_map)
     sid_of: dict[str, int | None] = {}
     for it in items:
