@@ -23,10 +23,11 @@ from pipeline.stage import RunContext, run_stage
 from tests.conftest import make_manifest
 from tests.test_visual_tokens_graph import ref_graph
 
-# synthetic predicate -> (PSG predicate, subject/object swapped), written out independently
+# synthetic predicate -> (psg56+left predicate, subject/object swapped), written out independently
+# (generated data: predicates auto -> psg56+left, so left/right keep their direction)
 EXPECTED_MAP = {
-    "left of": ("beside", False),
-    "right of": ("beside", False),
+    "left of": ("left of", False),
+    "right of": ("left of", True),
     "above": ("over", False),
     "below": ("over", True),
     "in front of": ("in front of", False),
@@ -68,7 +69,7 @@ def test_annotations_match_ground_truth(gt_run):
     sids = sorted(r["sample_id"] for r in samples_art.read("samples").to_pylist())
     assert sorted(got) == sids and summary["errors"] == 0
     vocab = art.manifest["predicates"]
-    assert len(vocab) == 56 and vocab[0] == "over"
+    assert len(vocab) == 57 and vocab[0] == "over" and vocab[56] == "left of"
     n_checked_triplets = 0
     for sid in sids:
         s = got[sid]

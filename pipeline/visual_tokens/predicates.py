@@ -15,11 +15,28 @@ lower-cased and stripped, then:
 
 The default map covers the generated (synthetic) dataset's six spatial predicates, none of which
 PSG has verbatim: ``above`` -> ``over``, ``below`` -> ``~over``, ``in front of`` (kept),
-``behind`` -> ``~in front of``, and ``left of`` / ``right of`` -> ``beside`` (PSG has no
-left/right; ``beside`` is the PSG class for side-by-side objects, so the direction is lost there,
-which is also what a PSG-trained RAM would say). Mapping can make two source relations the same
-triplet (``a above b`` and ``b below a`` both become ``a over b``); duplicates are merged.
-A run that wants the synthetic predicates verbatim sets ``predicates: synthetic`` (or any list).
+``behind`` -> ``~in front of``, and ``left of`` / ``right of``: under ``psg56`` both become
+``beside`` (PSG has no left/right; ``beside`` is the PSG class for side-by-side objects, so the
+direction is lost there, which is also what a PSG-trained RAM would say). Mapping can make two
+source relations the same triplet (``a above b`` and ``b below a`` both become ``a over b``);
+duplicates are merged. A run that wants the synthetic predicates verbatim sets
+``predicates: synthetic`` (or any list).
+
+A map value may list alternatives separated by ``|``; the first whose predicate is in the
+vocabulary is used (``"~left of|beside"``: ``left of`` with subject/object swapped where the
+vocabulary has it, else ``beside``).
+
+Directed relations on generated data (vocabulary ``psg56+left``). With ``beside`` a left/right
+pair of the generated scenes is ranked 7 in both directions, so "A left of B" and "A right of B"
+give the same rank matrix and ranks 6/5 never tell subject from object: the generated
+relation-swap negatives on left/right would be undecidable on the visual-token side.
+``psg56+left`` is PSG's 56 classes followed by ``left of`` (index 56, so PSG's indices do not
+move); ``left of`` stays itself and ``right of`` becomes ``~left of`` (``a right of b`` -> ``b
+left of a``), exactly as ``below`` -> ``~over``. Then every generated predicate (left/right,
+above/below, in front of/behind) is stored as one directed triplet per pair and the rank matrix
+holds 7 only from subject to object. The stage's default ``predicates: auto`` resolves to
+``psg56+left`` for the generated dataset (``dataset.kind: synthetic``) and to ``psg56`` for every
+real dataset (the PSG mapping, which a PSG-trained RAM reproduces, is kept there).
 """
 
 from __future__ import annotations
@@ -38,15 +55,23 @@ assert len(PSG_PREDICATES) == 56
 
 SYNTHETIC_PREDICATES = ["left of", "right of", "above", "below", "in front of", "behind"]
 
-VOCABULARIES = {"psg56": PSG_PREDICATES, "synthetic": SYNTHETIC_PREDICATES}
+# PSG's 56 classes + a directed left/right class for the generated dataset (see the module docstring)
+PSG_LEFT_PREDICATES = PSG_PREDICATES + ["left of"]
+
+VOCABULARIES = {"psg56": PSG_PREDICATES, "psg56+left": PSG_LEFT_PREDICATES, "synthetic": SYNTHETIC_PREDICATES}
+
+
+def default_vocabulary(dataset_kind: str) -> str:
+    """``predicates: auto``: the directed ``psg56+left`` for generated data, ``psg56`` otherwise."""
+    return "psg56+left" if dataset_kind == "synthetic" else "psg56"
 
 DEFAULT_PREDICATE_MAP = {
     "above": "over",
     "below": "~over",
     "under": "~over",
     "behind": "~in front of",
-    "left of": "beside",
-    "right of": "beside",
+    "left of": "left of|beside",
+    "right of": "~left of|beside",
     "next to": "beside",
     "near": "beside",
     "on top of": "on",
@@ -71,11 +96,14 @@ class PredicateMapper:
         self.vocabulary = list(vocabulary)
         self.index = {p: i for i, p in enumerate(self.vocabulary)}
         self.map: dict[str, tuple[int, bool]] = {}
-        for src, dst in (predicate_map or {}).items():
-            rev = dst.startswith("~")
-            name = dst[1:].strip().lower() if rev else dst.strip().lower()
-            if name in self.index:  # map entries into predicates absent from this vocabulary are inert
-                self.map[src.strip().lower()] = (self.index[name], rev)
+        for src, dsts in (predicate_map or {}).items():
+            for dst in dsts.split("|"):  # alternatives: the first one present in the vocabulary wins
+                dst = dst.strip()
+                rev = dst.startswith("~")
+                name = dst[1:].strip().lower() if rev else dst.lower()
+                if name in self.index:  # map entries into predicates absent from this vocabulary are inert
+                    self.map[src.strip().lower()] = (self.index[name], rev)
+                    break
 
     def __call__(self, predicate: str) -> tuple[int, bool] | None:
         """(vocabulary index, swap subject/object) or None when it cannot be mapped."""
