@@ -52,8 +52,11 @@ class Planted:
         N = 16
         v = self.noise * self.rng.normal(size=(N, self.d_v)) / np.sqrt(self.d_v)
         cells = self.rng.permutation(N)
+        self.last_cells = []  # the patch cells of each object (ground truth of the grounding test)
         for n, (c, s) in enumerate(objs):
-            for cell in cells[2 * n: 2 * n + 1 + int(self.rng.integers(0, 2))]:
+            mine = cells[2 * n: 2 * n + 1 + int(self.rng.integers(0, 2))]
+            self.last_cells.append([int(x) for x in mine])
+            for cell in mine:
                 v[cell] += self.Ev[self.word[c]] + self.Ev[self.word[s]]
         bag = sum(self.Gv[self.word[c]] + self.Gv[self.word[s]] for c, s in objs)
         emb = self.global_signal * bag + self.rng.normal(size=self.P) / np.sqrt(self.P)
@@ -87,7 +90,9 @@ class Planted:
 
 
 def write_planted(out: Path, n_images=240, captions_per_image=2, shard_size=64, seed=0, **kw) -> Planted:
-    """Write <out>/samples (samples + captions tables, split column) and <out>/clip_tokens."""
+    """Write <out>/samples (samples + captions tables, split column; instances + phrases: each object
+    "<colour> <shape>" of a caption is a phrase linked to one instance whose box encloses the object's
+    patch cells, 16 px each on the 64 x 64 image) and <out>/clip_tokens."""
     out = Path(out)
     pl_ = Planted(seed=seed, **kw)
     scenes = [pl_.scene() for _ in range(n_images)]
@@ -113,6 +118,38 @@ def write_planted(out: Path, n_images=240, captions_per_image=2, shard_size=64, 
     w.write_table("captions", pa.table({"caption_id": pa.array(cap_rows["caption_id"], pa.int64()),
                                         "sample_id": pa.array(cap_rows["sample_id"], pa.int64()),
                                         "text": cap_rows["text"]}))
+    # the images (after every caption, so the random stream is the one the calibrated tests saw)
+    pix = {}
+    for i, objs in zip(ids, scenes):
+        patches, iemb = pl_.image(objs)
+        pix[i] = (patches, iemb, pl_.last_cells)
+    inst = {"sample_id": [], "instance_id": [], "category": [], "box": [], "mask_rle": [], "attributes": []}
+    phr = {"caption_id": [], "sample_id": [], "start": [], "end": [], "text": [], "instance_ids": []}
+    for i, objs in zip(ids, scenes):
+        for n, ((c, s), cells) in enumerate(zip(objs, pix[i][2])):
+            r, q = np.array(cells) // 4, np.array(cells) % 4
+            inst["sample_id"].append(i)
+            inst["instance_id"].append(i * 10 + n)
+            inst["category"].append(s)
+            inst["box"].append([16.0 * q.min(), 16.0 * r.min(), 16.0 * (q.max() + 1), 16.0 * (r.max() + 1)])
+            inst["mask_rle"].append("")
+            inst["attributes"].append(json.dumps({"color": c}))
+            for cid in (i * 1000 + k + 1 for k in range(captions_per_image)):
+                st = texts[cid].index(f"{c} {s}")
+                phr["caption_id"].append(cid)
+                phr["sample_id"].append(i)
+                phr["start"].append(st)
+                phr["end"].append(st + len(c) + 1 + len(s))
+                phr["text"].append(f"{c} {s}")
+                phr["instance_ids"].append([i * 10 + n])
+    w.write_table("instances", pa.table({**{k: v for k, v in inst.items() if k != "box"},
+                                         "sample_id": pa.array(inst["sample_id"], pa.int64()),
+                                         "instance_id": pa.array(inst["instance_id"], pa.int64()),
+                                         "box": pa.array(inst["box"], pa.list_(pa.float32(), 4))}))
+    w.write_table("phrases", pa.table({**phr, "caption_id": pa.array(phr["caption_id"], pa.int64()),
+                                       "sample_id": pa.array(phr["sample_id"], pa.int64()),
+                                       "start": pa.array(phr["start"], pa.int32()), "end": pa.array(phr["end"], pa.int32()),
+                                       "instance_ids": pa.array(phr["instance_ids"], pa.list_(pa.int64()))}))
     w.commit()
     sw.finalize([unit_name(0)])
     # clip_tokens artifact (schema of extract_clip_tokens)
@@ -125,7 +162,7 @@ def write_planted(out: Path, n_images=240, captions_per_image=2, shard_size=64, 
         img_rows, caps = {"sample_id": [], "embed": []}, {"caption_id": [], "sample_id": [], "n": [], "embed": []}
         with ShardWriter(uw.shard_path()) as shw:
             for i, objs in list(zip(ids, scenes))[s0:s0 + shard_size]:
-                patches, iemb = pl_.image(objs)
+                patches, iemb = pix[i][0], pix[i][1]
                 cids = [i * 1000 + c + 1 for c in range(captions_per_image)]
                 enc = [pl_.text(texts[c]) for c in cids]
                 M = max(t.shape[0] for t, _ in enc)

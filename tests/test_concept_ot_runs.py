@@ -179,4 +179,5 @@ def test_coco_manifest_evaluates_the_karpathy_test_split():
     assert c.eval_splits == ["test"] and c.eval_max_images >= 5000 and c.train_splits == ["train", "restval"]
     assert c.train_subset == 20000
     bench = {b.name: b for b in m.eval.benchmarks}
-    assert any(b.format == "split_retrieval" and (b.split or "test") == "test" for b in bench.values())
+    assert any(b.format in ("retrieval", "split_retrieval") and (b.split or "test") == "test" for b in bench.values())
+    assert any(b.format == "sugarcrepe" for b in bench.values())

@@ -580,7 +580,8 @@ class ConceptOTJob(Job):
         if self.cfg.variant == "global-only":
             return res
         dev = self.device
-        img = model.image_features(torch.from_numpy(arr["patch_tokens"]).to(dev))
+        pt = torch.from_numpy(arr["patch_tokens"])  # image features in chunks: no float32 copy of all patches
+        img = _cat_feats([model.image_features(pt[s:s + 64].to(dev)) for s in range(0, len(pt), 64)])
         tt = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)
         mm = torch.nn.utils.rnn.pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in toks], batch_first=True)
         txt = model.text_features(tt.to(dev), mm.to(dev))
@@ -667,7 +668,8 @@ class ConceptOTJob(Job):
             raise NoScorableItems(f"grounding: 0 of {total} phrases of the eval images could be scored ({skipped})")
         side = int(round(math.sqrt(self.n_patches)))
         dev = self.device
-        img = model.image_features(torch.from_numpy(np.asarray(arr["patch_tokens"])).to(dev))
+        pt = torch.from_numpy(np.asarray(arr["patch_tokens"]))
+        img = _cat_feats([model.image_features(pt[s:s + 64].to(dev)) for s in range(0, len(pt), 64)])
         heat = []
         ch = max(1, self.cfg.eval_pairs_chunk // 4)
         for s in range(0, len(pi), ch):
