@@ -54,10 +54,10 @@ class C3Planted(Planted):
 
 
 def write_c3_planted(out: Path, n_images: int = 240, seed: int = 0, mining: M.MiningParams = MINING,
-                     pooled_only: bool = False, drop_encoded: int = 0, **kw):
+                     pooled_only: bool = False, drop_encoded: int = 0, planted_cls=None, **kw):
     """Write samples, clip_tokens, concepts, concept_tokens under ``out``; returns the Planted."""
     out = Path(out)
-    with mock.patch.object(cot_planted, "Planted", C3Planted):
+    with mock.patch.object(cot_planted, "Planted", planted_cls or C3Planted):
         pl_ = write_planted(out, n_images=n_images, seed=seed, **kw)
     caps = Artifact(out / "samples").read("captions")
     sids, texts = caps["sample_id"].to_numpy(), caps["text"].to_pylist()

@@ -173,3 +173,18 @@ def test_pooled_only(tmp_path):
     assert "txt_tokens" not in b
     r = train(job, resume=False, progress=False)
     assert r["c3_mcp/type1/auc"] == r["c3_mcp/type1/auc"]
+
+
+def test_image_store_random_access_matches_memory(data):
+    out, _ = data
+    mem = _job(out, ["train.c3.image_cache=memory"])
+    rnd = _job(out, ["train.c3.image_cache=random"])
+    assert mem.store.mode == "memory" and rnd.store.mode == "random"
+    rows = np.array([5, 0, 17, 5, len(mem.store.sids) - 1])
+    want = mem.store.get(rows)
+    for lazy in (False, True):  # kept map, pread (artifacts larger than RAM)
+        rnd.store.lazy = lazy
+        got = rnd.store.get(rows)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    b1, b2 = next(iter(mem.batches(0, 1))), next(iter(rnd.batches(0, 1)))
+    assert all(torch.equal(b1[k], b2[k]) for k in b1 if isinstance(b1[k], torch.Tensor))

@@ -92,7 +92,7 @@ class ImageStore:
                             lazy=self.lazy)
             pt = s["patch_tokens"]
             if hasattr(pt, "read_into"):
-                pt.read_into(patches, k)
+                pt.read_into(patches[k])  # pread straight into the batch row
             else:
                 patches[k] = pt
             embed[k] = s["image_embed"]
