@@ -237,3 +237,93 @@ def loader(stream: ShardStream, num_workers: int = 0) -> Iterable[Any]:
         return iter(stream)
     return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=num_workers, in_order=True,
                                             persistent_workers=False))
+
+
+# --------------------------------------------------------------------------- shard-to-shard join
+class ShardIndex:
+    """``sample_id -> (shard, position)`` over the WebDataset shards of an artifact, and random
+    access to one sample (:func:`pipeline.loaders.clip_tokens.read_sample`, which reads any shard
+    ShardWriter wrote: ``clip_tokens``, ``visual_tokens``...).
+
+    Built once from the shards' tar headers (no array is read); it costs 24 bytes per sample.
+    ``lazy=None``: kept memory maps when the shards fit in memory, else one ``pread`` per member
+    (see :func:`pipeline.loaders.clip_tokens.fits_in_memory`). A sample_id present in two shards
+    is an error (the artifact is inconsistent)."""
+
+    def __init__(self, shards: Sequence[str | Path], lazy: bool | None = None, name: str = ""):
+        import numpy as np
+
+        from pipeline.loaders.clip_tokens import fits_in_memory, read_shard
+
+        self.shards = [str(s) for s in shards]
+        self.name = name or (str(Path(self.shards[0]).parent) if self.shards else "(no shards)")
+        self.lazy = (not fits_in_memory(self.shards)) if lazy is None else bool(lazy)
+        ids, where, pos = [], [], []
+        for k, p in enumerate(self.shards):
+            for j, s in enumerate(read_shard(p, fields=(), lazy=True)):  # headers only
+                ids.append(int(s["sample_id"]))
+                where.append(k)
+                pos.append(j)
+        ids_a = np.asarray(ids, np.int64)
+        order = np.argsort(ids_a, kind="stable")
+        self.ids, self.shard_of, self.pos = ids_a[order], np.asarray(where, np.int64)[order], np.asarray(pos, np.int64)[order]
+        dup = np.flatnonzero(self.ids[1:] == self.ids[:-1])
+        if len(dup):
+            raise ValueError(f"{self.name}: sample_id {int(self.ids[dup[0]])} is in two shards")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, sample_id) -> bool:
+        return self._find(int(sample_id)) >= 0
+
+    def _find(self, sample_id: int) -> int:
+        import numpy as np
+
+        k = int(np.searchsorted(self.ids, sample_id))
+        return k if k < len(self.ids) and int(self.ids[k]) == sample_id else -1
+
+    def read(self, sample_id: int, fields: Iterable[str] | None = None) -> dict:
+        """The sample's fields (names without ``.npy``/``.json``; ``None``: all) as
+        :func:`pipeline.loaders.clip_tokens.read_shard` yields them; KeyError when absent."""
+        from pipeline.loaders.clip_tokens import read_sample
+
+        k = self._find(int(sample_id))
+        if k < 0:
+            raise KeyError(f"sample {int(sample_id)} is not in {self.name}")
+        return read_sample(self.shards[int(self.shard_of[k])], int(self.pos[k]), fields=fields, lazy=self.lazy)
+
+
+class ShardJoin:
+    """Attach the fields of another *shard* artifact's sample with the same ``sample_id`` (e.g.
+    ``visual_tokens`` samples + their ``clip_tokens``: both artifacts are WebDataset shards, with
+    different shard sizes and orders). A ``ShardStream`` join: it is a pure function of the
+    sample_id, so the stream stays deterministic and resumable (exact) and the DataLoader workers
+    only read the samples of the batches they collate (random access through :class:`ShardIndex`;
+    memory: the index plus the batch).
+
+    Samples missing from the other artifact cannot be joined: filter them before batching with
+    :meth:`keep` (``ShardStream(keep=...)``), which counts them in ``missing`` (the first pass,
+    e.g. ``count_batches``, sees them all); joining one raises a KeyError naming it.
+    ``fields``: the other artifact's fields to attach (``None``: all); ``prefix`` renames them."""
+
+    def __init__(self, shards: Sequence[str | Path], fields: Iterable[str] | None, prefix: str = "",
+                 lazy: bool | None = None, name: str = ""):
+        self.index = ShardIndex(shards, lazy=lazy, name=name)
+        self.fields = None if fields is None else tuple(fields)
+        self.prefix = prefix
+        self.missing: set[int] = set()
+
+    def keep(self, sample: dict) -> bool:
+        sid = int(sample["sample_id"])
+        if sid in self.index:
+            return True
+        self.missing.add(sid)
+        return False
+
+    def __call__(self, sample: dict) -> dict:
+        other = self.index.read(int(sample["sample_id"]), self.fields)
+        for k, v in other.items():
+            if k not in ("__key__", "sample_id"):
+                sample[self.prefix + k] = v
+        return sample
