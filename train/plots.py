@@ -24,6 +24,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 TRAIN_BOOKKEEPING = {"kind", "step", "epoch", "time"}
 THROUGHPUT = ("samples_per_s", "steps_per_s")
 # eval keys that are sizes, not metrics: shown in the title
@@ -66,6 +68,20 @@ def is_fraction_metric(key: str) -> bool:
     return any(t in k for t in ("auc", "iou"))
 
 
+COUNT_WORDS = {"phrases", "skipped", "available", "triples", "items", "n", "count", "scored", "images", "captions",
+               "samples", "pairs", "queries"}
+
+
+def is_count(key: str, values: list[float]) -> bool:
+    """Sizes (items scored or skipped, phrases...), not metrics: by name, or whole numbers under a
+    name that says nothing of a rate or a loss."""
+    leaf = key.rsplit("/", 1)[-1].lower()
+    if leaf in COUNT_WORDS or leaf.startswith(("n_", "num_")) or leaf.endswith(("_count", "_n")):
+        return True
+    return bool(values) and all(float(v).is_integer() for v in values) and not (
+        is_percent_metric(key) or is_fraction_metric(key) or "loss" in leaf or "chance" in leaf)
+
+
 def _family(key: str) -> str:
     if "/" in key:
         return key.split("/", 1)[0]
@@ -80,47 +96,53 @@ def chance_keys(metrics: list[str], chances: list[str]) -> dict[str, str]:
     for c in chances:
         bare = c.replace("chance/", "").replace("chance_", "")
         for m in metrics:
-            if m == bare or m.endswith("/" + bare):
+            if m == bare or m.endswith("/" + bare) or m.replace("/", "_") == bare:
                 out.setdefault(m, c)
     return out
 
 
 def metric_panels(rows: list[dict]) -> list[dict]:
-    """The panels :func:`plot_metrics` draws: ``{"title", "keys", "kind", "rows", "log", "ylim", "chance"}``."""
+    """The panels :func:`plot_metrics` draws: ``{"title", "keys", "kind", "rows", "log", "ylim", "chance",
+    "ylabel", "counts"}``."""
     tr = [r for r in rows if r.get("kind") == "train"]
     ev = [r for r in rows if r.get("kind") == "eval"]
     panels: list[dict] = []
 
-    def add(title, keys, src, kind, ylim=None, chance=None, ylabel=""):
+    def add(title, keys, src, kind, ylim=None, chance=None, ylabel="", log_ok=False, counts=None):
         keys = [k for k in keys if _series(src, k)[0]]
         if not keys:
             return
         vals = [v for k in keys for v in _series(src, k)[1]]
-        log = bool(vals) and min(vals) > 0 and max(vals) / min(vals) > 30 and ylim is None
+        log = log_ok and bool(vals) and min(vals) > 0 and max(vals) / min(vals) > 10 and ylim is None
         panels.append({"title": title, "keys": keys, "kind": kind, "rows": src, "log": log, "ylim": ylim,
-                       "chance": chance or {}, "ylabel": ylabel})
+                       "chance": chance or {}, "ylabel": ylabel, "counts": counts or {}})
 
     tkeys = sorted({k for r in tr for k, v in r.items() if _is_num(v)} - TRAIN_BOOKKEEPING)
     losses = [k for k in tkeys if "loss" in k.lower()]
-    add("train loss", losses, tr, "train")
+    add("train loss", losses, tr, "train", log_ok=True)
     add("learning rate", [k for k in tkeys if k == "lr"], tr, "train")
-    add("gradient norm", [k for k in tkeys if k == "grad_norm"], tr, "train")
-    add("throughput", [k for k in ("samples_per_s",) if k in tkeys] or [k for k in THROUGHPUT if k in tkeys], tr,
-        "train", ylabel="per second")
+    add("gradient norm", [k for k in tkeys if k == "grad_norm"], tr, "train", log_ok=True)
+    add("throughput (eval steps included)", [k for k in ("samples_per_s",) if k in tkeys] or
+        [k for k in THROUGHPUT if k in tkeys], tr, "train", ylabel="per second")
     rest = [k for k in tkeys if k not in losses and k not in ("lr", "grad_norm") and k not in THROUGHPUT]
     fams: dict[str, list[str]] = defaultdict(list)
     for k in rest:
-        fams[_family(k) if "/" in k else k.split("_")[0]].append(k)
+        fams[_family(k)].append(k)
     for fam, keys in sorted(fams.items()):
         add(f"train: {fam}", keys, tr, "train")
 
     ekeys = sorted({k for r in ev for k, v in r.items() if _is_num(v)} - TRAIN_BOOKKEEPING)
-    metric_keys = [k for k in ekeys if "chance" not in k and not k.startswith(COUNT_PREFIXES)]
+    # sizes (integers in every row: items scored, skipped, phrases...) go into titles, not onto an axis
+    ints = {k for k in ekeys if is_count(k, _series(ev, k)[1])}
+    metric_keys = [k for k in ekeys if "chance" not in k and not k.startswith(COUNT_PREFIXES) and k not in ints]
     chance = chance_keys(metric_keys, [k for k in ekeys if "chance" in k])
+    last = ev[-1] if ev else {}
     efams: dict[str, list[str]] = defaultdict(list)
     for k in metric_keys:
         efams[_family(k)].append(k)
     for fam, keys in sorted(efams.items()):
+        counts = {k.split("/", 1)[-1]: last[k] for k in sorted(ints) if _family(k) == fam and _is_num(last.get(k))
+                  and not k.startswith(COUNT_PREFIXES)}
         named_pct = [k for k in keys if is_percent_metric(k)]
         # percentages on a 0-100 axis; a rate whose values all stay <= 1 may have been logged as a
         # fraction: it gets an axis of its own, scaled to the data and labelled "as logged"
@@ -129,10 +151,10 @@ def metric_panels(rows: list[dict]) -> list[dict]:
         small = [k for k in named_pct if k not in pct]
         other = [k for k in keys if k not in pct and k not in frac and k not in small]
         ch = {k: chance[k] for k in keys if k in chance}
-        add(f"eval: {fam} (%)", pct, ev, "eval", ylim=(0, 100), chance=ch, ylabel="%")
-        add(f"eval: {fam} (0-1)", frac, ev, "eval", ylim=(0, 1), chance=ch, ylabel="fraction")
-        add(f"eval: {fam} (rates <= 1)", small, ev, "eval", chance=ch, ylabel="as logged")
-        add(f"eval: {fam}", other, ev, "eval", chance=ch)
+        add(f"eval: {fam} (%)", pct, ev, "eval", ylim=(0, 100), chance=ch, ylabel="%", counts=counts)
+        add(f"eval: {fam} (0-1)", frac, ev, "eval", ylim=(0, 1), chance=ch, ylabel="fraction", counts=counts)
+        add(f"eval: {fam} (rates <= 1)", small, ev, "eval", chance=ch, ylabel="as logged", counts=counts)
+        add(f"eval: {fam}", other, ev, "eval", chance=ch, counts=counts)
     return panels
 
 
@@ -154,6 +176,7 @@ def plot_metrics(metrics_path: Path, out_png: Path, title: str | None = None) ->
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = read_metrics(Path(metrics_path))
     panels = metric_panels(rows)
@@ -161,44 +184,57 @@ def plot_metrics(metrics_path: Path, out_png: Path, title: str | None = None) ->
         return None
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.1 * nrows), squeeze=False)
-    counts = eval_counts(rows)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.3 * nrows), squeeze=False)
+    sizes = eval_counts(rows)
     for ax, p in zip(axes.flat, panels):
-        n_points = 0
-        for i, key in enumerate(p["keys"]):
+        for key in p["keys"]:
             xs, ys = _series(p["rows"], key)
-            n_points = max(n_points, len(xs))
             every = max(1, len(xs) // 25)
             (line,) = ax.plot(xs, ys, marker="o", markersize=3.5, markevery=every, linewidth=1.3,
                               label=_short(key, p["title"]))
             if key in p["chance"]:
-                cx, cy = _series(p["rows"], p["chance"][key])
+                _, cy = _series(p["rows"], p["chance"][key])
                 if cy:
                     ax.axhline(cy[-1], color=line.get_color(), linestyle="--", linewidth=0.9, alpha=0.8)
         if p["chance"]:
-            ax.plot([], [], color="0.4", linestyle="--", linewidth=0.9, label="chance")
+            ax.plot([], [], color="0.4", linestyle="--", linewidth=0.9, label="chance (same colour)")
         title_text = p["title"]
-        if p["kind"] == "eval" and counts:
-            title_text += "\n" + ", ".join(f"{k.replace('eval_', '')}={v:,.0f}" for k, v in counts.items())
-        ax.set_title(title_text, fontsize=9)
+        extra = {**({k.replace("eval_", ""): v for k, v in sizes.items()} if p["kind"] == "eval" else {}), **p["counts"]}
+        if extra:
+            title_text += "\n" + ", ".join(f"{k}={v:,.0f}" for k, v in extra.items())
+        ax.set_title(title_text, fontsize=8.5)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if p["ylabel"]:
             ax.set_ylabel(p["ylabel"], fontsize=8)
         if p["log"]:
             ax.set_yscale("log")
+        many = len(p["keys"]) + bool(p["chance"]) > 3
         if p["ylim"]:
-            ax.set_ylim(*p["ylim"])
+            lo, hi = p["ylim"]
+            # room above the top for the legend, so no line at 100 % hides under it
+            ax.set_ylim(lo, hi + (hi - lo) * (0.3 if many else 0.12))
+            ax.set_yticks(np.linspace(lo, hi, 6))
+        elif p["ylabel"] == "as logged":  # rates: from 0, and a visible range when all are 0
+            vals = [v for k in p["keys"] for v in _series(p["rows"], k)[1]]
+            ax.set_ylim(bottom=0.0 if min(vals) >= 0 else None, top=max(max(vals) * 1.15, 1.0 if max(vals) <= 1 else 0))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         if len(p["keys"]) > 1 or p["chance"]:
-            ax.legend(fontsize=6.5, loc="best", ncol=2 if len(p["keys"]) > 5 else 1, framealpha=0.8)
-        elif p["keys"]:
-            ax.set_ylabel(p["ylabel"] or p["keys"][0], fontsize=8)
+            if p["ylim"]:
+                ax.legend(fontsize=6, loc="upper center", ncol=4 if many else 3, framealpha=0.85, columnspacing=0.8,
+                          handlelength=1.5)
+            else:
+                ax.legend(fontsize=6.5, loc="best", ncol=2 if len(p["keys"]) > 5 else 1, framealpha=0.8)
+        elif p["keys"] and not p["ylabel"]:
+            ax.set_ylabel(p["keys"][0], fontsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 1, 0.97))
+    else:
+        fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=90, bbox_inches="tight")

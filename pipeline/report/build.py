@@ -278,22 +278,21 @@ def _negatives_section(art, out: _Out, captions: dict[int, str]) -> dict:
     t = art.read("negatives", columns=["caption_id", "sample_id", "start", "end", "noun", "candidates", "p", "q", "score", "rejected"])
     rows = t.to_pylist()
     seen, items = set(), []
-    for r in rows:
-        if r["caption_id"] in seen or not r["candidates"]:
+    for r in rows:  # one caption per image, so the examples differ
+        if r["sample_id"] in seen or not r["candidates"]:
             continue
-        seen.add(r["caption_id"])
+        seen.add(r["sample_id"])
         cap = captions.get(r["caption_id"], "")
         s, e = int(r["start"]), int(r["end"])
-        if not cap or cap[s:e].lower() != (r["noun"] or "").lower():
-            pre, mid, post = "", r["noun"], ""
-            if cap:
-                pre, post = cap + " — ", ""
+        aligned = bool(cap) and cap[s:e].lower() == (r["noun"] or "").lower()
+        if not aligned:  # the span does not match the caption text: show both, substitute nothing
+            pre, mid, post = (cap + " — noun: " if cap else ""), r["noun"], ""
         else:
             pre, mid, post = cap[:s], cap[s:e], cap[e:]
         cands = list(zip(r["candidates"], r["p"] or [], r["q"] or [], r["score"] or []))[:5]
-        items.append({"caption_id": r["caption_id"], "pre": pre, "noun": mid, "post": post,
+        items.append({"caption_id": r["caption_id"], "sample_id": r["sample_id"], "pre": pre, "noun": mid, "post": post, "aligned": aligned,
                       "candidates": [{"word": c, "p": p, "q": q, "score": sc,
-                                      "sentence": (cap[:s] + c + cap[e:]) if pre or post else c} for c, p, q, sc in cands],
+                                      "sentence": c} for c, p, q, sc in cands],
                       "rejected": len(r["rejected"] or [])})
         if len(items) >= 6:
             break
@@ -472,14 +471,20 @@ def _training_section(output: Path, out: _Out, manifest_path: str | None) -> dic
 
     root = output / "train"
     runs = []
-    if root.is_dir():
-        for run_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-            job = run_dir.name
+    run_dirs: set[Path] = set()
+    if root.is_dir():  # a run folder holds config.json / metrics.jsonl: train/<job>/ or train/<job>/<run>/
+        for marker in ("config.json", "metrics.jsonl"):
+            for p in root.rglob(marker):
+                rel = p.parent.relative_to(root).parts
+                if rel and len(rel) <= 3 and not {"eval", "checkpoints"} & set(rel):
+                    run_dirs.add(p.parent)
+        for run_dir in sorted(run_dirs):
+            job = run_dir.relative_to(root).as_posix()
             metrics = run_dir / "metrics.jsonl"
             rows = read_metrics(metrics)
             curves = None
             if rows:
-                png = plot_metrics(metrics, out.img / "train" / job / "curves.png", title=f"{job}: metrics.jsonl ({len(rows)} rows)")
+                png = plot_metrics(metrics, out.img / "train" / job / "curves.png")
                 curves = out.rel(png) if png else None
             cfg = {}
             try:
@@ -487,8 +492,15 @@ def _training_section(output: Path, out: _Out, manifest_path: str | None) -> dic
             except (OSError, ValueError):
                 pass
             figs = []
-            for p in sorted(run_dir.rglob("*.png")):
-                if p.name == "metrics.png" or "report" in p.parts:
+            pngs = [p for p in sorted(run_dir.rglob("*.png")) if p.name != "metrics.png" and "report" not in p.parts]
+            tags = sorted({p.relative_to(run_dir).parts[1] for p in pngs if p.relative_to(run_dir).parts[0] == "eval"
+                           and len(p.relative_to(run_dir).parts) > 2})
+            shown_tag = "final" if "final" in tags else (tags[-1] if tags else None)  # the latest evaluation's figures
+            older = sum(1 for p in pngs if len(p.relative_to(run_dir).parts) > 2 and p.relative_to(run_dir).parts[0] == "eval"
+                        and p.relative_to(run_dir).parts[1] != shown_tag)
+            for p in pngs:
+                parts = p.relative_to(run_dir).parts
+                if parts[0] == "eval" and len(parts) > 2 and parts[1] != shown_tag:
                     continue
                 dst = out.img / "train" / job / "figures" / p.relative_to(run_dir).as_posix().replace("/", "__")
                 dst.parent.mkdir(parents=True, exist_ok=True)
@@ -496,16 +508,19 @@ def _training_section(output: Path, out: _Out, manifest_path: str | None) -> dic
                 figs.append({"path": out.rel(dst), "name": p.relative_to(run_dir).as_posix()})
                 if len(figs) >= 12:
                     break
-            ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) if (run_dir / "checkpoints").is_dir() else []
+            ckpts = sorted((p.name for p in (run_dir / "checkpoints").glob("*.pt")), key=lambda n: (n == "final.pt", n)) \
+                if (run_dir / "checkpoints").is_dir() else []
             tr = [r for r in rows if r.get("kind") == "train"]
             last = tr[-1] if tr else {}
             runs.append({
                 "job": job, "dir": str(run_dir), "curves": curves, "figures": figs, "checkpoints": ckpts,
                 "config": json.dumps(cfg, indent=1, sort_keys=True, default=str) if cfg else "",
                 "steps": last.get("step"), "last_loss": last.get("loss"), "evals": _eval_tables(run_dir),
+                "figures_tag": shown_tag, "figures_older": older,
                 "missing_metrics": not rows,
-                "eval_command": f"train eval {job} --manifest {manifest_path or '<manifest.yaml>'}",
-                "run_command": f"train run {job} --manifest {manifest_path or '<manifest.yaml>'}",
+                "eval_command": f"train eval {job.split('/')[0]} --checkpoint {run_dir / 'checkpoints' / (ckpts[-1] if ckpts else 'final.pt')} "
+                                f"--manifest {manifest_path or '<manifest.yaml>'}",
+                "run_command": f"train run {job.split('/')[0]} --manifest {manifest_path or '<manifest.yaml>'}",
             })
     return {"runs": runs, "root": str(root), "command": f"train run concept-ot --manifest {manifest_path or '<manifest.yaml>'}"}
 
