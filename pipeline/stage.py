@@ -40,7 +40,7 @@ from pipeline.io.artifacts import (
     UnitWriter,
     release_lock,
 )
-from pipeline.runtime import ensure_ray, map_units
+from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
 
 log = logging.getLogger("pipeline")
 
@@ -386,7 +386,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
         raise StageError(f"unknown stage {name!r}; stages: {', '.join(reg)}")
     spec = reg[name]
     cfg = getattr(ctx.manifest.stages, spec.key)
-    ensure_ray(ctx.ray_cfg)
+    # Ray starts on the first unit that has work (map_units): a rerun with nothing to do starts none.
     ctx.stage_cfg = cfg
     t0 = time.perf_counter()
     log.info("stage %s: start (output %s)", name, ctx.output)

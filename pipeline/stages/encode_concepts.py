@@ -28,7 +28,7 @@ import logging
 import pyarrow as pa
 from pydantic import Field
 
-from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
+from pipeline.stage import RunContext, StageConfig, StageError, model_key, run_units, unit_writer
 
 log = logging.getLogger("pipeline")
 
@@ -119,6 +119,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.concepts.concept_tokens import membership
     from pipeline.concepts.normalize import Normalizer
     from pipeline.models.clip import load_clip
+    from pipeline.models.provenance import cached_info
 
     concepts = ctx.artifact("concepts")
     samples = ctx.artifact("samples")
@@ -132,8 +133,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         raise StageError(f"{concepts.dir}: empty concept vocabulary (no concept with df >= {cfg.min_df}): nothing to "
                          "encode; mine more captions or lower stages.encode_concepts.min_df")
     spec = ctx.manifest.models.clip
-    model, _, _, record = load_clip(spec)
-    del model
+    with model_key("models.clip", spec):  # cached: a rerun with nothing to do loads no model
+        record = cached_info(ctx.output, "clip", {"clip": spec}, lambda: load_clip(spec)[3])
     dims = {k: record[k] for k in ("text_dim", "projection_dim")}
     if cfg.project_tokens:
         dims["text_dim"] = dims["projection_dim"]

@@ -229,14 +229,15 @@ class ClipTokenWorker:
 
 def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.models.clip import load_clip
+    from pipeline.models.provenance import cached_info
 
     spec = ctx.manifest.models.clip
     records, inputs = load_samples(ctx, with_captions=True)
-    # Load once on the driver for provenance and dims (tiny/random: cheap; real: from local files).
+    # Provenance and dims: computed by a model load once, then cached (a rerun with nothing to do
+    # loads no model; see pipeline.models.provenance.cached_info).
     with model_key("models.clip", spec):
-        model, _, _, record = load_clip(spec)
+        record = cached_info(ctx.output, "clip", {"clip": spec}, lambda: load_clip(spec)[3])
     dims = {k: record[k] for k in ("image_size", "patch_size", "n_patches", "vision_dim", "text_dim", "projection_dim")}
-    del model
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
     writer = ctx.writer("clip_tokens", NAME, params, inputs=inputs, models={"clip": record})

@@ -112,11 +112,12 @@ class GroupWorker:
 
 def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.models.groupvit import load_groupvit
+    from pipeline.models.provenance import cached_info
 
     spec = ctx.manifest.models.groupvit
     records, inputs = load_samples(ctx, with_captions=False)
-    with model_key("models.groupvit", spec):
-        _, _, record = load_groupvit(spec)
+    with model_key("models.groupvit", spec):  # cached: a rerun with nothing to do loads no model
+        record = cached_info(ctx.output, "groupvit", {"groupvit": spec}, lambda: load_groupvit(spec)[2])
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
     writer = ctx.writer("image_groups", NAME, params, inputs=inputs, models={"groupvit": record})

@@ -140,12 +140,20 @@ class RegionWorker:
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
+    from types import SimpleNamespace
+
     from pipeline.models.detector import load_detector
+    from pipeline.models.provenance import cached_info
 
     spec = ctx.manifest.models.detector
     records, inputs = load_samples(ctx, with_captions=False, with_instances=cfg.backend == "annotations")
-    with model_key("models.detector", spec):
+    def probe() -> dict:
         det = load_detector(spec, score_thresh=cfg.score_thresh, min_size=cfg.min_size, max_boxes=cfg.max_boxes)
+        return {"record": det.record, "dim": det.dim, "categories": det.categories}
+
+    with model_key("models.detector", spec):  # cached: a rerun with nothing to do loads no model
+        det = SimpleNamespace(**cached_info(ctx.output, "detector", {"detector": spec}, probe, score_thresh=cfg.score_thresh,
+                                            min_size=cfg.min_size, max_boxes=cfg.max_boxes))
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
     writer = ctx.writer("regions", NAME, params, inputs=inputs, models={"detector": det.record})

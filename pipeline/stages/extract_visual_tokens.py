@@ -335,7 +335,11 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     vocab = _pred_vocab(cfg)
     records, inputs = load_samples(ctx, with_captions=False)
     _records_with_annotations(ctx, records, cfg.segmenter == "annotations", cfg.relations == "annotations")
-    recs = model_records(cfg, models)
+    from pipeline.models.provenance import cached_info
+
+    # cached: a rerun with nothing to do builds no model (relation_head is keyed by its file's stat)
+    recs = cached_info(ctx.output, "visual_tokens", models, lambda: model_records(cfg, models),
+                       feature_layers=cfg.feature_layers, width=cfg.width, seed=cfg.seed, relations=cfg.relations)
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
     writer = ctx.writer("visual_tokens", NAME, params, inputs=inputs, models=recs)

@@ -179,9 +179,11 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     records = {}
     enc_spec = cfg.text_encoder or ctx.manifest.models.text_encoder
     if cfg.hard_negatives:
+        from pipeline.models.provenance import cached_info
         from pipeline.models.text_encoder import TextEncoder
 
-        records["text_encoder"] = TextEncoder(enc_spec).record
+        # cached: a rerun with nothing to do loads no model
+        records["text_encoder"] = cached_info(ctx.output, "text_encoder", {"text_encoder": enc_spec}, lambda: TextEncoder(enc_spec).record)
     params = {**cfg.model_dump(mode="json"), "limit": ctx.limit, "text_encoder": enc_spec if cfg.hard_negatives else None}
     for k in ("enabled", "chunk_samples", "encode_batch", "encode_unit", "torch_threads"):
         params.pop(k, None)  # do not change the result

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import Field
 
-from pipeline.io.atomic import fingerprint, write_json_atomic
+from pipeline.io.atomic import fingerprint, write_bytes_atomic, write_json_atomic
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
 
@@ -248,12 +248,26 @@ def _noun_vocab(ctx: RunContext, entries: list[dict], samples_dir: Path, cfg: Co
 
     units = [{"path": str(samples_dir / e["path"]), "spacy": models.spacy,
               "noun_pos": list(cfg.noun_pos) + (["PROPN"] if cfg.include_propn else [])} for e in entries]
+    path = out_dir / "noun_vocab.json"
+    # The counts depend on the caption shards, the tagger and the options only: reuse them on a
+    # rerun (no Ray pass over every caption when nothing changed).
+    from pipeline.models.spacy_tagger import spacy_record
+
+    key = fingerprint([e["sha256"] for e in entries], spacy_record(models.spacy), units[0]["noun_pos"] if units else [],
+                      cfg.noun_vocab_min_count)
+    key_path = out_dir / "noun_vocab.key"
+    if path.is_file() and key_path.is_file() and key_path.read_text().strip() == key:
+        try:
+            vocab = json.loads(path.read_text())
+            return str(path), fingerprint(vocab)
+        except ValueError:
+            pass
     total: Counter = Counter()
     for res in map_units(units, _count_nouns, ray_cfg=ctx.ray_cfg, actor=False):
         total.update(res["counts"])
     vocab = sorted(w for w, n in total.items() if n >= cfg.noun_vocab_min_count)
-    path = out_dir / "noun_vocab.json"
     write_json_atomic(path, vocab)
+    write_bytes_atomic(key_path, key.encode())
     return str(path), fingerprint(vocab)
 
 
@@ -270,9 +284,13 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         raise StageError("samples artifact has no captions table") from None
     out_dir = ctx.output / "negatives"
     out_dir.mkdir(parents=True, exist_ok=True)
-    records = {"mlm": provenance(models.mlm, "mlm")}
+    from pipeline.models.provenance import cached_info
+
+    # cached: a rerun with nothing to do builds no model (a random preset is built to hash it)
+    records = {"mlm": cached_info(ctx.output, "mlm", {"mlm": models.mlm}, lambda: provenance(models.mlm, "mlm"))}
     if models.word_encoder != models.mlm:
-        records["word_encoder"] = provenance(models.word_encoder, "word_encoder")
+        records["word_encoder"] = cached_info(ctx.output, "word_encoder", {"word_encoder": models.word_encoder},
+                                              lambda: provenance(models.word_encoder, "word_encoder"))
     else:
         records["word_encoder"] = dict(records["mlm"], role="word_encoder", shared_with="mlm")
     from pipeline.models.spacy_tagger import spacy_record
