@@ -54,6 +54,16 @@ def _collate_random(samples, rng: random.Random, attach=None, caption_pass=None)
     return attach(b) if attach is not None else b
 
 
+@functools.lru_cache(maxsize=2)
+def _text_tower(spec: str):
+    """The frozen CLIP model and tokenizer of ``models.clip``, loaded once per process (every
+    benchmark of an evaluation encodes its texts through it)."""
+    from pipeline.models.clip import load_clip
+
+    model, _, tokenizer, _ = load_clip(spec)
+    return model, tokenizer
+
+
 def mine_pairs(g: torch.Tensor, K: int, bad: torch.Tensor):
     """Hard negatives of Alg. 2 line 6 from global scores g [B, B] (g[i, j] = s_g(I_i, x_j)):
     N_X(i) = top-K_h_{j != i} g[i, j] (captions), N_I(i) = top-K_h_{j != i} g[j, i] (images);
@@ -790,9 +800,9 @@ class ConceptOTJob(Job):
 
     def _encode_texts(self, texts: list[str]) -> dict:
         """Frozen CLIP text tower (models.clip) for texts that are not in the artifact."""
-        from pipeline.models.clip import encode_texts, load_clip
+        from pipeline.models.clip import encode_texts
 
-        model, _, tokenizer, _ = load_clip(self.manifest.models.clip)
+        model, tokenizer = _text_tower(self.manifest.models.clip)
         max_tokens = int(self.art.manifest.get("parameters", {}).get("max_text_tokens", 48))
         project = bool(self.art.manifest.get("parameters", {}).get("project_tokens", False))
         toks, masks, embs = [], [], []
@@ -845,7 +855,10 @@ class ConceptOTJob(Job):
             try:
                 from pipeline.readers.images import open_image
 
-                pil = open_image(images[int(s["sample_id"])]).convert("RGB") if int(s["sample_id"]) in images else None
+                from pipeline.loaders.samples import image_resolver
+
+                ref = image_resolver(self.samples.dir, self.manifest)(images.get(int(s["sample_id"])))
+                pil = open_image(ref).convert("RGB") if ref else None
             except Exception:
                 pil = None
             axes[0].set_title("image", fontsize=8)
