@@ -115,8 +115,11 @@ class _Images:
         self.refs: dict[int, str] = {}
         self.cache: dict[int, np.ndarray | None] = {}
         if samples_art is not None:
+            from pipeline.loaders.samples import image_resolver
+
             t = samples_art.read("samples", columns=["sample_id", "image"])
-            self.refs = dict(zip(t.column("sample_id").to_pylist(), t.column("image").to_pylist()))
+            resolve = image_resolver(samples_art.dir)  # stored relative to the dataset root
+            self.refs = dict(zip(t.column("sample_id").to_pylist(), map(resolve, t.column("image").to_pylist())))
 
     def get(self, sid: int) -> np.ndarray | None:
         sid = int(sid)

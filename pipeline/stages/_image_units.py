@@ -36,6 +36,13 @@ def load_samples(ctx: RunContext, with_captions: bool, with_instances: bool = Fa
             "set dataset.images and run ingest again"
         )
     recs = samples.to_dicts()
+    # samples.image is relative to the dataset's image root: resolved here for every image stage
+    # (``image_path``; ``image`` stays as stored, so unit fingerprints survive a moved output)
+    from pipeline.loaders.samples import image_resolver
+
+    resolve = image_resolver(art.dir, ctx.manifest)
+    for r in recs:
+        r["image_path"] = resolve(r["image"])
     if with_captions:
         caps = (
             art.scan("captions")
@@ -72,7 +79,8 @@ def image_units(records: list[dict], shard_size: int) -> list[tuple[str, object,
     units = []
     for u, start in enumerate(range(0, len(records), shard_size)):
         chunk = records[start : start + shard_size]
-        units.append((f"{u:05d}", fingerprint(chunk), {"records": chunk}))
+        stored = [{k: v for k, v in r.items() if k != "image_path"} for r in chunk]  # where the images are found now is not content
+        units.append((f"{u:05d}", fingerprint(stored), {"records": chunk}))
     return units
 
 
@@ -132,7 +140,7 @@ def decoded_batches(w, records: list[dict], batch_size: int, decode, times: dict
     for kept, batch, failed, dt in prefetched_batches(records, batch_size, decode):
         times["decode_s"] = times.get("decode_s", 0.0) + dt
         for r, reason in failed:
-            w.error("unreadable_image", f"{r['image']}: {reason}", sample_id=r["sample_id"], source_id=r["source_id"])
+            w.error("unreadable_image", f"{r.get('image_path') or r['image']}: {reason}", sample_id=r["sample_id"], source_id=r["source_id"])
         if kept:
             yield kept, batch
 
@@ -144,7 +152,7 @@ def open_images(records: list[dict]):
     kept, images, failed = [], [], []
     for r in records:
         try:
-            images.append(open_image(r["image"]))
+            images.append(open_image(r.get("image_path") or r["image"]))
             kept.append(r)
         except Exception as e:  # ImageError, or anything PIL raises on garbage
             failed.append((r, describe_exception(e)))

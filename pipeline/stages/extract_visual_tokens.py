@@ -142,7 +142,7 @@ class VisualTokenWorker:
                 failed.append((r, "image_too_large", f"{w}x{h} > max_pixels {c.max_pixels}"))
                 continue
             try:
-                im = open_image(r["image"])
+                im = open_image(r.get("image_path") or r["image"])
             except Exception as e:
                 failed.append((r, "unreadable_image", describe_exception(e)))
                 continue

@@ -19,6 +19,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from pipeline.io.atomic import fingerprint
+from pipeline.loaders.samples import dataset_image_root, recorded_root, relative_ref
 from pipeline.readers.base import MISSING_IMAGE_FIELD
 from pipeline.readers.images import ImageTooLarge
 from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, run_units, unit_writer
@@ -184,9 +185,9 @@ def ingest_unit(payload: dict) -> dict:
         if not kept:
             w.error("no_captions", "no usable caption left", sample_id=sid, source_id=src)
             continue
-        samples.append(
-            {"sample_id": sid, "source_id": src, "image": r["image"], "width": width, "height": height, "split": r["split"]}
-        )
+        # stored relative to the dataset's image root (pipeline.loaders.samples resolves it on read)
+        image = relative_ref(r["image"], payload.get("image_root"))
+        samples.append({"sample_id": sid, "source_id": src, "image": image, "width": width, "height": height, "split": r["split"]})
         captions.extend(kept)
         kept_ids = {c["caption_id"] for c in kept}
         for inst in r["instances"]:
@@ -246,6 +247,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     params = {"dataset": ds.model_dump(mode="json"), "limit": ctx.limit, **cfg.model_dump(mode="json")}
     params.pop("enabled", None)
     writer = ctx.writer("samples", NAME, params)
+    image_root = None if caption_only else dataset_image_root(ds, ctx.output)
     units = []
     next_caption = 0
     for u, start in enumerate(range(0, len(records), cfg.shard_size)):
@@ -253,13 +255,16 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         for k, rec in enumerate(records[start : start + cfg.shard_size]):
             chunk.append(_record_payload(rec, start + k, next_caption))
             next_caption += len(rec.captions)
-        unit_input = fingerprint(chunk, [_image_stat(r["image"]) for r in chunk])
+        # image references as stored (relative to the root): an output moved with its dataset redoes nothing
+        rel = [dict(r, image=relative_ref(r["image"], image_root)) for r in chunk]
+        unit_input = fingerprint(rel, [[relative_ref(r["image"], image_root), *_image_stat(r["image"])[1:]] for r in chunk])
         payload = {
             "records": chunk,
             "verify_images": verify,
             "max_pixels": cfg.max_pixels,
             "min_caption_chars": cfg.min_caption_chars,
             "has_annotations": has_ann,
+            "image_root": str(image_root) if image_root else None,
         }
         units.append((f"{u:05d}", unit_input, payload))
     names = run_units(ctx, writer, units, ingest_unit, total_rows=len(records))
@@ -269,7 +274,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     }
     if has_ann:
         schema.update(instances=str(INSTANCES_SCHEMA), relations=str(RELATIONS_SCHEMA), phrases=str(PHRASES_SCHEMA))
-    m = writer.finalize(names, extra={"dataset_kind": ds.kind, "caption_only": caption_only}, schema=schema)
+    m = writer.finalize(names, extra={"dataset_kind": ds.kind, "caption_only": caption_only,
+                                      "image_root": recorded_root(ctx.output, image_root)}, schema=schema)
     return {
         "samples": m["tables"]["samples"]["rows"],
         "captions": m["tables"]["captions"]["rows"],
