@@ -76,6 +76,8 @@ class Config(TrainerConfig):
     lambda_rec: float = Field(1.0, ge=0, description="reconstruction weight lambda")
     gumbel_tau: float = Field(1.0, gt=0, description="Gumbel-softmax temperature (GroupViT's)")
     assign_eps: float = Field(1.0, gt=0, description="assignment normalisation eps (GroupViT's)")
+    pre_assign_attn: bool = Field(True, description="GroupViT's cross-attention block (groups attend to tokens) before "
+                                  "the assignment; the paper's Eq. 4 does not mention it")
     max_len: int = Field(77, ge=3, le=77, description="M: SOT + tokens + EOT (longer captions are truncated, counted)")
     full_logits: bool = Field(False, description="decoder logits at every position of B x 77 (the benchmark's reference) "
                               "instead of at the real tokens of a trimmed batch")

@@ -139,8 +139,9 @@ class GroupingBlock(nn.Module):
     """GroupViT's grouping block (K groups in, K groups out) with a token padding mask."""
 
     def __init__(self, d: int, heads: int, n_groups: int, gumbel: bool = True, hard: bool = True,
-                 tau: float = 1.0, assign_eps: float = 1.0):
+                 tau: float = 1.0, assign_eps: float = 1.0, pre_assign: bool = True):
         super().__init__()
+        self.pre_assign = pre_assign
         self.norm_tokens, self.norm_x = nn.LayerNorm(d), nn.LayerNorm(d)
         self.mlp_inter = Mlp(n_groups, max(1, int(0.5 * d)), n_groups)
         self.norm_post_tokens = nn.LayerNorm(d)
@@ -152,7 +153,8 @@ class GroupingBlock(nn.Module):
         x = self.norm_x(tokens)
         g = self.norm_tokens(groups)
         g = self.norm_post_tokens(self.mlp_inter(g.transpose(1, 2)).transpose(1, 2))
-        g = self.pre_assign_attn(g, x, token_mask)
+        if self.pre_assign:  # GroupViT's block; the paper's Eq. 4 goes straight to the assignment
+            g = self.pre_assign_attn(g, x, token_mask)
         new, attn, vis = self.assign(g, x, token_mask, noise)
         new = new + g  # Eq. 4's residual (GroupViT: on the projected group tokens)
         new = new + self.mlp_channels(self.norm_new_x(new))
@@ -229,14 +231,15 @@ class TextSide(nn.Module):
 class TextGroupTransformer(TextSide):
     def __init__(self, vocab: int = 49408, d: int = 128, heads: int = 4, n_groups: int = 4, layers_pre: int = 6,
                  layers_post: int = 3, max_len: int = 77, d_img: int = 384, d_proj: int = 256, decoder: bool = True,
-                 gumbel: bool = True, hard: bool = True, gumbel_tau: float = 1.0, assign_eps: float = 1.0):
+                 gumbel: bool = True, hard: bool = True, gumbel_tau: float = 1.0, assign_eps: float = 1.0,
+                 pre_assign: bool = True):
         super().__init__()
         self._init_common(vocab, d, max_len, d_img, d_proj, decoder)
         self.n_groups = n_groups
         self.group_tokens = nn.Parameter(torch.empty(1, n_groups, d))
         nn.init.trunc_normal_(self.group_tokens, std=0.02)
         self.pre = nn.ModuleList(Block(d, heads) for _ in range(layers_pre))
-        self.grouping = GroupingBlock(d, heads, n_groups, gumbel, hard, gumbel_tau, assign_eps)
+        self.grouping = GroupingBlock(d, heads, n_groups, gumbel, hard, gumbel_tau, assign_eps, pre_assign)
         self.post = nn.ModuleList(Block(d, heads) for _ in range(layers_post))
         self.ln_final = nn.LayerNorm(d)
 
