@@ -456,7 +456,10 @@ class InfoGroundJob(Job):
         words = ParquetMultiJoin(neg, "words", ["caption_id", "word_index", "start", "end", "text"], cache_files=8)
         nreader = NegativesReader(neg.dir)
         images_tbl = smp.read("samples", ["sample_id", "image", "width", "height"]).to_pydict()
-        img_path = dict(zip(images_tbl["sample_id"], images_tbl["image"]))
+        from pipeline.loaders.samples import image_resolver
+
+        resolve = image_resolver(smp.dir, self.manifest)  # samples.image is relative to the dataset root
+        img_path = dict(zip(images_tbl["sample_id"], map(resolve, images_tbl["image"])))
         images = []
         for sid in sids:
             ph = phrases.lookup(sid)
