@@ -191,6 +191,10 @@ def inspect(
     try:
         art = Artifact(path)
     except ArtifactMissing as e:
+        inside = sorted(p.parent.name for p in Path(path).glob("*/_manifest.json")) if Path(path).is_dir() else []
+        if inside:  # a run's output folder, not one artifact
+            _fail(f"{path} is a run folder, not an artifact: `pipeline report {path}` writes its report; "
+                  f"inspect one of its artifacts with `pipeline inspect {Path(path) / inside[0]}` ({', '.join(inside)})")
         _fail(str(e))
     if as_json:
         typer.echo(json.dumps(art.manifest, indent=2))

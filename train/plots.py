@@ -73,13 +73,10 @@ COUNT_WORDS = {"phrases", "skipped", "available", "triples", "items", "n", "coun
 
 
 def is_count(key: str, values: list[float]) -> bool:
-    """Sizes (items scored or skipped, phrases...), not metrics: by name, or whole numbers under a
-    name that says nothing of a rate or a loss."""
+    """Sizes (items scored or skipped, phrases...), not metrics, by name (a whole number is no sign:
+    an accuracy can be exactly 40 %)."""
     leaf = key.rsplit("/", 1)[-1].lower()
-    if leaf in COUNT_WORDS or leaf.startswith(("n_", "num_")) or leaf.endswith(("_count", "_n")):
-        return True
-    return bool(values) and all(float(v).is_integer() for v in values) and not (
-        is_percent_metric(key) or is_fraction_metric(key) or "loss" in leaf or "chance" in leaf)
+    return leaf in COUNT_WORDS or leaf.startswith(("n_", "num_")) or leaf.endswith(("_count", "_n"))
 
 
 def _family(key: str) -> str:
@@ -204,7 +201,12 @@ def plot_metrics(metrics_path: Path, out_png: Path, title: str | None = None) ->
             title_text += "\n" + ", ".join(f"{k}={v:,.0f}" for k, v in extra.items())
         ax.set_title(title_text, fontsize=8.5)
         ax.set_xlabel("step", fontsize=8)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        steps = sorted({x for k in p["keys"] for x in _series(p["rows"], k)[0]})
+        if len(steps) == 1:  # one logged step: a point in the middle, one tick
+            ax.set_xlim(steps[0] - 1, steps[0] + 1)
+            ax.set_xticks(steps)
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if p["ylabel"]:
             ax.set_ylabel(p["ylabel"], fontsize=8)
         if p["log"]:

@@ -214,7 +214,7 @@ def _stage_info(spec, art, runlog_stage: dict | None, manifest_path: str | None,
 
 def main_rows(m: dict) -> int:
     tables = m.get("tables") or {}
-    for t in ("shards", "samples", "concepts", "negatives", "image_negatives"):
+    for t in ("negatives", "concepts", "image_negatives", "samples", "shards"):
         if t in tables:
             return int(tables[t]["rows"])
     return int(next(iter(tables.values()))["rows"]) if tables else 0
@@ -406,6 +406,7 @@ def _index_section(art, images: _Images, out: _Out, captions: dict[int, str], ca
             own = [c for c, o in cap_owner.items() if o == sid][:1]
             img_q.append({"sample_id": sid, "thumb": out.thumb(images, sid), "caption": captions.get(own[0], "") if own else "",
                           "neighbours": [{"caption_id": c, "text": captions.get(c, f"caption {c}"), "image": cap_owner.get(c),
+                                          "thumb": out.thumb(images, cap_owner[c], 64) if c in cap_owner else None,
                                           "score": float(s)} for c, s in list(zip(r["caption_ids"], r["scores"]))[:5]]})
     if "caption_negatives" in art.tables():
         for r in art.read("caption_negatives").slice(0, 3).to_pylist():

@@ -1,0 +1,258 @@
+"""`pipeline report`, the run-all summary, the progress ETA and the training-curve panels.
+
+Fast tests run stages in-process (a serial stand-in for the Ray mapper, same payload round trip
+through JSON) on a few generated images. The browser test (slow) renders the whole demo's report
+in headless Chromium: no console errors, every image loads, every section present; it saves a
+screenshot (``.ci-reports/report.png`` under CI, else the test's tmp folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, make_manifest
+
+
+# --------------------------------------------------------------------------- in-process stage runner
+def _serial_map_units(units, fn, *, ray_cfg=None, actor=False, constructor_kwargs=None, **_):
+    obj = fn(**(constructor_kwargs or {})) if actor else fn
+    for u in units:
+        yield obj(json.loads(json.dumps(u, default=str)))
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Run stages serially in this process (the unit functions and actors are the real ones)."""
+    import pipeline.runtime
+    import pipeline.stage
+
+    monkeypatch.setattr(pipeline.stage, "map_units", _serial_map_units)
+    monkeypatch.setattr(pipeline.runtime, "map_units", _serial_map_units)
+    monkeypatch.setattr(pipeline.stage, "ensure_ray", lambda *a, **k: None)
+    monkeypatch.setattr(pipeline.runtime, "ensure_ray", lambda *a, **k: None)
+
+
+def _run(stages, m):
+    from pipeline.report.build import record_stage
+    from pipeline.stage import RunContext, run_stage
+
+    ctx = RunContext(m)
+    for s in stages:
+        record_stage(m.output, s, run_stage(s, ctx), "manifests/demo.yaml")
+    return ctx
+
+
+# --------------------------------------------------------------------------- numbers, ETA
+def test_numbers_are_rounded_for_people():
+    from pipeline.report.build import fmt_bytes, fmt_num, fmt_value
+
+    assert fmt_num(40.00000059604645) == "40"
+    assert fmt_num(0.123456) == "0.123"
+    assert fmt_num(3.14159) == "3.14"
+    assert fmt_num(12345.6) == "12,346"
+    assert fmt_num(1234567) == "1,234,567"
+    assert fmt_num(None) == "—" and fmt_num(float("nan")) == "—"
+    assert fmt_value(40.00000059604645, "%") == "40.0%"
+    assert fmt_value(0.71234, "fraction") == "0.712"
+    assert fmt_bytes(2048) == "2.0 KB"
+
+
+def test_eta_never_negative(caplog):
+    from pipeline.stage import _Progress, format_seconds
+
+    assert format_seconds(-5) == "0.0s" and format_seconds(125) == "2m 05s" and format_seconds(7300) == "2h 01m"
+    p = _Progress("x", total_units=4, total_rows=10)  # the row estimate is exceeded after the first shard
+    p.tty = False
+    with caplog.at_level("INFO", logger="pipeline"):
+        for _ in range(4):
+            p._last = -1e9  # log every update
+            p.update(50)
+    etas = [r.getMessage().split("ETA ")[1] for r in caplog.records if "ETA" in r.getMessage()]
+    assert len(etas) == 4 and not any(e.startswith("-") for e in etas), etas
+    assert etas[-1] == "0.0s"
+
+
+# --------------------------------------------------------------------------- training curves
+def test_metric_panels_split_families(tmp_path):
+    from train.plots import metric_panels, plot_metrics
+
+    rows = [{"kind": "train", "step": s, "epoch": 0, "loss": 10.0 / s ** 2, "lr": 1e-4, "grad_norm": 2.0,
+             "steps_per_s": 5.0, "samples_per_s": 320.0, "hn_index_hit": 0.5} for s in (1, 2, 3, 4, 5, 6, 7, 8)]
+    rows.append({"kind": "eval", "step": 8, "epoch": 0, "global/i2t_R@1": 40.00000059604645, "global/t2i_R@1": 12.5,
+                 "chance/i2t_R@1": 3.1, "chance/t2i_R@1": 1.6, "eval_images": 64, "eval_captions": 320})
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn li')
+    panels = {p["title"]: p for p in metric_panels(rows)}
+    assert panels["train loss"]["keys"] == ["loss"] and panels["train loss"]["log"]  # spans > 1 decade
+    assert not panels["learning rate"]["log"]
+    ev = panels["eval: global (%)"]
+    assert ev["ylim"] == (0, 100) and set(ev["keys"]) == {"global/i2t_R@1", "global/t2i_R@1"}
+    assert ev["chance"] == {"global/i2t_R@1": "chance/i2t_R@1", "global/t2i_R@1": "chance/t2i_R@1"}
+    # counts never become a curve on a metric axis
+    assert not any("eval_images" in k for p in panels.values() for k in p["keys"])
+    out = plot_metrics(path, tmp_path / "metrics.png")  # one eval point still draws (markers), torn line skipped
+    assert out and out.stat().st_size > 5000
+
+
+def test_no_metrics_no_figure(tmp_path):
+    from train.plots import plot_metrics
+
+    assert plot_metrics(tmp_path / "absent.jsonl", tmp_path / "m.png") is None
+
+
+# --------------------------------------------------------------------------- report: errors and missing artifacts
+def test_report_shows_errors_and_missing_artifacts(tmp_path, no_ray):
+    from pipeline.report import build_report
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=6", "stages.ingest.shard_size=4"])
+    _run(["ingest"], m)
+    out = Path(m.output)
+    (out / "regions").mkdir()  # a stage that started and never finished
+    html_path = build_report(out, "manifests/demo.yaml", m)
+    html = html_path.read_text()
+    # the demo's broken image and blank caption are shown by reason, with the sample they name
+    assert "unreadable_image" in html and "empty_caption" in html
+    assert "Errors by reason" in html and "sample_id" in html
+    # every missing artifact says so and names the command that makes it
+    for stage, artifact in [("mine-concepts", "concepts"), ("negative-captions", "negatives"),
+                            ("extract-visual-tokens", "visual_tokens"), ("build-index", "index")]:
+        assert f"pipeline run {stage} --manifest manifests/demo.yaml" in html, stage
+    assert "the folder exists but has no _manifest.json" in html
+    assert "no training run under" in html and "train run concept-ot --manifest manifests/demo.yaml" in html
+    # thumbnails of the samples exist beside the page
+    assert len(list((out / "report" / "img" / "thumbs").glob("*.jpg"))) >= 4
+    assert "RANDOM WEIGHTS" not in html.split("<main>")[1].split('id="overview"')[0]  # ingest alone has no model
+
+
+def test_report_command_and_run_summary(tmp_path, no_ray):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=4"])
+    _run(["ingest"], m)
+    res = CliRunner().invoke(app, ["report", str(m.output)])
+    assert res.exit_code == 0, res.output
+    assert (Path(m.output) / "report" / "index.html").is_file() and "report:" in res.output
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "nowhere")])
+    assert res.exit_code == 2 and "is not a folder" in res.output
+
+
+def test_inspect_on_a_run_folder_points_to_the_report(tmp_path, no_ray):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=4"])
+    _run(["ingest"], m)
+    res = CliRunner().invoke(app, ["inspect", str(m.output)])
+    assert res.exit_code == 2 and "is a run folder" in res.output and f"pipeline report {m.output}" in res.output
+
+
+def test_run_all_summary_lines(tmp_path, no_ray, capsys):
+    from pipeline.cli import _run_summary
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=4"])
+    ctx = _run(["ingest"], m)
+    _run_summary(ctx, ["ingest"], Path(m.output), Path("manifests/demo.yaml"), report=True)
+    text = capsys.readouterr().out
+    assert "ingest" in text and "samples" in text
+    assert "_logs/run-all.log" in text
+    assert f"report: {Path(m.output) / 'report' / 'index.html'}" in text
+
+
+# --------------------------------------------------------------------------- the demo in a real browser
+def _chromium():
+    for b in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(b):
+            return shutil.which(b)
+    return None
+
+
+def _driver():
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.skip("selenium is not installed (pip install -e '.[test]')")
+    browser, driver = _chromium(), shutil.which("chromedriver")
+    if not browser or not driver:
+        pytest.skip("no headless Chromium here: `apt-get install chromium chromium-driver` (.ci/run installs them)")
+    o = webdriver.ChromeOptions()
+    o.binary_location = browser
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000",
+              "--allow-file-access-from-files"):
+        o.add_argument(a)
+    o.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=o, service=Service(driver))
+
+
+def _demo_output(tmp_path) -> tuple[Path, object]:
+    """The demo manifest, all stages, plus a brief concept-ot run (or VLPIPE_REPORT_DEMO: an existing one)."""
+    existing = os.environ.get("VLPIPE_REPORT_DEMO")
+    if existing:
+        return Path(existing), None
+    from pipeline.stage import dependency_order, registry
+
+    sets = ["dataset.synthetic.n_images=24", "train.concept_ot.max_steps=4",
+            "train.concept_ot.batch_size=4", "train.concept_ot.threads=1"]
+    m = make_manifest(tmp_path, sets)
+    reg = registry()
+    _run(dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled]), m)
+    from typer.testing import CliRunner
+
+    from train.cli import app as train_app  # concept-ot, briefly: curves, an eval table, its heatmaps
+
+    args = ["run", "concept-ot", "--manifest", str(REPO / "manifests" / "demo.yaml"), "--no-progress", "--fresh"]
+    for o in [f"output={m.output}", *sets]:
+        args += ["--set", o]
+    res = CliRunner().invoke(train_app, args)
+    assert res.exit_code == 0, res.output
+    return Path(m.output), m
+
+
+@pytest.mark.slow
+def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
+    from pipeline.report import SECTION_IDS, build_report
+
+    driver = _driver()
+    try:
+        out, m = _demo_output(tmp_path)
+        page = build_report(out, "manifests/demo.yaml", m)
+        driver.get(page.resolve().as_uri())
+        logs = [e for e in driver.get_log("browser") if e.get("level") in ("SEVERE", "ERROR")]
+        assert not logs, logs
+        bad = driver.execute_script(
+            "return Array.from(document.images).filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
+        n_img = driver.execute_script("return document.images.length")
+        assert not bad, bad
+        assert n_img >= 20, n_img
+        for sid in SECTION_IDS:
+            assert driver.execute_script(f"return !!document.getElementById('{sid}')"), sid
+        missing = driver.execute_script("return Array.from(document.querySelectorAll('.missing-box')).map(e => e.textContent)")
+        assert not missing, missing  # the demo has every artifact and a training run with an evaluation
+        text = driver.execute_script("return document.body.innerText")
+        assert "RANDOM WEIGHTS" in text and "concept-ot" in text
+        shots = REPO / ".ci-reports" if os.environ.get("CI") else tmp_path
+        shots.mkdir(parents=True, exist_ok=True)
+        from selenium.common.exceptions import TimeoutException
+
+        h = driver.execute_script("return document.body.scrollHeight")
+        try:  # the top of the page (a full 20,000 px page can time out on a loaded machine)
+            driver.set_window_size(1400, min(h + 50, 6000))
+            driver.save_screenshot(str(shots / "report.png"))
+        except TimeoutException:
+            driver.set_window_size(1400, 1000)
+            driver.save_screenshot(str(shots / "report.png"))
+        for sid in ("visual_tokens", "training"):  # and two sections further down, one screen each
+            driver.set_window_size(1400, 1300)
+            driver.execute_script(f"document.getElementById('{sid}').scrollIntoView()")
+            driver.save_screenshot(str(shots / f"report-{sid}.png"))
+        assert (shots / "report.png").stat().st_size > 50_000
+    finally:
+        driver.quit()
