@@ -87,7 +87,9 @@ class ImageStore:
                 return self._patches[m], self._embed[m]
         patches = np.empty((len(rows), self.N, self.d_v), np.float16)
         embed = np.empty((len(rows), self.P), np.float16)
-        for k, r in enumerate(rows):
+        # in shard order, ascending positions: sequential reads of the page cache / disk
+        for k in np.lexsort((self.pos_of[rows], self.shard_of[rows])):
+            r = rows[k]
             s = read_sample(self.shards[self.shard_of[r]], int(self.pos_of[r]), fields=("patch_tokens", "image_embed"),
                             lazy=self.lazy)
             pt = s["patch_tokens"]
