@@ -49,17 +49,21 @@ class PlantedGrounding:
         return self.Er[self.idx[c]] + self.Er[self.idx[s]] + self.noise_r * self.rng.normal(size=self.d_r) / np.sqrt(self.d_r)
 
 
-def write_planted_grounding(out: Path, n_images=300, shard_size=64, seed=0, short_negatives_every=7, **kw):
-    """Write <out>/samples, <out>/regions and <out>/negatives. Returns the generator."""
+def write_planted_grounding(out: Path, n_images=300, shard_size=64, seed=0, short_negatives_every=7, id_offset=0,
+                            empty_regions=(), **kw):
+    """Write <out>/samples, <out>/regions and <out>/negatives (sample ids id_offset + 1, 2, ...;
+    the ids in ``empty_regions`` get 0 regions). Returns the generator."""
     from pipeline.stages.negative_captions import NEGATIVES_SCHEMA, WORDS_SCHEMA
 
     out = Path(out)
     pg = PlantedGrounding(seed=seed, **kw)
     rng = pg.rng
-    ids = list(range(1, n_images + 1))
+    ids = list(range(id_offset + 1, id_offset + n_images + 1))
     scenes = {}
     for sid in ids:
-        cols = rng.choice(len(COLORS), 2 + pg.distractors, replace=False)
+        cols = rng.choice(len(COLORS), 2 + pg.distractors, replace=False) if pg.distractors <= len(COLORS) - 2 else \
+            np.concatenate([c2 := rng.choice(len(COLORS), 2, replace=False),  # distractors: other colours, repeats allowed
+                            rng.choice(np.setdiff1d(np.arange(len(COLORS)), c2), pg.distractors)])
         shs = rng.choice(len(SHAPES), 2, replace=False)
         bgs = rng.choice(len(BACKGROUND), pg.distractors, replace=True)
         cells = rng.choice(16, 2 + pg.distractors, replace=False)
@@ -93,7 +97,7 @@ def write_planted_grounding(out: Path, n_images=300, shard_size=64, seed=0, shor
             inst["attributes"].append("{}")
         for j, order in enumerate([(0, 1), (1, 0)]):
             cid = sid * 10 + j
-            parts, text, ws = [], "a ", []
+            text, ws = "a ", []
             for n, k in enumerate(order):
                 c, s = sc["objs"][k]
                 st = len(text)
@@ -139,6 +143,8 @@ def write_planted_grounding(out: Path, n_images=300, shard_size=64, seed=0, shor
                 pairs = sc["objs"] + sc["dis"]
                 feats = np.stack([pg.region(c, s) for c, s in pairs])[sc["perm"]]
                 iid = np.asarray([k if k < 2 else -1 for k in range(len(pairs))], np.int64)[sc["perm"]]
+                if sid in empty_regions:  # the detector found nothing
+                    sc["perm"], feats, iid, pairs = sc["perm"][:0], feats[:0], iid[:0], []
                 shw.write(sample_key(sid), {"boxes.npy": sc["boxes"][sc["perm"]], "features.npy": feats.astype(np.float16),
                                             "scores.npy": np.ones(len(pairs), np.float32),
                                             "labels.npy": -np.ones(len(pairs), np.int64), "instance_ids.npy": iid,

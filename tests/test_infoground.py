@@ -4,6 +4,7 @@ the negatives stage, bad input (missing / foreign artifacts, zero regions, zero 
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -203,3 +204,71 @@ def test_collate_contextual_random_and_masks():
     assert b["lang_mask"][1].tolist() == [True] * 5
     pool = {tuple(np.round(samples[i]["wf"][r].astype(np.float32), 3)) for i in (0, 2) for r in (1, 2)}
     assert {tuple(np.round(x, 3)) for x in b["lang_words"][1, 1:].numpy()} <= pool
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _manifest(out, *sets):
+    from pipeline.config import load_manifest
+    from train.config import TrainerConfig
+
+    extra = ["train.infoground.benchmarks_at_end=false"] if "benchmarks_at_end" in TrainerConfig.model_fields else []
+    return load_manifest(None, [f"output={out}", "train.infoground.threads=1", "train.infoground.heatmaps=0", *extra, *sets])
+
+
+def test_bad_inputs(tmp_path, monkeypatch):
+    from infoground_planted import write_planted_grounding
+    from train.jobs.infoground import make_job
+    from train.loop import train
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_planted_grounding(a, n_images=30, empty_regions={3, 4, 5})  # 4 is a test image, 3 a val image
+    write_planted_grounding(b, n_images=30, id_offset=1000)  # another dataset's ids
+    dev = torch.device("cpu")
+    import train.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "plot_metrics", lambda *a, **k: None)  # not under test, slow
+    m = _manifest(a, "train.infoground.regions_artifact=nowhere")
+    with pytest.raises(FileNotFoundError, match="regions artifact .*nowhere is missing .*extract-regions"):
+        make_job(m.train.infoground, m, tmp_path / "r0", dev)
+    m = _manifest(a, f"train.infoground.regions_artifact={b / 'regions'}")
+    with pytest.raises(ValueError, match="only 0 of the 30 samples .* different datasets"):
+        make_job(m.train.infoground, m, tmp_path / "r1", dev)
+    m = _manifest(a, f"train.infoground.negatives_artifact={a / 'samples'}")
+    with pytest.raises(ValueError, match="holds a 'samples' artifact, expected 'negatives'"):
+        make_job(m.train.infoground, m, tmp_path / "r2", dev)
+    # zero regions: skipped and counted, training and evaluation run through
+    m = _manifest(a, "train.infoground.max_steps=2", "train.infoground.batch_size=8", "train.infoground.lr=1e-3")
+    job = make_job(m.train.infoground, m, tmp_path / "r3", dev)
+    assert job.skips["zero_regions"] == 3
+    res = train(job, resume=False, progress=False)
+    # 6 test and 6 val images of 2 captions x 2 phrases; one of each has no region
+    assert res["test_skipped"] == 4 and res["val_skipped"] == 4
+    assert res["test_phrases"] == 20 and res["val_phrases"] == 20
+    g = json.loads((job.run_dir / "eval" / "final" / "grounding.json").read_text())
+    assert g["test"]["skip_reasons"] == {"no_regions": 4}
+
+
+def test_zero_nouns_is_an_error(tmp_path):
+    """A negatives artifact whose captions had no noun or adjective (no word rows) is one clear error."""
+    from infoground_planted import write_planted_grounding
+    from pipeline.io.artifacts import ArtifactWriter, unit_name
+    from pipeline.io.wds import ShardWriter
+    from pipeline.stages.negative_captions import NEGATIVES_SCHEMA, WORDS_SCHEMA
+    from train.jobs.infoground import make_job
+
+    write_planted_grounding(tmp_path, n_images=10)
+    import shutil
+
+    shutil.rmtree(tmp_path / "negatives")
+    w = ArtifactWriter(tmp_path, "negatives", "negative-captions", {})
+    uw = w.unit_writer(unit_name(0), "fp")
+    with ShardWriter(uw.shard_path()) as sw:  # the stage writes a shard even when no sample has words
+        pass
+    uw.record_shard(uw.shard_path(), 0)
+    uw.write_table("words", WORDS_SCHEMA.empty_table())
+    uw.write_table("negatives", NEGATIVES_SCHEMA.empty_table())
+    uw.commit()
+    w.finalize([unit_name(0)], extra={"feature_dim": 24, "negative_feature_k": 25})
+    m = _manifest(tmp_path)
+    with pytest.raises(ValueError, match="no words"):
+        make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))

@@ -315,7 +315,11 @@ class InfoGroundJob(Job):
         self.reg_art = _artifact(root, cfg.regions_artifact, "regions", "regions")
         self.samples = _artifact(root, cfg.samples_artifact, "samples", "samples")
         self.regions = regions_reader(str(self.reg_art.dir))
-        self.neg_shards = [str(p) for p in self.neg_art.files("shards")]
+        try:
+            self.neg_shards = [str(p) for p in self.neg_art.files("shards")]
+        except KeyError:
+            raise ValueError(f"infoground: {self.neg_art.dir} has no feature shards (no caption had a noun or "
+                             "adjective, or the stage did not finish)") from None
         self.d_r = int(self.regions.feature_dim)
         self.d_w = self._word_dim(self.neg_art)
         self.skips: Counter = Counter()
