@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,8 +21,13 @@ _QUIET_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "1",
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+    "RAY_COLOR_PREFIX": "0",  # worker lines forwarded to the driver without ANSI colour codes
     "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # no download / loading bars from model loads
+    "TRANSFORMERS_VERBOSITY": "error",
 }
+# Workers only: model-loading bars (tqdm) from inside actors do not belong in the driver's log.
+_WORKER_ENV = {"TQDM_DISABLE": "1"}
 
 
 def ensure_ray(ray_cfg) -> dict:
@@ -40,6 +46,7 @@ def ensure_ray(ray_cfg) -> dict:
     # cluster the image installs it. Keep the driver's sys.path for a source checkout too.
     env_vars = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME") if k in os.environ}
     env_vars.update(_QUIET_ENV)
+    env_vars.update(_WORKER_ENV)
     runtime_env = {"env_vars": env_vars}
     if ray_cfg.address:
         ray.init(address=ray_cfg.address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
@@ -83,6 +90,17 @@ def _encode(result: dict):
     return pd.DataFrame({"result": [json.dumps(result, default=str)]})
 
 
+def _quiet_worker() -> None:
+    """Inside a worker: the driver already logs warnings (random weights, ...) once; a worker's
+    copies would reach the log once per actor with a process prefix. Errors still come through."""
+    logging.getLogger("pipeline").setLevel(logging.ERROR)
+    if "transformers" in sys.modules:  # its env settings cover a later import
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
+
 def _contained(fn, payload: dict) -> dict:
     """Run one unit; an exception becomes ``{"unit", "failed": one line}`` for the driver to report
     (naming the unit) instead of a worker traceback through Ray. Full traceback at debug level."""
@@ -96,6 +114,7 @@ def _contained(fn, payload: dict) -> dict:
 
 
 def _task_entry(batch, fn):
+    _quiet_worker()
     return _encode(_contained(fn, _decode(batch)))
 
 
@@ -107,6 +126,7 @@ class _ActorEntry:
         from pipeline.stage import describe_exception
 
         self.impl, self.broken = None, None
+        _quiet_worker()
         try:
             self.impl = cls(**kwargs)
         except Exception as e:
@@ -157,6 +177,16 @@ def map_units(
     if num_gpus:
         kwargs["num_gpus"] = num_gpus
     if actor:
+        # Embedded local Ray: max_restarts=0. Ray's restartable actors keep their constructor
+        # arguments in the object store and log an error line about it for every actor; a unit that
+        # fails is reported by the driver (naming the unit) and a rerun resumes. On a cluster
+        # (ray.address set) nodes and their workers can die: actors restart and their lost units are
+        # retried (tests/test_cluster.py kills a node's workers mid-stage), at the price of that line.
+        if ray_cfg.address:
+            kwargs["max_restarts"] = -1
+            kwargs["max_task_retries"] = -1
+        else:
+            kwargs["max_restarts"] = 0
         out = ds.map_batches(
             _ActorEntry,
             compute=ActorPoolStrategy(size=size),

@@ -331,3 +331,20 @@ def test_webdataset_tar_members_never_reach_disk_and_size_is_limited(tmp_path):
     from pipeline.stages.ingest import _reason
 
     assert _reason(recs["big"].problems[0][1], "bad_record") == "member_too_large"
+
+
+@pytest.mark.slow
+def test_stage_log_is_clean(tmp_path):
+    """No ANSI codes, no Ray actor-restart line, no per-worker copies of driver warnings, no bars."""
+    base = [sys.executable, "-m", "pipeline.cli", "run"]
+    sets = ["-m", str(REPO / "manifests" / "demo.yaml"), "--set", f"output={tmp_path / 'run'}", "--set", "dataset.synthetic.n_images=4",
+            "--set", "ray.num_cpus=2", "--set", "ray.actors=1"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    for stage in ("ingest", "extract-image-groups"):
+        r = subprocess.run(base + [stage] + sets, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        err = r.stderr
+        assert "\x1b[" not in err and "\r" not in err
+        assert "constructor arguments in the object store" not in err
+        assert "MapWorker" not in err and "pid=" not in err
+        assert err.count("RANDOM WEIGHTS") <= 1
