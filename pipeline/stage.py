@@ -150,7 +150,14 @@ class RunContext:
             raise StageError(f"input artifact '{name}' not found under {self.output}: {hint}") from None
 
     def writer(self, artifact: str, stage: str, params: dict, inputs=None, models=None) -> ArtifactWriter:
-        return ArtifactWriter(self.output, artifact, stage, params, inputs=inputs, models=models, force=self.force)
+        w = ArtifactWriter(self.output, artifact, stage, params, inputs=inputs, models=models, force=self.force)
+        # The error policy applies to every stage's artifact, whichever way its units are run;
+        # run_units (or a stage) sets w.input_rows, else the rate is over rejected + kept rows.
+        rate = getattr(self.stage_cfg, "max_error_rate", 0.5)
+        w.error_check = lambda errors, out_rows, where: check_error_rate(
+            w.artifact, w.stage, errors, w.input_rows, out_rows, rate, where
+        )
+        return w
 
 
 def unit_writer(payload: dict) -> UnitWriter:
