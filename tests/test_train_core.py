@@ -222,10 +222,14 @@ def test_cli_run_eval_and_bad_manifest(planted, tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert "rerank/i2t_R@1" in res and "global/t2i_R@10" in res
     ck = tmp_path / "cli" / "checkpoints" / "final.pt"
-    r = runner.invoke(app, ["eval", "concept-ot", "--checkpoint", str(ck), "--manifest", str(man), *sets])
+    # `train eval`: the harness table (here the job's own grounding rows: no eval.benchmarks) and, with
+    # --job-eval, the job's evaluate() again, into <run>/eval/step<N>/
+    r = runner.invoke(app, ["eval", "concept-ot", "--checkpoint", str(ck), "--manifest", str(man), "--job-eval", *sets])
     assert r.exit_code == 0, r.output
-    res2 = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res2["rerank/i2t_R@1"] == res["rerank/i2t_R@1"]
+    where = Path(r.stdout.strip().splitlines()[-1].split("results: ", 1)[1].split(" (", 1)[0])
+    assert where.is_file() and where.parent.parent.parent == tmp_path / "cli"
+    res2 = json.loads((where.parent / "metrics.json").read_text())
+    assert res2["rerank/i2t_R@1"] == pytest.approx(res["rerank/i2t_R@1"], abs=1e-3)
     assert list((tmp_path / "cli" / "eval" / "final").glob("heatmap_*.png"))
     r = runner.invoke(app, ["run", "concept-ot", "--manifest", str(man), "--set", "train.concept_ot.varient=x"])
     assert r.exit_code == 2 and "varient" in r.output
