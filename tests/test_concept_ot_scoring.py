@@ -181,3 +181,23 @@ def test_retrieval_scores_reproduce_the_job_retrieval(planted):
     m2 = job.retrieval_scores(model, test[:3], [-1] * 3, [x for _, _, x in pairs[:3]])
     np.testing.assert_allclose(m2["global"], mats["global"][:3, :3], atol=2e-3)
     assert np.array_equal(job.scorable_sample_ids(), np.arange(1, 61))
+
+
+def test_in_job_sugarcrepe_matches_images_across_coco_naming_schemes(planted, tmp_path):
+    """SugarCrepe names val2017 files 000000xxxxxx.jpg, a Karpathy ingest COCO_val2014_000000xxxxxx.jpg:
+    the same COCO id matches (here the benchmark side carries the Karpathy names)."""
+    import json
+
+    out, pl_ = planted
+    job, model = make(out, pl_, "global-only")
+    d = tmp_path / "sc"
+    d.mkdir()
+    for f in (out / "sugarcrepe").glob("*.json"):
+        rows = json.loads(f.read_text())
+        for r in rows.values():
+            r["filename"] = f"COCO_val2014_{int(Path(r['filename']).stem):012d}.jpg"
+        (d / f.name).write_text(json.dumps(rows))
+    job.cfg.sugarcrepe_dirs = [str(d)]
+    with torch.no_grad():
+        res = job._sugarcrepe(model)
+    assert res["sugarcrepe/triples"] == res["sugarcrepe/available"] == len(triples(out)[0])

@@ -722,19 +722,17 @@ class ConceptOTJob(Job):
         data = read_sugarcrepe(self._sugarcrepe_dirs())
         if not data or self.samples is None:
             return {}
-        tab = self.samples.scan("samples").select("sample_id", "source_id", "image").collect()
-        by_name: dict[str, int] = {}
-        for sid, src, im in tab.iter_rows():
-            for key in (str(src), Path(str(im)).name if im is not None else None):
-                if key:
-                    by_name.setdefault(key, int(sid))
-                    by_name.setdefault(Path(key).stem, int(sid))
+        from train.eval.images import ImageMatcher
+
+        # the harness's matching: source id, file name, stem, COCO id across naming schemes (a Karpathy
+        # COCO_val2014_000000391895.jpg matches SugarCrepe's 000000391895.jpg)
+        matcher = ImageMatcher(self.samples)
         wanted: dict[str, list[tuple[int, str, str]]] = {}
         for kind, rows in sorted(data.items()):
             rows = rows[: self.cfg.sugarcrepe_max_per_kind] if self.cfg.sugarcrepe_max_per_kind else rows
-            for r in rows:
-                sid = by_name.get(r["filename"], by_name.get(Path(r["filename"]).stem))
-                if sid is not None:
+            sids = matcher.match_many([r["filename"] for r in rows])
+            for r, sid in zip(rows, sids.tolist()):
+                if sid >= 0:
                     wanted.setdefault(kind, []).append((sid, r["caption"], r["negative_caption"]))
         n_total = sum(len(v) for v in data.values())
         res: dict = {"sugarcrepe/triples": float(sum(len(v) for v in wanted.values())), "sugarcrepe/available": float(n_total)}
