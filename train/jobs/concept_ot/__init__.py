@@ -29,12 +29,30 @@ global scores of the batch. Defaults are the paper's Tables 6-7 (AdamW lr 1e-4, 
 64, 5% warmup + cosine, clip 1.0, 3 epochs; eps 0.07, tau 0.2, lambda_l 0.5, beta 1e-3,
 tau_l 0.07, L 5, r 32, K_h 4, d_c 256) and Appendix H's stabilisation for the low-rank solver.
 
+Epochs (``epochs``): per variant as the paper (Sec. 3.2, App. G): 3 for the transport variants,
+8 for filip / text-attn / global-patch. ``epoch_unit: captions`` makes an epoch one pass over the
+(image, caption) pairs (round(mean captions per image) image passes; in pass k an image takes
+caption perm[k % c] of a permutation seeded by (seed, epoch, sample_id), so one caption per image
+per batch, as Alg. 2's batches, and every pair once per epoch when c == passes).
+``train_subset: N``: a seeded (``train_subset_seed``) subset of N training images (the paper's 20K
+COCO setting). A configuration whose ``eval_splits`` hold no images is an error at start.
+
 Evaluation (App. G.4 and Sec. 2.6): retrieval R@1/5/10 both ways, global only and two-stage
 (global top-128, rerank by g + lambda_l * s_local); SugarCrepe-format pairwise accuracy on every
 folder of ``sugarcrepe_dirs`` (default: the generated dataset's ``sugarcrepe/`` and the shared
-``data/sugarcrepe`` when present; images are matched by file name to the ``samples`` artifact,
-texts are encoded with the frozen CLIP text tower of ``models.clip``, since negatives are not in
-the artifact); phrase heatmaps h_i(J) = sum_{j in J} Pi_ij saved as PNG.
+``data/sugarcrepe`` when present; images are matched to the ``samples`` artifact by the harness's
+ImageMatcher, texts are encoded with the frozen CLIP text tower of ``models.clip``, since negatives
+are not in the artifact); phrase heatmaps h_i(J) = sum_{j in J} Pi_ij saved as PNG; Sec. 2.6 box
+prediction (``job_metrics``: threshold ``box_threshold`` x max, patch envelope; accuracy@IoU0.5 and
+mean IoU against the union box of each phrase's instances, for the dataset's phrase spans, chance =
+the whole-image box; see :mod:`train.jobs.concept_ot.boxes`).
+
+The harness interface (train/eval/interface.py): ``score_pairs`` = g + lambda_l * s_local
+(global-only: g), images by random access into the shards, texts through the frozen CLIP text
+tower (cached per text); a box restricts the local score to the patches it overlaps (masses
+renormalised over them; g stays the whole image's pooled embedding, said in ``crop_note``);
+``retrieval_scores`` = ``global`` and the G.4 rerank per direction (``rerank/i2t``,
+``rerank/t2i``), with the artifact's stored encodings for its own captions.
 
 This module stays importable without torch (the manifest loader reads ``Config``); the
 implementation is in :mod:`train.jobs.concept_ot.job`.
