@@ -196,3 +196,28 @@ def test_image_groups_failing_image_is_rejected_alone(extremes, monkeypatch):
     assert sorted(_stored(art)) == sorted(r["sample_id"] for r in records if r["sample_id"] not in bad)
     failed = {e["sample_id"] for e in art.errors().to_pylist() if e["reason"] == "model_failed"}
     assert failed == {r["sample_id"] for r in records if r["source_id"] in ("g_thin.png", "h_wide.png")}
+
+
+@pytest.mark.slow
+def test_visual_tokens_failing_image_is_rejected_alone(extremes):
+    from pipeline.stages import extract_visual_tokens as st
+
+    tmp, records = extremes
+    cfg = st.Config(segmenter="sam", relations="geometric", embedding="mask_pool", batch_size=3, shard_size=4,
+                    points_per_side=4, points_per_batch=8, pred_iou_thresh=-100, stability_score_thresh=0,
+                    score_threshold=-100, min_side=1).model_dump(mode="json")
+    cfg["predicates"] = "psg56"
+    worker = st.VisualTokenWorker(cfg, {"sam": "tiny-random", "predicate_encoder": "tiny-random"}, 1)
+    real = worker.segmenter.segment
+
+    def segment(images, anns=None):  # a fault on the constant-colour (thin / wide) images
+        if any(im.std() == 0 for im in images):
+            raise RuntimeError("cannot segment a constant image")
+        return real(images, anns)
+
+    worker.segmenter.segment = segment
+    art = _run_worker(worker, tmp / "vt", "visual_tokens", st.NAME, records, shard_size=4)
+    bad = {r["sample_id"]: r["source_id"] for r in records if r["source_id"] in ("f.jpg", "g_thin.png", "h_wide.png")}
+    assert sorted(_stored(art)) == sorted(r["sample_id"] for r in records if r["sample_id"] not in bad)
+    errs = {e["sample_id"]: e["reason"] for e in art.errors().to_pylist()}
+    assert errs == {sid: ("unreadable_image" if src == "f.jpg" else "segmentation_failed") for sid, src in bad.items()}
