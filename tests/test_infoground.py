@@ -272,3 +272,37 @@ def test_zero_nouns_is_an_error(tmp_path):
     m = _manifest(tmp_path)
     with pytest.raises(ValueError, match="no words"):
         make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))
+
+
+def test_exact_resume_and_best(tmp_path, monkeypatch):
+    """An interrupted run resumed from last.pt logs the same losses as an uninterrupted one (the
+    batches, the per-epoch noun draw and the random variant's negatives are functions of (seed,
+    epoch, batch)); best.pt is chosen at the per-epoch evaluations."""
+    from infoground_planted import write_planted_grounding
+    from train.jobs.infoground import make_job
+    from train.loop import load_checkpoint, train
+    import train.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "plot_metrics", lambda *a, **k: None)
+    write_planted_grounding(tmp_path, n_images=40)
+    dev = torch.device("cpu")
+    for variant in ("contextual", "random"):
+        m = _manifest(tmp_path, f"train.infoground.negatives={variant}", "train.infoground.batch_size=8",
+                      "train.infoground.epochs=2", "train.infoground.lr=1e-3", "train.infoground.log_every=1")
+        runs = {}
+        for name, stop in (("full", None), ("cut", 4)):
+            job = make_job(m.train.infoground, m, tmp_path / f"{variant}-{name}", dev)
+            if stop:
+                train(job, resume=False, progress=False, stop_after=stop)
+                job = make_job(m.train.infoground, m, tmp_path / f"{variant}-{name}", dev)
+                train(job, resume=True, progress=False)
+            else:
+                train(job, resume=False, progress=False)
+            rows = [json.loads(x) for x in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+            runs[name] = [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
+            evals = [r for r in rows if r["kind"] == "eval"]
+        bpe = job.batches_per_epoch()
+        assert bpe == 6 and len(runs["full"]) == 12 and runs["full"] == runs["cut"], variant  # 48 captions / 8
+        assert [r["step"] for r in evals] == [6, 12]  # per epoch (eval_per_epoch)
+        best = max(evals, key=lambda r: r["val_pointing_accuracy"])
+        assert load_checkpoint(job.run_dir / "checkpoints" / "best.pt")["step"] == best["step"]
