@@ -71,7 +71,8 @@ def rle_encode_many(masks: np.ndarray) -> list[dict[str, Any]]:
         raise ValueError(f"rle_encode_many expects [V, H, W] masks, got shape {masks.shape}")
     if len(masks) == 0:
         return []
-    stack = np.asfortranarray(masks.astype(np.uint8, copy=False).transpose(1, 2, 0))
+    m8 = masks.view(np.uint8) if masks.dtype == bool else (masks != 0).view(np.uint8)
+    stack = np.asfortranarray(m8.transpose(1, 2, 0))  # one copy: pycocotools wants [H, W, V] Fortran order
     return [_as_str(r) for r in _cm.encode(stack)]
 
 
@@ -152,3 +153,12 @@ def segmentation_to_rle(seg: Any, h: int, w: int) -> dict[str, Any]:
     if isinstance(seg, list):
         return polygons_to_rle(seg, h, w)
     raise ValueError(f"unsupported segmentation of type {type(seg).__name__}")
+
+
+def deferred_to_rle(mask: dict | None) -> dict | None:
+    """A mask as the COCO reader leaves it with ``defer_masks`` (``{"segmentation", "height",
+    "width"}``) -> compressed RLE; an RLE (or None) is returned as is. Run by the ingest workers, so
+    the driver never rasterises polygons."""
+    if not isinstance(mask, dict) or "segmentation" not in mask:
+        return mask
+    return segmentation_to_rle(mask["segmentation"], int(mask["height"]), int(mask["width"]))
