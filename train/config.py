@@ -68,6 +68,14 @@ class TrainerConfig(Section):
         d = self.model_dump(mode="json")
         return {k: v for k, v in d.items() if k not in self.EVAL_ONLY}
 
+    def default_training_config(self, named: dict[str, Any]) -> dict[str, Any]:
+        """The job's default training options for these NAMED values ({} when the Config has
+        required options: then every option counts as set)."""
+        try:
+            return type(self).model_validate(named).training_config()
+        except ValueError:
+            return {}
+
     def run_tag(self) -> str:
         """The default run folder's name: the ``variant`` (``default`` for jobs without one) when
         every training option is at the job's default (for that variant), else ``<variant>-<hash>``
@@ -75,7 +83,7 @@ class TrainerConfig(Section):
         folder holds one configuration; :func:`train.loop.train` still refuses to resume a
         checkpoint of another configuration (e.g. after a default changed)."""
         named = {k: getattr(self, k) for k in self.NAMED if k in type(self).model_fields}
-        base = type(self).model_validate(named).training_config()
+        base = self.default_training_config(named)
         mine = self.training_config()
         diff = {k: v for k, v in mine.items() if k not in named and base.get(k) != v}
         name = "-".join(str(v) for v in named.values()) or "default"
@@ -90,8 +98,7 @@ def config_differences(stored: dict[str, Any], cfg: TrainerConfig) -> dict[str, 
     ones are ignored; an option missing from ``stored`` counts as different unless it is at its
     default now: an option added to the job since)."""
     now = cfg.training_config()
-    named = {k: getattr(cfg, k) for k in cfg.NAMED if k in type(cfg).model_fields}
-    base = type(cfg).model_validate(named).training_config()
+    base = cfg.default_training_config({k: getattr(cfg, k) for k in cfg.NAMED if k in type(cfg).model_fields})
     old = {k: v for k, v in stored.items() if k not in cfg.EVAL_ONLY}
     for k, v in now.items():
         if k not in old and base.get(k) == v:
