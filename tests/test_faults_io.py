@@ -348,3 +348,13 @@ def test_stage_log_is_clean(tmp_path):
         assert "constructor arguments in the object store" not in err
         assert "MapWorker" not in err and "pid=" not in err
         assert err.count("RANDOM WEIGHTS") <= 1
+
+
+def test_orphan_unit_files_of_another_shard_size_are_removed(tmp_path):
+    d = tmp_path / "things" / "things"
+    d.mkdir(parents=True)
+    (d / "things-00099.parquet").write_bytes(b"left by a killed run with another shard size")
+    art = _tiny_artifact(tmp_path)
+    release_lock()
+    assert sorted(p.name for p in d.iterdir()) == ["things-00000.parquet"]
+    assert art.verify() == []

@@ -372,9 +372,21 @@ class ArtifactWriter:
             "schema": schema or {},
         }
         manifest.update(extra or {})
+        self._remove_orphans(markers)
         write_json_atomic(self.dir / "_manifest.json", manifest)
         release_lock(self.dir)
         return manifest
+
+    def _remove_orphans(self, markers: list[dict]) -> None:
+        """Delete unit files in the artifact's table folders that no live unit lists (a killed run
+        with another shard size wrote them before its marker); the manifest lists only live ones."""
+        live = {f["path"] for m in markers for f in m.get("files", [])}
+        folders = {Path(p).parent for p in live if Path(p).parent != Path(".")}
+        for folder in folders:
+            for f in (self.dir / folder).iterdir():
+                rel = str(f.relative_to(self.dir))
+                if f.is_file() and rel not in live and f.suffix in (".parquet", ".tar") and not f.name.startswith("."):
+                    f.unlink()
 
 
 class Artifact:
