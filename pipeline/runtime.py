@@ -30,6 +30,25 @@ _QUIET_ENV = {
 _WORKER_ENV = {"TQDM_DISABLE": "1"}
 
 
+class RayStartError(RuntimeError):
+    """Ray cannot start or be joined; the message is one line."""
+
+
+def _init(ray, ray_cfg, runtime_env) -> None:
+    if ray_cfg.address:
+        ray.init(address=ray_cfg.address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
+    else:
+        ray.init(
+            num_cpus=ray_cfg.num_cpus or os.cpu_count(),
+            object_store_memory=ray_cfg.object_store_memory,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+            configure_logging=True,
+        )
+
+
 def ensure_ray(ray_cfg) -> dict:
     """Start (or join) Ray once per process; returns a description for logs and provenance."""
     for k, v in _QUIET_ENV.items():
@@ -48,18 +67,11 @@ def ensure_ray(ray_cfg) -> dict:
     env_vars.update(_QUIET_ENV)
     env_vars.update(_WORKER_ENV)
     runtime_env = {"env_vars": env_vars}
-    if ray_cfg.address:
-        ray.init(address=ray_cfg.address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
-    else:
-        ray.init(
-            num_cpus=ray_cfg.num_cpus or os.cpu_count(),
-            object_store_memory=ray_cfg.object_store_memory,
-            include_dashboard=False,
-            runtime_env=runtime_env,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-            configure_logging=True,
-        )
+    try:
+        _init(ray, ray_cfg, runtime_env)
+    except Exception as e:  # a cluster that is not there, a node that cannot start on an overloaded machine
+        where = ray_cfg.address or "embedded local"
+        raise RayStartError(f"ray ({where}) could not start: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
     from ray.data import DataContext
 
     ctx = DataContext.get_current()

@@ -40,7 +40,7 @@ from pipeline.io.artifacts import (
     UnitWriter,
     release_lock,
 )
-from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
+from pipeline.runtime import RayStartError, ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
 
 log = logging.getLogger("pipeline")
 
@@ -399,7 +399,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     log.info("stage %s: start (output %s)", name, ctx.output)
     try:
         summary = spec.module.run(ctx, cfg) or {}
-    except (ArtifactBusy, OutputPathError) as e:
+    except (ArtifactBusy, OutputPathError, RayStartError) as e:
         raise StageError(str(e)) from None
     finally:
         release_lock()  # a failed stage leaves no lock behind in this process either

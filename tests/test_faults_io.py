@@ -358,3 +358,22 @@ def test_orphan_unit_files_of_another_shard_size_are_removed(tmp_path):
     release_lock()
     assert sorted(p.name for p in d.iterdir()) == ["things-00000.parquet"]
     assert art.verify() == []
+
+
+def test_ray_that_cannot_start_is_one_line(monkeypatch):
+    import pipeline.runtime as rt
+    from pipeline.config import RayConfig
+
+    class FakeRay:
+        @staticmethod
+        def is_initialized():
+            return False
+
+        @staticmethod
+        def init(**kw):
+            raise Exception("The current node timed out during startup. This could happen because\nsome raylet failed")
+
+    monkeypatch.setitem(sys.modules, "ray", FakeRay)
+    with pytest.raises(rt.RayStartError) as e:
+        rt.ensure_ray(RayConfig(address="ray://nowhere:10001"))
+    assert str(e.value) == "ray (ray://nowhere:10001) could not start: Exception: The current node timed out during startup. This could happen because"
