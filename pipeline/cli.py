@@ -90,6 +90,11 @@ def run(
             typer.echo(f"{name}: " + json.dumps(summary))
     except (StageError, ManifestError) as e:
         _fail(str(e))
+    except Exception as e:  # anything unforeseen: one line; the traceback with -v
+        from pipeline.stage import describe_exception
+
+        log.debug("stage %s failed", name, exc_info=True)
+        _fail(f"stage {name} failed: {describe_exception(e)}" + ("" if verbose else " (rerun with -v for the traceback)"))
     if stage == "all":
         _run_summary(ctx, names, Path(m.output), manifest, report)
 

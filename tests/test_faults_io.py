@@ -377,3 +377,25 @@ def test_ray_that_cannot_start_is_one_line(monkeypatch):
     with pytest.raises(rt.RayStartError) as e:
         rt.ensure_ray(RayConfig(address="ray://nowhere:10001"))
     assert str(e.value) == "ray (ray://nowhere:10001) could not start: Exception: The current node timed out during startup. This could happen because"
+
+
+def test_unforeseen_stage_failure_is_one_line_on_the_cli(tmp_path):
+    """A stage failing in a way nothing anticipated (here: the mine-concepts text encoder id does not
+    exist) still ends in one line and exit 2; the traceback is shown with -v."""
+    code = (
+        "import sys, pipeline.stage as st\n"
+        "def boom(name, ctx):\n"
+        "    raise OSError(\"We couldn't connect to 'https://huggingface.co' to load the files\\nmore\")\n"
+        "st.run_stage = boom\n"
+        "from pipeline.cli import app\n"
+        "app(sys.argv[1:])\n"
+    )
+    args = ["run", "ingest", "-m", str(REPO / "manifests" / "demo.yaml"), "--set", f"output={tmp_path / 'run'}"]
+    r = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: stage ingest failed: OSError: We couldn't connect to 'https://huggingface.co' to load the files "
+        "(rerun with -v for the traceback)"
+    ]
+    r = subprocess.run([sys.executable, "-c", code, *args, "-v"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" in r.stderr
