@@ -539,7 +539,7 @@ def build_report(output: str | Path, manifest_path: str | Path | None = None, ma
 
     output = Path(output)
     if not output.is_dir():
-        raise FileNotFoundError(f"{output} is not a folder: run `pipeline run all --manifest <manifest.yaml>` first")
+        raise FileNotFoundError(f"{output} is not a folder: run `pipeline run all --manifest {manifest_path or '<manifest.yaml>'}` first")
     runlog = read_runlog(output)
     manifest_path = str(manifest_path) if manifest_path else runlog.get("manifest")
     root = output / "report"
@@ -575,6 +575,9 @@ def build_report(output: str | Path, manifest_path: str | Path | None = None, ma
         info["incomplete"] = incomplete.get(spec.writes[0])
         stages.append(info)
     producer = {s["artifact"]: s for s in stages}
+    for s_ in stages:  # an artifact computed from a random-weights artifact inherits the warning
+        inherited = sorted({f"{m} (via {a})" for a in reg[s_["stage"]].reads for m in (producer.get(a, {}).get("random_weights") or [])})
+        s_["inherited_random"] = inherited
 
     images = _Images(arts.get("samples"))
     captions: dict[int, str] = {}
@@ -598,7 +601,8 @@ def build_report(output: str | Path, manifest_path: str | Path | None = None, ma
     for a in ARTIFACT_ORDER:
         st = producer.get(a, {"stage": "?", "command": ""})
         sec = {"id": a, "artifact": a, "stage": st.get("stage"), "command": st.get("command"), "data": None,
-               "missing": None, "error": None, "random_weights": st.get("random_weights") or []}
+               "missing": None, "error": None, "random_weights": st.get("random_weights") or [],
+               "inherited_random": st.get("inherited_random") or []}
         if arts.get(a) is None:
             why = incomplete.get(a) or f"no `{a}` artifact under {output}"
             if st.get("enabled") is False:
