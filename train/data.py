@@ -270,6 +270,7 @@ class ShardIndex:
         dup = np.flatnonzero(self.ids[1:] == self.ids[:-1])
         if len(dup):
             raise ValueError(f"{self.name}: sample_id {int(self.ids[dup[0]])} is in two shards")
+        self._parsed: dict[int, list] = {}
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -291,7 +292,23 @@ class ShardIndex:
         k = self._find(int(sample_id))
         if k < 0:
             raise KeyError(f"sample {int(sample_id)} is not in {self.name}")
-        return read_sample(self.shards[int(self.shard_of[k])], int(self.pos[k]), fields=fields, lazy=self.lazy)
+        shard, pos = int(self.shard_of[k]), int(self.pos[k])
+        if self.lazy:
+            return read_sample(self.shards[shard], pos, fields=fields, lazy=True)
+        # kept maps: the shard's parsed samples (views) are held here, one list lookup per sample
+        parsed = self._parsed.get(shard)
+        if parsed is None:
+            from pipeline.loaders.clip_tokens import _parsed
+
+            parsed = self._parsed[shard] = _parsed(self.shards[shard])
+        sample = parsed[pos]
+        if fields is None:
+            return dict(sample)
+        out = {"sample_id": sample["sample_id"]}
+        for f in fields:
+            if f in sample:
+                out[f] = sample[f]
+        return out
 
 
 class ShardJoin:

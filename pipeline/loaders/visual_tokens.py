@@ -17,12 +17,13 @@ With ``graph=True`` the batch also carries what the relation head trains on:
 (h, w) and ``triplets`` (list of [E, 3] int64 tensors with predicate *vocabulary* indices).
 
 L = ``context_length`` (default 77, the paper's; shards never hold more than their stage's
-context length). Shards are split across DataLoader workers.
+context length). Batches come from the training loop's resumable
+stream (:class:`train.data.ShardStream`): deterministic per (seed, epoch), resumable at a batch index,
+split across DataLoader workers by batch.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,57 +45,102 @@ def shard_paths(artifact: str | Path | Artifact) -> list[Path]:
     return art.files("shards")
 
 
-def collate(samples: list[dict], context_length: int = 77, graph: bool = False) -> dict:
+# the fields a trainer reads (read_shard(fields=...)); boxes/masks/triplets/meta only with graph=True
+TRAIN_FIELDS = ("tangible", "intangible", "image_feature", "ranks")
+
+
+def read_shard(path: str | Path, fields=TRAIN_FIELDS, lazy: bool = False) -> Iterator[dict]:
+    """Cheap per-sample dicts ``{"sample_id", field: array}`` (names without ``.npy``/``.json``)
+    through the shared WebDataset reader of :mod:`pipeline.loaders.clip_tokens` (kept memory maps,
+    or with ``lazy=True`` one ``pread`` per member and the large arrays read straight into the
+    batch). JSON members (``meta``, ``masks``) come only with ``fields=None``; this is what
+    :class:`train.data.ShardStream` iterates."""
+    from pipeline.loaders.clip_tokens import read_shard as _read
+
+    yield from _read(path, fields=fields, lazy=lazy)
+
+
+def _norm(s: dict) -> dict:
+    """Accept both sample forms: :func:`iter_samples` (``tangible.npy``, ``meta.json``) and
+    :func:`read_shard` (``tangible``, ``meta``, ``sample_id``)."""
+    if "sample_id" in s and "tangible.npy" not in s:
+        return s
+    out = {k.rsplit(".", 1)[0]: v for k, v in s.items() if k != "__key__"}
+    out["sample_id"] = int(s["meta.json"]["sample_id"]) if "meta.json" in s else int(s["__key__"])
+    return out
+
+
+def n_tokens(s: dict, intangible: bool = True) -> tuple[int, int, int]:
+    """(V, U, T = 1 + V + U) of a sample (either form) from the array shapes only (no read);
+    ``intangible=False``: U counted as 0 (the tangible-only ablation)."""
+    s = _norm(s)
+    v = int(s["tangible"].shape[0]) if len(s["tangible"].shape) == 2 else 0
+    u = int(s["intangible"].shape[0]) if intangible and len(s["intangible"].shape) == 2 else 0
+    return v, u, 1 + v + u
+
+
+def collate(samples: list[dict], context_length: int = 77, graph: bool = False, *, pad_to: str = "context",
+            intangible: bool = True) -> dict:
+    """Padded batch (keys in the module docstring) from samples of :func:`iter_samples` or
+    :func:`read_shard` (numpy arrays or lazy ``FileArray`` handles, read straight into the batch).
+
+    ``pad_to="context"``: L = ``context_length`` (the paper's fixed 77); ``"batch"``: L = the
+    batch's largest T (the same result under the padding mask, less work). ``intangible=False``
+    drops the U tokens and their rank rows/columns (tangible-only ablation). A sample with
+    T > ``context_length`` is a ValueError naming it (trainers filter such samples first)."""
     import torch
 
+    from pipeline.loaders.clip_tokens import _fill
+
+    samples = [_norm(s) for s in samples]
     B = len(samples)
-    d = next((s["tangible.npy"].shape[1] for s in samples if s["tangible.npy"].ndim == 2 and s["tangible.npy"].shape[1]), None)
+    sizes = [n_tokens(s, intangible) for s in samples]
+    for s, (_, _, T) in zip(samples, sizes):
+        if T > context_length:
+            raise ValueError(f"sample {s['sample_id']} has {T} tokens > context_length {context_length}")
+    d = next((int(s["tangible"].shape[1]) for s in samples if len(s["tangible"].shape) == 2 and s["tangible"].shape[1]), None)
     if d is None:
-        d = next((s["intangible.npy"].shape[1] for s in samples if s["intangible.npy"].ndim == 2 and s["intangible.npy"].shape[1]), 1)
-    L = context_length
+        d = next((int(s["intangible"].shape[1]) for s in samples if len(s["intangible"].shape) == 2 and s["intangible"].shape[1]), 1)
+    L = context_length if pad_to == "context" else max(T for _, _, T in sizes)
     tokens = np.zeros((B, L, d), dtype=np.float16)
     types = np.full((B, L), TOKEN_PAD, dtype=np.int64)
     ranks = np.zeros((B, L, L), dtype=np.uint8)
-    feats = np.stack([s["image_feature.npy"] for s in samples]).astype(np.float16)
-    for i, s in enumerate(samples):
-        v = s["tangible.npy"].reshape(-1, d)
-        u = s["intangible.npy"].reshape(-1, d)
-        T = 1 + len(v) + len(u)
-        if T > L:
-            raise ValueError(f"sample {s['meta.json']['sample_id']} has {T} tokens > context_length {L}")
-        tokens[i, 1 : 1 + len(v)] = v
-        tokens[i, 1 + len(v) : T] = u
+    feats = np.stack([np.asarray(s["image_feature"]) for s in samples]).astype(np.float16)
+    for i, (s, (V, U, T)) in enumerate(zip(samples, sizes)):
+        if V:
+            _fill(tokens[i, 1 : 1 + V], s["tangible"])
+        if U:
+            _fill(tokens[i, 1 + V : T], s["intangible"])
         types[i, 0] = TOKEN_IMAGE
-        types[i, 1 : 1 + len(v)] = TOKEN_TANGIBLE
-        types[i, 1 + len(v) : T] = TOKEN_INTANGIBLE
-        ranks[i, :T, :T] = s["ranks.npy"]
+        types[i, 1 : 1 + V] = TOKEN_TANGIBLE
+        types[i, 1 + V : T] = TOKEN_INTANGIBLE
+        ranks[i, :T, :T] = np.asarray(s["ranks"])[:T, :T]  # (I, V, U) order: dropping U keeps the I+V block
     out = {
         "tokens": torch.from_numpy(tokens),
         "image_feature": torch.from_numpy(feats),
         "type_ids": torch.from_numpy(types),
         "ranks": torch.from_numpy(ranks),
         "pad_mask": torch.from_numpy(types == TOKEN_PAD),
-        "sample_id": torch.tensor([s["meta.json"]["sample_id"] for s in samples], dtype=torch.int64),
+        "sample_id": torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64),
     }
     if graph:
-        vmax = max(1, max(len(s["tangible.npy"]) for s in samples))
+        vmax = max(1, max(V for V, _, _ in sizes))
         tang = np.zeros((B, vmax, d), dtype=np.float32)
         boxes = np.zeros((B, vmax, 4), dtype=np.float32)
         trips = []
-        for i, s in enumerate(samples):
-            v = s["tangible.npy"].reshape(-1, d)
-            tang[i, : len(v)] = v
-            boxes[i, : len(v)] = s["boxes.npy"].reshape(-1, 4)
-            t = s["triplets.npy"].reshape(-1, 3).astype(np.int64)
-            pid = np.asarray(s["meta.json"]["predicate_ids"], dtype=np.int64)
+        for i, (s, (V, _, _)) in enumerate(zip(samples, sizes)):
+            tang[i, :V] = np.asarray(s["tangible"]).reshape(-1, d)
+            boxes[i, :V] = np.asarray(s["boxes"]).reshape(-1, 4)
+            t = np.asarray(s["triplets"]).reshape(-1, 3).astype(np.int64)
+            pid = np.asarray(s["meta"]["predicate_ids"], dtype=np.int64)
             if len(t):
                 t = np.stack([t[:, 0], t[:, 1], pid[t[:, 2]]], axis=1)
             trips.append(torch.from_numpy(t))
         out.update(
             tangible=torch.from_numpy(tang),
             boxes=torch.from_numpy(boxes),
-            n_tangible=torch.tensor([len(s["tangible.npy"]) for s in samples], dtype=torch.int64),
-            image_size=torch.tensor([[s["meta.json"]["height"], s["meta.json"]["width"]] for s in samples], dtype=torch.int64),
+            n_tangible=torch.tensor([V for V, _, _ in sizes], dtype=torch.int64),
+            image_size=torch.tensor([[s["meta"]["height"], s["meta"]["width"]] for s in samples], dtype=torch.int64),
             triplets=trips,
         )
     return out
@@ -111,40 +157,29 @@ def load_samples(artifact, sample_ids=None) -> list[dict]:
     return out
 
 
-class VisualTokenBatches:
-    """Iterable of padded batches; also a ``torch.utils.data.IterableDataset`` when torch is present."""
+def _fits(s: dict, context_length: int) -> bool:
+    return n_tokens(s)[2] <= context_length
 
-    def __new__(cls, *args, **kwargs):
-        import torch
 
-        class _Impl(torch.utils.data.IterableDataset):
-            def __init__(self, artifact, batch_size=64, context_length=77, shuffle=False, seed=0, graph=False, drop_last=False):
-                super().__init__()
-                self.paths = shard_paths(artifact)
-                self.batch_size, self.context_length = batch_size, context_length
-                self.shuffle, self.seed, self.graph, self.drop_last = shuffle, seed, graph, drop_last
-                self.epoch = 0
+def _collate_fn(samples, rng, context_length=77, graph=False):
+    return collate(samples, context_length, graph)
 
-            def __iter__(self):
-                info = torch.utils.data.get_worker_info()
-                paths = list(self.paths)
-                rng = random.Random(self.seed + self.epoch)
-                if self.shuffle:
-                    rng.shuffle(paths)
-                if info is not None:
-                    paths = paths[info.id :: info.num_workers]
-                buf = []
-                for p in paths:
-                    samples = list(iter_samples(p))
-                    if self.shuffle:
-                        rng.shuffle(samples)
-                    for s in samples:
-                        buf.append(s)
-                        if len(buf) == self.batch_size:
-                            yield collate(buf, self.context_length, self.graph)
-                            buf = []
-                if buf and not self.drop_last:
-                    yield collate(buf, self.context_length, self.graph)
-                self.epoch += 1
 
-        return _Impl(*args, **kwargs)
+def VisualTokenBatches(artifact, batch_size: int = 64, context_length: int = 77, shuffle: bool = False, seed: int = 0,
+                       graph: bool = False, drop_last: bool = False, shuffle_buffer: int = 512, lazy: bool | None = None):
+    """Padded batches through the training loop's resumable stream (:class:`train.data.ShardStream`,
+    a ``torch.utils.data.IterableDataset``): the batch sequence is a pure function of (seed, epoch);
+    ``.set_position(epoch, start)`` resumes at a batch index; DataLoader workers split batches
+    (same sequence for any number of workers). Samples with more than ``context_length`` tokens are
+    skipped (trainers count them; the stage never writes any)."""
+    import functools
+
+    from pipeline.loaders.clip_tokens import fits_in_memory
+    from train.data import ShardStream
+
+    paths = [str(p) for p in shard_paths(artifact)]
+    lazy = (not fits_in_memory(paths)) if lazy is None else lazy
+    read = functools.partial(read_shard, fields=None if graph else TRAIN_FIELDS, lazy=lazy)
+    return ShardStream(paths, read, functools.partial(_collate_fn, context_length=context_length, graph=graph),
+                       batch_size, shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed, drop_last=drop_last,
+                       keep=functools.partial(_fits, context_length=context_length))
