@@ -54,16 +54,6 @@ def _collate_random(samples, rng: random.Random, attach=None, caption_pass=None)
     return attach(b) if attach is not None else b
 
 
-@functools.lru_cache(maxsize=2)
-def _text_tower(spec: str):
-    """The frozen CLIP model and tokenizer of ``models.clip``, loaded once per process (every
-    benchmark of an evaluation encodes its texts through it)."""
-    from pipeline.models.clip import load_clip
-
-    model, _, tokenizer, _ = load_clip(spec)
-    return model, tokenizer
-
-
 def mine_pairs(g: torch.Tensor, K: int, bad: torch.Tensor):
     """Hard negatives of Alg. 2 line 6 from global scores g [B, B] (g[i, j] = s_g(I_i, x_j)):
     N_X(i) = top-K_h_{j != i} g[i, j] (captions), N_I(i) = top-K_h_{j != i} g[j, i] (images);
@@ -797,23 +787,11 @@ class ConceptOTJob(Job):
         return out
 
     def _encode_texts(self, texts: list[str]) -> dict:
-        """Frozen CLIP text tower (models.clip) for texts that are not in the artifact."""
-        from pipeline.models.clip import encode_texts
+        """Frozen CLIP text tower (models.clip) for texts that are not in the artifact (shared with
+        the visual-tokens job: :func:`train.clip_text.encode_texts_like_artifact`)."""
+        from train.clip_text import encode_texts_like_artifact
 
-        model, tokenizer = _text_tower(self.manifest.models.clip)
-        max_tokens = int(self.art.manifest.get("parameters", {}).get("max_text_tokens", 48))
-        project = bool(self.art.manifest.get("parameters", {}).get("project_tokens", False))
-        toks, masks, embs = [], [], []
-        with torch.no_grad():
-            for s in range(0, len(texts), 128):
-                o = encode_texts(model, tokenizer, texts[s:s + 128], max_tokens, project)
-                toks.append(o["text_tokens"].half().float())  # as stored in the artifact (fp16)
-                masks.append(o["text_mask"].bool())
-                embs.append(o["text_embed"].half().float())
-        M = max(t.shape[1] for t in toks)
-        toks = [F.pad(t, (0, 0, 0, M - t.shape[1])) for t in toks]
-        masks = [F.pad(m, (0, M - m.shape[1])) for m in masks]
-        return {"tokens": torch.cat(toks), "mask": torch.cat(masks), "embed": torch.cat(embs)}
+        return encode_texts_like_artifact(self.manifest.models.clip, self.art.manifest, list(texts))
 
     # phrase heatmaps (Sec. 2.6), one PNG per image: the first caption's words
     def _heatmaps(self, model: ConceptOTModel, samples: list[dict], E: dict, out_dir: Path) -> None:
