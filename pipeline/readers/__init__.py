@@ -33,12 +33,13 @@ def synthetic_root(ds, output_root: Path) -> Path:
     return Path(root) if root else Path(output_root) / "source" / "synthetic"
 
 
-def read_dataset(ds: "DatasetConfig", output_root: Path) -> Iterator[SourceRecord]:
+def read_dataset(ds: "DatasetConfig", output_root: Path, defer_masks: bool = False) -> Iterator[SourceRecord]:
+    """``defer_masks``: COCO segmentations stay as read, rasterised later (by the ingest workers)."""
     kind = ds.kind
     if kind == "coco":
         from pipeline.readers.coco import read_coco
 
-        return read_coco(_need(ds, "captions"), ds.images, ds.instances, ds.scene_graphs, ds.split)
+        return read_coco(_need(ds, "captions"), ds.images, ds.instances, ds.scene_graphs, ds.split, defer_masks=defer_masks)
     if kind == "karpathy":
         from pipeline.readers.karpathy import read_karpathy
 
@@ -71,6 +72,6 @@ def read_dataset(ds: "DatasetConfig", output_root: Path) -> Iterator[SourceRecor
         )
         # Read back through the real COCO reader so that path is exercised by the demo too.
         # The generated COCO JSON carries each image's split, so ds.split filters here.
-        records = read_coco(paths["captions"], paths["images"], paths["instances"], paths["scene_graphs"])
+        records = read_coco(paths["captions"], paths["images"], paths["instances"], paths["scene_graphs"], defer_masks=defer_masks)
         return (r for r in records if not ds.split or r.split == ds.split)
     raise ReaderError(f"unknown dataset.kind {kind!r}")

@@ -46,9 +46,12 @@ def _int_id(value, what: str, path: Path) -> int:
         raise ReaderError(f"{what} {path}: id {value!r} is not an integer") from None
 
 
-def load_instances(path: str | Path, sizes: dict[int, tuple[int, int]] | None = None) -> dict[int, list[Instance]]:
+def load_instances(path: str | Path, sizes: dict[int, tuple[int, int]] | None = None,
+                   defer_masks: bool = False) -> dict[int, list[Instance]]:
     """image id -> instances; ``sizes`` (image id -> (h, w)) fills in images the file lacks,
-    which polygon masks need."""
+    which polygon masks need. ``defer_masks``: leave each segmentation as read
+    (``{"segmentation", "height", "width"}``, see :func:`pipeline.masks.deferred_to_rle`) for the
+    ingest workers to rasterise, instead of converting it here in the driver."""
     p = abspath(path)
     data = load_json(p, "COCO instances")
     if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
@@ -74,7 +77,7 @@ def load_instances(path: str | Path, sizes: dict[int, tuple[int, int]] | None = 
                         f"COCO instances {p}: annotation {ann.get('id')} has polygons but image "
                         f"{image_id} has no height/width"
                     )
-                rle = segmentation_to_rle(seg, hh, ww)
+                rle = {"segmentation": seg, "height": hh, "width": ww} if defer_masks else segmentation_to_rle(seg, hh, ww)
             attrs = ann.get("attributes") or {}
             out[image_id].append(
                 Instance(
@@ -100,6 +103,7 @@ def read_coco(
     instances: str | Path | None = None,
     scene_graphs: str | Path | None = None,
     split: str | None = None,
+    defer_masks: bool = False,
 ) -> Iterator[SourceRecord]:
     cap_path = abspath(captions)
     data = load_json(cap_path, "COCO captions")
@@ -121,7 +125,7 @@ def read_coco(
 
     sizes = {i: (int(im["height"]), int(im["width"])) for i, im in image_entries.items()
              if im.get("height") and im.get("width")}
-    inst = load_instances(instances, sizes) if instances else {}
+    inst = load_instances(instances, sizes, defer_masks) if instances else {}
     graphs = load_scene_graphs(scene_graphs) if scene_graphs else {}
 
     for image_id in sorted(set(image_entries) | set(caps)):

@@ -20,9 +20,10 @@ from pydantic import Field
 
 from pipeline.io.atomic import fingerprint
 from pipeline.loaders.samples import dataset_image_root, recorded_root, relative_ref
+from pipeline.masks import deferred_to_rle
 from pipeline.readers.base import MISSING_IMAGE_FIELD
 from pipeline.readers.images import ImageTooLarge
-from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, run_units, unit_writer
+from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, unit_writer
 
 log = logging.getLogger("pipeline")
 
@@ -185,19 +186,24 @@ def ingest_unit(payload: dict) -> dict:
         if not kept:
             w.error("no_captions", "no usable caption left", sample_id=sid, source_id=src)
             continue
+        try:  # COCO polygons are rasterised here, in the worker (the reader defers them)
+            masks = [deferred_to_rle(inst["mask_rle"]) for inst in r["instances"]]
+        except Exception as e:
+            w.error("bad_mask", f"instance mask: {describe_exception(e)}", sample_id=sid, source_id=src)
+            continue
         # stored relative to the dataset's image root (pipeline.loaders.samples resolves it on read)
         image = relative_ref(r["image"], payload.get("image_root"))
         samples.append({"sample_id": sid, "source_id": src, "image": image, "width": width, "height": height, "split": r["split"]})
         captions.extend(kept)
         kept_ids = {c["caption_id"] for c in kept}
-        for inst in r["instances"]:
+        for inst, mask in zip(r["instances"], masks):
             instances.append(
                 {
                     "sample_id": sid,
                     "instance_id": inst["id"],
                     "category": inst["category"],
                     "box": [float(x) for x in inst["box"]],
-                    "mask_rle": json.dumps(inst["mask_rle"]) if inst["mask_rle"] else None,
+                    "mask_rle": json.dumps(mask) if mask else None,
                     "attributes": json.dumps(inst["attributes"], sort_keys=True),
                 }
             )
@@ -219,20 +225,20 @@ def ingest_unit(payload: dict) -> dict:
     return {"unit": res.unit, "stats": res.stats}
 
 
+def _annotated(ds) -> bool:
+    """Whether the dataset kind carries boxes / relations / phrases (decided before reading it)."""
+    return ds.kind in ("synthetic", "flickr30k_entities") or (ds.kind == "coco" and bool(ds.instances or ds.scene_graphs))
+
+
 def run(ctx: RunContext, cfg: Config) -> dict:
+    """Streams the reader: records are packed into units of ``shard_size`` as they are read and
+    handed to the workers in bounded waves (:mod:`pipeline.streaming`); the driver never holds
+    more than one wave, whatever the dataset's size. Image checks and mask conversion run in the
+    workers; the driver only stats image files for the unit fingerprints."""
     from pipeline.readers import read_dataset
+    from pipeline.streaming import run_units_stream
 
     ds = ctx.manifest.dataset
-    try:
-        records = []
-        for rec in read_dataset(ds, ctx.output):
-            records.append(rec)
-            if ctx.limit is not None and len(records) >= ctx.limit:
-                break
-    except (OSError, ValueError) as e:
-        raise StageError(f"dataset ({ds.kind}): {e}") from None
-    if not records:
-        raise StageError(f"dataset ({ds.kind}) has no records")
     verify = cfg.verify_images
     caption_only = ds.kind in CAPTION_ONLY_KINDS and not ds.images
     if caption_only:
@@ -240,34 +246,63 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         # so nothing to check; image stages refuse such a samples artifact with a clear line.
         log.info("ingest: dataset.images is not set: caption-only dataset, image checks off (image stages will not run)")
         verify = "none"
-        for rec in records:
-            rec.image = None
-            rec.problems = [p for p in rec.problems if p[1] != MISSING_IMAGE_FIELD]
-    has_ann = any(r.instances or r.relations or r.phrases for r in records)
+    has_ann = _annotated(ds)
     params = {"dataset": ds.model_dump(mode="json"), "limit": ctx.limit, **cfg.model_dump(mode="json")}
     params.pop("enabled", None)
     writer = ctx.writer("samples", NAME, params)
     image_root = None if caption_only else dataset_image_root(ds, ctx.output)
-    units = []
-    next_caption = 0
-    for u, start in enumerate(range(0, len(records), cfg.shard_size)):
-        chunk = []
-        for k, rec in enumerate(records[start : start + cfg.shard_size]):
-            chunk.append(_record_payload(rec, start + k, next_caption))
+    counts = {"records": 0}
+
+    def records():
+        try:
+            for rec in read_dataset(ds, ctx.output, defer_masks=True):
+                if caption_only:
+                    rec.image = None
+                    rec.problems = [p for p in rec.problems if p[1] != MISSING_IMAGE_FIELD]
+                counts["records"] += 1
+                yield rec
+                if ctx.limit is not None and counts["records"] >= ctx.limit:
+                    return
+        except (OSError, ValueError) as e:
+            raise StageError(f"dataset ({ds.kind}): {e}") from None
+
+    def units():
+        next_caption, chunk, u = 0, [], 0
+        stats: dict = {}  # tar shard -> (size, mtime): one stat per shard, not per member
+        for rec in records():
+            chunk.append(_record_payload(rec, counts["records"] - 1, next_caption))
             next_caption += len(rec.captions)
+            if len(chunk) == cfg.shard_size:
+                yield unit(u, chunk, stats)
+                chunk, u, stats = [], u + 1, {}
+        if chunk:
+            yield unit(u, chunk, stats)
+
+    def unit(u: int, chunk: list[dict], stats: dict):
+        def stat(ref):
+            path = ref.split("::", 1)[0] if ref else None
+            if path not in stats:
+                stats[path] = _image_stat(path)[1:]
+            return stats[path]
+
         # image references as stored (relative to the root): an output moved with its dataset redoes nothing
         rel = [dict(r, image=relative_ref(r["image"], image_root)) for r in chunk]
-        unit_input = fingerprint(rel, [[relative_ref(r["image"], image_root), *_image_stat(r["image"])[1:]] for r in chunk])
+        unit_input = fingerprint(rel, [[relative_ref(r["image"], image_root), *stat(r["image"])] for r in chunk])
         payload = {
             "records": chunk,
             "verify_images": verify,
             "max_pixels": cfg.max_pixels,
             "min_caption_chars": cfg.min_caption_chars,
-            "has_annotations": has_ann,
+            "has_annotations": has_ann or any(r["instances"] or r["relations"] or r["phrases"] for r in chunk),
             "image_root": str(image_root) if image_root else None,
         }
-        units.append((f"{u:05d}", unit_input, payload))
-    names = run_units(ctx, writer, units, ingest_unit, total_rows=len(records))
+        return f"{u:05d}", unit_input, payload
+
+    names = run_units_stream(ctx, writer, units(), ingest_unit, input_rows=lambda: counts["records"])
+    if not counts["records"]:
+        raise StageError(f"dataset ({ds.kind}) has no records")
+    has_ann = has_ann or any((writer.dir / "_state" / f"{n}.json").is_file()
+                             and '"instances"' in (writer.dir / "_state" / f"{n}.json").read_text() for n in names)
     schema = {
         "samples": str(SAMPLES_SCHEMA),
         "captions": str(CAPTIONS_SCHEMA),
