@@ -262,7 +262,7 @@ def test_zero_nouns_is_an_error(tmp_path):
     shutil.rmtree(tmp_path / "negatives")
     w = ArtifactWriter(tmp_path, "negatives", "negative-captions", {})
     uw = w.unit_writer(unit_name(0), "fp")
-    with ShardWriter(uw.shard_path()) as sw:  # the stage writes a shard even when no sample has words
+    with ShardWriter(uw.shard_path()):  # the stage writes a shard even when no sample has words
         pass
     uw.record_shard(uw.shard_path(), 0)
     uw.write_table("words", WORDS_SCHEMA.empty_table())
