@@ -499,10 +499,13 @@ class C3Job(Job):
         if not multi:
             return out
         cand_ids = np.array([k for k, _ in multi])
+        vocab_w = {w: i for i, w in enumerate(sorted({x for _, ws in multi for x in ws}))}
+        wmat = np.full((len(multi), max(len(ws) for _, ws in multi)), -1, np.int64)
+        for r, (_, ws) in enumerate(multi):
+            wmat[r, : len(ws)] = [vocab_w[x] for x in ws]
         for b in range(len(c)):
-            w = words.get(int(self.store.sids[ai[b]]), set())
-            ok = np.array([all(x in w for x in ws) for _, ws in multi])
-            ok &= cand_ids != c[b]
+            have = np.array([vocab_w[x] for x in words.get(int(self.store.sids[ai[b]]), ()) if x in vocab_w], np.int64)
+            ok = ((wmat < 0) | np.isin(wmat, have)).all(1) & (cand_ids != c[b])
             if not ok.any():
                 continue
             cand = cand_ids[ok]
@@ -642,7 +645,11 @@ class C3Job(Job):
         return rows
 
     def evaluate(self, model, out_dir: Path) -> dict:
-        rows = self.job_metrics(model, out_dir)
+        try:
+            rows = self.job_metrics(model, out_dir)
+        except ValueError as e:  # no held-out triplet: say so (metrics.jsonl), never a silent blank
+            log(f"evaluation: {e}")
+            return {"eval_error": str(e), **{f"data/skipped_{k}": v for k, v in self.skips.items()}}
         res = {f"{r.benchmark}/{r.subset}/{r.metric}": r.value for r in rows if r.n}
         res.update({f"chance/{r.benchmark}/{r.subset}/{r.metric}": r.chance for r in rows if r.n and r.chance is not None})
         res.update({f"data/skipped_{k}": v for k, v in self.skips.items()})
