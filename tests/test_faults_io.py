@@ -399,3 +399,12 @@ def test_unforeseen_stage_failure_is_one_line_on_the_cli(tmp_path):
     ]
     r = subprocess.run([sys.executable, "-c", code, *args, "-v"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+def test_model_probe_failure_names_the_manifest_key(tmp_path):
+    from pipeline.models.provenance import cached_info
+    from pipeline.models.text_encoder import TextEncoder
+
+    with pytest.raises(StageError) as e:
+        cached_info(tmp_path, "text_encoder", {"text_encoder": "no-such-org/enc"}, lambda: TextEncoder("no-such-org/enc").record)
+    assert str(e.value).startswith("models.text_encoder: 'no-such-org/enc' not found or not loadable (") and "\n" not in str(e.value)

@@ -145,6 +145,15 @@ def cached_info(output: str | Path | None, role: str, specs: dict, compute, **op
 
     from pipeline.io.atomic import fingerprint, write_json_atomic
 
+    if len(specs) == 1:  # one model: a load failure is the one-line `models.<name>: ...` stage error
+        from pipeline.stage import model_key
+
+        (name, spec), plain_compute = next(iter(specs.items())), compute
+
+        def compute():
+            with model_key(f"models.{name}", spec):
+                return plain_compute()
+
     keys = {k: spec_key(v) for k, v in specs.items()}
     if output is None or any(v is None for v in keys.values()):
         return compute()
