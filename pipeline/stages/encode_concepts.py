@@ -29,6 +29,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from pipeline.stage import RunContext, StageConfig, StageError, model_key, run_units, unit_writer
+from pipeline.models.device import device_field, resolve_device
 
 log = logging.getLogger("pipeline")
 
@@ -54,7 +55,7 @@ class Config(StageConfig):
     encode_unit: int = Field(50_000, ge=1, description="concepts per unit (Ray actor work item, unit of resume)")
     batch_size: int = Field(256, ge=1, description="concept texts per text-tower forward pass")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per encoder actor (torch threads)")
-    device: str = Field("cpu", description="torch device of the encoder actors")
+    device: str = device_field()
 
 
 def _vocab(path_list, min_df: int) -> pa.Table:
@@ -97,7 +98,7 @@ class ConceptTokenWorker:
         from pipeline.models.clip import load_clip
 
         torch.set_num_threads(max(1, threads))
-        self.model, _, self.tokenizer, _ = load_clip(spec, device)
+        self.model, _, self.tokenizer, _ = load_clip(spec, resolve_device(device))
         self.batch, self.max_tokens, self.pooled_only, self.project = batch_size, max_tokens, pooled_only, project_tokens
 
     def __call__(self, payload: dict) -> dict:

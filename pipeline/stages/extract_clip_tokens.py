@@ -36,6 +36,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
+from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
 from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 
@@ -56,7 +57,7 @@ class Config(StageConfig):
         "(App. G.1: 768-d patches, 512-d text tokens)",
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs per encoder actor (torch threads)")
-    device: str = Field("cpu", description="torch device of the encoder actors")
+    device: str = device_field()
 
 
 SCHEMA = {
@@ -87,7 +88,7 @@ class ClipTokenWorker:
         from pipeline.models.clip import load_clip
 
         torch.set_num_threads(max(1, threads))
-        self.model, self.processor, self.tokenizer, self.record = load_clip(spec, device)
+        self.model, self.processor, self.tokenizer, self.record = load_clip(spec, resolve_device(device))
         self.batch_size, self.text_batch_size = batch_size, text_batch_size
         self.max_text_tokens, self.project_tokens = max_text_tokens, project_tokens
 

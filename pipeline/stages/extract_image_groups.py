@@ -27,6 +27,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
+from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
 from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 from pipeline.stages.extract_clip_tokens import _f16_list
@@ -48,7 +49,7 @@ class Config(StageConfig):
     shard_size: int = Field(1000, ge=1, description="samples per output shard (~10 kB/sample for the released model)")
     batch_size: int = Field(32, ge=1, description="images per forward pass")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per encoder actor (torch threads)")
-    device: str = "cpu"
+    device: str = device_field()
 
 
 def _np16(t) -> np.ndarray:
@@ -62,7 +63,7 @@ class GroupWorker:
         from pipeline.models.groupvit import load_groupvit
 
         torch.set_num_threads(max(1, threads))
-        self.model, self.processor, self.record = load_groupvit(spec, device)
+        self.model, self.processor, self.record = load_groupvit(spec, resolve_device(device))
         self.batch_size = batch_size
 
     def _decode(self, records):

@@ -29,6 +29,7 @@ import numpy as np
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
+from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
 from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
 
@@ -58,7 +59,7 @@ class Config(StageConfig):
     # on CPU batching gains little for a detector.
     batch_size: int = Field(1, ge=1, description="images per detector forward pass")
     num_cpus: float = Field(1.0, gt=0)
-    device: str = "cpu"
+    device: str = device_field()
 
 
 class RegionWorker:
@@ -68,7 +69,7 @@ class RegionWorker:
         from pipeline.models.detector import load_detector
 
         torch.set_num_threads(max(1, threads))
-        self.det = load_detector(spec, device, score_thresh=score_thresh, min_size=min_size, max_boxes=max_boxes)
+        self.det = load_detector(spec, resolve_device(device), score_thresh=score_thresh, min_size=min_size, max_boxes=max_boxes)
         self.batch_size, self.backend, self.max_boxes = batch_size, backend, max_boxes
 
     def _decode(self, records):

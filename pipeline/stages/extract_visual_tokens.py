@@ -46,6 +46,7 @@ import polars as pl
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
+from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, isolate_failures, run_units, unit_writer
 from pipeline.stages._image_units import image_units, load_samples, prefetched_batches
 from pipeline.visual_tokens.predicates import DEFAULT_PREDICATE_MAP
@@ -88,7 +89,7 @@ class Config(StageConfig):
     max_pixels: int = Field(100_000_000, ge=1, description="reject images with more pixels than this")
     seed: int = Field(0, description="seed of the fixed width projections")
     num_cpus: float = Field(1.0, gt=0)
-    device: str = "cpu"
+    device: str = device_field()
 
 
 def _pred_vocab(cfg: Config) -> list[str]:
@@ -114,7 +115,7 @@ class VisualTokenWorker:
         torch.set_num_threads(max(1, threads))
         self.cfg = Config.model_validate(cfg)
         c = self.cfg
-        self.sam = SamModel(models["sam"], device=c.device, feature_layers=c.feature_layers)
+        self.sam = SamModel(models["sam"], device=resolve_device(c.device), feature_layers=c.feature_layers)
         amg = dict(
             points_per_side=c.points_per_side, points_per_batch=c.points_per_batch, pred_iou_thresh=c.pred_iou_thresh,
             stability_score_thresh=c.stability_score_thresh, stability_score_offset=c.stability_score_offset,

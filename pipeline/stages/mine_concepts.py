@@ -32,6 +32,7 @@ from pydantic import Field
 
 from pipeline.concepts import mining as M
 from pipeline.io.atomic import fingerprint
+from pipeline.models.device import Precision, device_field, fingerprinted, precision_field
 from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
 
 log = logging.getLogger("pipeline")
@@ -69,6 +70,8 @@ class Config(StageConfig):
     encode_batch: int = Field(256, ge=1)
     encode_unit: int = Field(100_000, ge=1, description="concepts per embedding unit (Ray actor work item)")
     torch_threads: int = Field(1, ge=1, description="torch threads per embedding actor")
+    device: str = device_field()  # the text encoder's actors (hard negatives); num_gpus reserves their GPUs
+    precision: Precision = precision_field()
 
     def mining_params(self) -> M.MiningParams:
         return M.MiningParams(
@@ -111,10 +114,10 @@ class EmbedWorker:
     """Ray actor: loads the text encoder once, embeds one range of vocabulary texts per call and
     writes table ``embeddings`` (concept_id, embedding fixed_size_list<float16>[d], L2-normalised)."""
 
-    def __init__(self, spec: str, batch: int, torch_threads: int):
+    def __init__(self, spec: str, batch: int, torch_threads: int, device: str = "cpu", precision: str = "auto"):
         from pipeline.models.text_encoder import TextEncoder
 
-        self.enc = TextEncoder(spec, torch_threads=torch_threads)
+        self.enc = TextEncoder(spec, torch_threads=torch_threads, device=device, precision=precision)
         self.batch = batch
 
     def __call__(self, payload: dict) -> dict:
@@ -187,6 +190,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     params = {**cfg.model_dump(mode="json"), "limit": ctx.limit, "text_encoder": enc_spec if cfg.hard_negatives else None}
     for k in ("enabled", "chunk_samples", "encode_batch", "encode_unit", "torch_threads"):
         params.pop(k, None)  # do not change the result
+    params = fingerprinted(params, cfg.device, cfg.precision, cfg.num_gpus)  # device: where; precision: only if not fp32
     writer = ctx.writer("concepts", NAME, params, inputs={"samples": samples.fingerprint}, models=records)
 
     ranges = [(a, min(a + cfg.shard_size, len(sample_ids))) for a in range(0, len(sample_ids), cfg.shard_size)]
@@ -248,7 +252,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         emb_names = [u[0] for u in emb_units]
         live |= set(emb_names)
         run_units(ctx, writer, emb_units, EmbedWorker, actor=True, num_cpus=cfg.torch_threads,
-                  constructor_kwargs={"spec": enc_spec, "batch": cfg.encode_batch, "torch_threads": cfg.torch_threads},
+                  constructor_kwargs={"spec": enc_spec, "batch": cfg.encode_batch, "torch_threads": cfg.torch_threads,
+                                      "device": cfg.device, "precision": cfg.precision},
                   total_rows=U, live=live)
         names += emb_names
         emb_files = _unit_files(writer, emb_names)

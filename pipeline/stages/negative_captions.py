@@ -35,6 +35,7 @@ from pydantic import Field
 
 from pipeline.io.atomic import fingerprint, write_bytes_atomic, write_json_atomic
 from pipeline.io.wds import ShardWriter, sample_key
+from pipeline.models.device import Precision, device_field, fingerprinted, precision_field
 from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
 
 NAME = "negative-captions"
@@ -67,6 +68,8 @@ class Config(StageConfig):
     batch_tokens: int = Field(4096, ge=64, description="padded tokens per forward batch (length-bucketed)")
     torch_threads: int = Field(1, ge=1, description="torch threads per actor (and CPUs reserved per actor)")
     seed: int = Field(0, description="seed of the per-caption noun choice when negative_features=sampled")
+    device: str = device_field()  # the MLM and word encoder (BERT passes: the stage's main cost); num_gpus reserves GPUs
+    precision: Precision = precision_field()
 
 
 NEGATIVES_SCHEMA = pa.schema(
@@ -120,9 +123,12 @@ class NegativeCaptionsWorker:
     """Ray actor: loads the tagger, the masked LM and the word encoder once, then mines units."""
 
     def __init__(self, mlm: str, word_encoder: str, spacy: str, options: dict, noun_vocab: str | None = None,
-                 torch_threads: int = 1, caption_batch: int = 256):
+                 torch_threads: int = 1, caption_batch: int = 256, device: str = "cpu", precision: str = "auto"):
+        import dataclasses
+
         import torch
 
+        from pipeline.models.device import resolve_device
         from pipeline.models.mlm import load_mlm, load_word_encoder
         from pipeline.models.spacy_tagger import Tagger
         from pipeline.negatives.core import MinerOptions, NegativeMiner
@@ -130,8 +136,15 @@ class NegativeCaptionsWorker:
         torch.set_num_threads(torch_threads)
         opts = MinerOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
         vocab = set(json.loads(Path(noun_vocab).read_text())) if noun_vocab else None
+        self.device, self.precision = resolve_device(device), precision
         self.mlm = load_mlm(mlm)
+        self.mlm.model.to(self.device)  # the encoder body moves with it
+        if self.mlm.head is not None and self.device != "cpu":
+            head = self.mlm.head  # the miner hands it CPU hidden states and reads CPU logits
+            self.mlm = dataclasses.replace(self.mlm, head=lambda h: head(h.to(self.device)).float().cpu())
         self.we = None if word_encoder == mlm else load_word_encoder(word_encoder)
+        if self.we is not None:
+            self.we.model.to(self.device)
         self.tagger = Tagger(spacy)
         self.miner = NegativeMiner(self.mlm, self.we, opts, vocab)
         self.caption_batch = caption_batch
@@ -147,10 +160,13 @@ class NegativeCaptionsWorker:
         # length buckets: similar lengths mined together keep padding small in every pass
         good.sort(key=lambda r: (len(r[2]), r[0]))
         out = []
+        from pipeline.models.device import autocast
+
         for i in range(0, len(good), self.caption_batch):
             chunk = good[i : i + self.caption_batch]
             tagged = self.tagger.tag([r[2] for r in chunk])
-            out.extend(self.miner.mine(chunk, tagged))
+            with autocast(self.device, self.precision):  # fp16 on CUDA (precision: auto); a no-op on CPU
+                out.extend(self.miner.mine(chunk, tagged))
         out.sort(key=lambda r: r.caption_id)
         return out
 
@@ -301,6 +317,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         vocab_path, vocab_fp = _noun_vocab(ctx, entries, samples.dir, cfg, models, out_dir)
     params = {**cfg.model_dump(mode="json"), "noun_vocab": vocab_fp}
     params.pop("enabled", None)
+    params = fingerprinted(params, cfg.device, cfg.precision, cfg.num_gpus)  # device: where; precision: only if not fp32
     writer = ctx.writer("negatives", NAME, params, inputs={"samples": samples.fingerprint}, models=records)
 
     units, remaining = [], ctx.limit
@@ -321,7 +338,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         raise StageError("samples artifact has no captions")
     opts = miner_options(cfg).__dict__
     kwargs = dict(mlm=models.mlm, word_encoder=models.word_encoder, spacy=models.spacy, options=opts,
-                  noun_vocab=vocab_path, torch_threads=cfg.torch_threads, caption_batch=cfg.caption_batch)
+                  noun_vocab=vocab_path, torch_threads=cfg.torch_threads, caption_batch=cfg.caption_batch,
+                  device=cfg.device, precision=cfg.precision)
     names = run_units(ctx, writer, units, NegativeCaptionsWorker, actor=True, constructor_kwargs=kwargs,
                       num_cpus=cfg.torch_threads)
     m = writer.finalize(names, schema={"negatives": str(NEGATIVES_SCHEMA), "words": str(WORDS_SCHEMA),
