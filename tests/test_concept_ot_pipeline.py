@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pytest
 
 from tests.test_clip_tokens import run_in_process
 
@@ -91,4 +92,4 @@ def test_concept_ot_on_generated_clip_tokens(tmp_path):
     assert set(g["metric"].to_list()) == {"acc@IoU0.5", "mean_IoU"} and (g["n"] > 20).all()
     assert g["chance"].is_not_null().all()
     again = json.loads((ev[-1].parent / "metrics.json").read_text())
-    assert again["sugarcrepe/overall"] == res["sugarcrepe/overall"]
+    assert again["sugarcrepe/overall"] == pytest.approx(res["sugarcrepe/overall"], abs=1e-3)  # the run line is rounded

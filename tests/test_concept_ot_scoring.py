@@ -201,3 +201,14 @@ def test_in_job_sugarcrepe_matches_images_across_coco_naming_schemes(planted, tm
     with torch.no_grad():
         res = job._sugarcrepe(model)
     assert res["sugarcrepe/triples"] == res["sugarcrepe/available"] == len(triples(out)[0])
+
+
+def test_phrase_groups_follow_the_dataset_spans():
+    """Heatmap phrases: the dataset's spans (tokens overlapping [start, end)), not whitespace words."""
+    from train.jobs.concept_ot.job import _span_groups, _word_groups
+
+    text = "a red circle and blue star"
+    # BOS, a, red, cir+cle (two tokens), and, blue, star, EOS
+    offs = np.array([[0, 0], [0, 1], [2, 5], [6, 9], [9, 12], [13, 16], [17, 21], [22, 26], [0, 0]])
+    assert _span_groups(text, offs, 9, [(2, 12), (17, 26)]) == [("red circle", [2, 3, 4]), ("blue star", [6, 7])]
+    assert [w for w, _ in _word_groups(text, offs, 9)] == ["red", "circle", "blue", "star"]

@@ -649,7 +649,7 @@ class ConceptOTJob(Job):
             j = cl.index(int(cid))
             m = np.asarray(arr["text_mask"][r][j], bool)
             offs = np.asarray(arr["token_offsets"][r][j])[: int(m.sum())]
-            w = (offs[:, 1] > offs[:, 0]) & (offs[:, 0] < int(en)) & (offs[:, 1] > int(st))
+            w = _span_mask(offs, int(st), int(en))
             bx = [box_of.get((int(sid), int(i))) for i in insts]
             bx = [b for b in bx if b is not None and len(b) == 4]
             if not w.any():
@@ -802,7 +802,7 @@ class ConceptOTJob(Job):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        texts, images = {}, {}
+        texts, images, spans = {}, {}, {}
         if self.samples is not None:
             import polars as pl
 
@@ -815,6 +815,10 @@ class ConceptOTJob(Job):
             for sid, im in self.samples.scan("samples").select("sample_id", "image").filter(
                     pl.col("sample_id").is_in(sids)).collect().iter_rows():
                 images[int(sid)] = im
+            if "phrases" in self.samples.tables():  # the dataset's phrase spans, where it has them
+                for cid, st, en in self.samples.scan("phrases").select("caption_id", "start", "end").filter(
+                        pl.col("caption_id").is_in(cids)).sort(["caption_id", "start"]).collect().iter_rows():
+                    spans.setdefault(int(cid), []).append((int(st), int(en)))
         side = int(round(math.sqrt(self.n_patches)))
         first_cap = {int(c): k for k, c in enumerate(E["caption_id"].tolist())}
         for k, s in enumerate(samples):
@@ -823,7 +827,8 @@ class ConceptOTJob(Job):
             text = texts.get(cid, "")
             offs = np.asarray(s["token_offsets"])[0] if "token_offsets" in s else None
             n_valid = int(E["txt"]["mask"][t].sum())
-            groups = _word_groups(text, offs, n_valid)[:4]
+            groups = (_span_groups(text, offs, n_valid, spans[cid]) if cid in spans and offs is not None
+                      else _word_groups(text, offs, n_valid))[:4]
             if not groups:
                 continue
             fig, axes = plt.subplots(1, len(groups) + 1, figsize=(3 * (len(groups) + 1), 3.2))
@@ -859,6 +864,24 @@ class ConceptOTJob(Job):
             fig.tight_layout()
             fig.savefig(out_dir / f"heatmap_{int(s['sample_id'])}.png", dpi=80)
             plt.close(fig)
+
+
+def _span_mask(offsets: np.ndarray, start: int, end: int) -> np.ndarray:
+    """bool [M]: the (non-special) tokens whose character span [a, b) overlaps [start, end)."""
+    o = np.asarray(offsets)
+    return (o[:, 1] > o[:, 0]) & (o[:, 0] < end) & (o[:, 1] > start)
+
+
+def _span_groups(text: str, offsets, n_valid: int, spans) -> list[tuple[str, list[int]]]:
+    """Token indices of each phrase span (start, end) of the caption: the tokens whose character
+    spans overlap it (Sec. 2.6 phrases, as the dataset marks them)."""
+    o = np.asarray(offsets)[:n_valid]
+    out = []
+    for a, b in spans:
+        idx = np.flatnonzero(_span_mask(o, a, b)).tolist()
+        if idx:
+            out.append((text[a:b], idx))
+    return out
 
 
 def _word_groups(text: str, offsets, n_valid: int) -> list[tuple[str, list[int]]]:
