@@ -116,7 +116,7 @@ def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bo
         lines.append(f"  {name:24s} {reg[name].writes[0]:14s} {fmt_num(rows) if rows is not None else '-':>8s} "
                      f"{fmt_num(errors) if errors is not None else '-':>7s} {fmt_seconds(s.get('seconds', 0)):>8s}")
     total = sum(ctx.summaries.get(n, {}).get("seconds", 0) for n in names)
-    lines.append(f"  total {fmt_seconds(total)}; log: {output / '_logs' / 'run-all.log'}; rejected rows: <artifact>/errors.parquet")
+    lines.append(f"  total {fmt_seconds(total)}; log: {output / '_logs' / 'run-all.log'}; rejected rows: <artifact>/errors/errors.parquet")
     if report:
         from pipeline.report import build_report
 

@@ -6,7 +6,7 @@
   A unit's fingerprint covers its records, so an edit of one input shard redoes only its units.
 * :func:`prefetched_batches` decodes the next batch of images in a background thread while the
   model encodes the current one (PIL decoding and resizing release the GIL), and reports
-  unreadable images as they are met so the unit writes them to ``errors.parquet``.
+  unreadable images as they are met so the unit writes them to ``errors/errors.parquet``.
 """
 
 from __future__ import annotations
