@@ -81,6 +81,7 @@ def main() -> None:
 
         def via_interface(b=None):
             job._text_cache.clear()  # every repetition encodes its texts again, as a fresh evaluation
+            job._text_cache_bytes = 0
             with torch.no_grad():
                 return job.score_pairs(model, sids, texts, b)
 

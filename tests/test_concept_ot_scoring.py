@@ -212,3 +212,17 @@ def test_phrase_groups_follow_the_dataset_spans():
     offs = np.array([[0, 0], [0, 1], [2, 5], [6, 9], [9, 12], [13, 16], [17, 21], [22, 26], [0, 0]])
     assert _span_groups(text, offs, 9, [(2, 12), (17, 26)]) == [("red circle", [2, 3, 4]), ("blue star", [6, 7])]
     assert [w for w, _ in _word_groups(text, offs, 9)] == ["red", "circle", "blue", "star"]
+
+
+def test_text_cache_is_bounded_and_exact(planted):
+    out, pl_ = planted
+    job, model = make(out, pl_, "filip", eval_pairs_chunk=5)
+    sids, pos, neg = triples(out)
+    with torch.no_grad():
+        ref = job.score_pairs(model, sids, neg)
+        job2, _ = make(out, pl_, "filip", eval_pairs_chunk=5)
+        job2.TEXT_CACHE_BYTES = 4000  # a handful of texts
+        got = job2.score_pairs(model, sids, neg)
+    np.testing.assert_array_equal(got, ref)
+    assert job2._text_cache_bytes <= 4000 + 5 * 2 * 48 * 24 and len(job2._text_cache) < len(set(neg))
+    assert job2._text_cache_bytes == sum(t.numel() * 2 + e.numel() * 2 for t, e in job2._text_cache.values())

@@ -76,6 +76,7 @@ def _resolve(manifest, p: str) -> Path:
 
 class ConceptOTJob(Job):
     NAME = "concept-ot"
+    TEXT_CACHE_BYTES = 256 * 2**20  # encoded benchmark texts kept (oldest evicted first)
 
     def __init__(self, cfg, manifest, run_dir, device):
         super().__init__(cfg, manifest, run_dir, device)
@@ -98,7 +99,8 @@ class ConceptOTJob(Job):
         self._bpe = None
         self._lazy = not fits_in_memory(self.shards)
         self._tab: dict | None = None  # sample_id -> shard, position, captions, split (see _table)
-        self._text_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._text_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # text -> (tokens, embed), float16
+        self._text_cache_bytes = 0
         self.crop_note = ""
         tab = self._table()
         if not tab["eval"].any():
@@ -412,17 +414,28 @@ class ConceptOTJob(Job):
     def _texts(self, texts: list[str]) -> dict:
         """Frozen CLIP text encodings (tokens, mask, embed) of ``texts``, padded, from a per-text cache
         (:meth:`_encode_texts` for the texts not seen yet)."""
-        new = [t for t in dict.fromkeys(texts) if t not in self._text_cache]
+        cache = self._text_cache
+        new = [t for t in dict.fromkeys(texts) if t not in cache]
+        got = {t: cache[t] for t in dict.fromkeys(texts) if t in cache}
         if new:
             enc = self._encode_texts(new)
             for k, t in enumerate(new):
                 m = enc["mask"][k].bool()
-                self._text_cache[t] = (enc["tokens"][k][m].float(), enc["embed"][k].float())
-        toks = [self._text_cache[t][0] for t in texts]
+                # float16: the encodings are rounded to it already (as the artifact stores them)
+                got[t] = cache[t] = (enc["tokens"][k][m].half(), enc["embed"][k].half())
+                self._text_cache_bytes += got[t][0].numel() * 2 + got[t][1].numel() * 2
+            while self._text_cache_bytes > self.TEXT_CACHE_BYTES and len(cache) > len(got):
+                old = next(iter(cache))  # oldest first (insertion order)
+                if old in got:
+                    cache[old] = cache.pop(old)  # in use: move to the end
+                    continue
+                tk, em = cache.pop(old)
+                self._text_cache_bytes -= tk.numel() * 2 + em.numel() * 2
+        toks = [got[t][0].float() for t in texts]
         return {"tokens": torch.nn.utils.rnn.pad_sequence(toks, batch_first=True),
                 "mask": torch.nn.utils.rnn.pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in toks],
                                                         batch_first=True),
-                "embed": torch.stack([self._text_cache[t][1] for t in texts])}
+                "embed": torch.stack([got[t][1].float() for t in texts])}
 
     def _box_views(self, sids: np.ndarray, boxes) -> tuple[np.ndarray, list[np.ndarray | None]]:
         """(view of each pair [P], the patch indices of each view, None = all patches): the distinct
