@@ -55,6 +55,12 @@ class RayConfig(Section):
     actors: int | None = Field(
         None, description="actor/task pool size for model stages; default: one per CPU"
     )
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray runtime_env for every worker, merged with the pipeline's env_vars: e.g. "
+        "{working_dir: ., excludes: [runs, .venv, .git]} ships this source tree to cluster nodes whose image "
+        "lacks the package (docker/ installs it instead)",
+    )
 
 
 class SyntheticConfig(Section):

@@ -66,7 +66,8 @@ def ensure_ray(ray_cfg) -> dict:
     env_vars = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME") if k in os.environ}
     env_vars.update(_QUIET_ENV)
     env_vars.update(_WORKER_ENV)
-    runtime_env = {"env_vars": env_vars}
+    runtime_env = dict(getattr(ray_cfg, "runtime_env", None) or {})
+    runtime_env["env_vars"] = {**env_vars, **dict(runtime_env.get("env_vars") or {})}
     try:
         _init(ray, ray_cfg, runtime_env)
     except Exception as e:  # a cluster that is not there, a node that cannot start on an overloaded machine
