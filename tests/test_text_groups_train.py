@@ -124,3 +124,17 @@ def test_demo_end_to_end(tmp_path, ray_session):
     assert (pd_rows.n > 0).all() and pd_rows.chance.notna().all()
     res = CliRunner().invoke(app, ["compare", str(run)])
     assert res.exit_code == 0 and "phrase-discovery" in res.output, res.output
+
+
+def test_clustering_baselines_use_trained_vanilla_run(tmp_path):
+    """k-means / spectral / mean-shift rows come from a trained `vanilla` run's token features."""
+    from train.loop import train
+
+    write_planted(tmp_path / "d", n_images=40, captions_per_image=1)
+    opts = dict(SMALL, batch_size=8, max_steps=2, discovery_splits=["train", "val", "test"], baselines=True, figures=0)
+    train(_job(tmp_path / "d", tmp_path / "van", **dict(opts, variant="vanilla")), resume=False, progress=False)
+    job = _job(tmp_path / "d", tmp_path / "grp", **dict(opts, vanilla_run=str(tmp_path / "van")))
+    rows = job.job_metrics(job.build_model().eval(), tmp_path / "ev")
+    km = [r for r in rows if r.metric == "tIoU[kmeans]" and r.subset == "all"]
+    assert len(km) == 1 and "vanilla model's token features" in km[0].note and str(tmp_path / "van") in km[0].note
+    assert {"tIoU[spectral]", "tIoU[meanshift]"} <= {r.metric for r in rows}

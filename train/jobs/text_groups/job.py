@@ -311,7 +311,9 @@ class TextGroupsJob(Job):
                         continue
                     for metric in D.METRICS:
                         label = metric if m == "model" else f"{metric}[{m}]"
-                        note = "chance = random assignment of tokens to K groups; " + notes.get(m, base_note)
+                        note = "chance = random assignment of tokens to K groups; " + base_note
+                        if m in notes:
+                            note += "; " + notes[m]
                         rows.append(Row(benchmark=f"phrase-discovery/{name}", subset=subset, metric=label,
                                         value=s[metric], n=s["n"], chance=chance.get(metric), skipped=skipped,
                                         skip_reasons=reasons, unit="fraction" if metric == "tIoU" else "%", note=note))
