@@ -306,3 +306,24 @@ def test_exact_resume_and_best(tmp_path, monkeypatch):
         assert [r["step"] for r in evals] == [6, 12]  # per epoch (eval_per_epoch)
         best = max(evals, key=lambda r: r["val_pointing_accuracy"])
         assert load_checkpoint(job.run_dir / "checkpoints" / "best.pt")["step"] == best["step"]
+
+
+def test_text_words_match_the_stage_features():
+    """score_pairs encodes arbitrary texts as the negatives stage does: same words, same features."""
+    from pipeline.config import load_manifest
+    from pipeline.models.mlm import load_mlm
+    from pipeline.models.spacy_tagger import Tagger
+    from pipeline.negatives.core import MinerOptions, NegativeMiner
+    from train.jobs.infoground.job import TextWords
+
+    m = load_manifest(None, ["models.mlm=tiny-random", "models.word_encoder=tiny-random"])
+    texts = ["A man is walking on a beach with his skateboard.", "Two dogs chase a red frisbee across the park.",
+             "nothing here", "A small cyan hexagon left of a big square."]
+    res = NegativeMiner(load_mlm("tiny-random"), None, MinerOptions(negative_features="none")).mine(
+        [(i, 0, t) for i, t in enumerate(texts)], Tagger(m.models.spacy).tag(texts))
+    tw = TextWords(m, {"feature_pos": ["NOUN", "ADJ"], "noun_pos": ["NOUN"], "include_propn": True})
+    enc = tw.encode(texts)
+    for r, e in zip(res, enc):
+        assert e.shape == r.features.shape, r.text
+        assert np.allclose(e, r.features, atol=1e-4), r.text
+    assert enc[2].shape[0] == 0 and tw.encode([texts[0]])[0] is enc[0]  # cached
