@@ -263,7 +263,7 @@ def test_caption_only_dataset_runs_caption_stages_and_refuses_image_stages(tmp_p
 @pytest.mark.slow
 def test_wrong_model_id_is_one_line_naming_the_manifest_key(tmp_path, ray_session):
     cap, img_dir = _coco(tmp_path)
-    base = ["dataset.kind=coco", f"dataset.captions={cap}", f"dataset.images={img_dir}"]
+    base = ["dataset.kind=coco", f"dataset.captions={cap}", f"dataset.images={img_dir}", "stages.extract_regions.backend=detector"]
     run_stage("ingest", RunContext(make_manifest(tmp_path, base)))
     for stage, key in [("extract-clip-tokens", "clip"), ("extract-regions", "detector"), ("extract-image-groups", "groupvit")]:
         m = make_manifest(tmp_path, base + [f"models.{key}=no-such-org/no-such-model"])
