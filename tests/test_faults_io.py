@@ -38,7 +38,7 @@ def _tiny_artifact(out, errors=0, rows=3):
     u = w.unit_writer("00000", w.unit_fingerprint("00000", None))
     u.write_table("things", pa.table({"sample_id": pa.array(range(rows), pa.int64())}))
     for i in range(errors):
-        u.error("bad", f"object at 0x7f00{i:08x}", sample_id=100 + i)
+        u.error("bad", f"object at {hex(id(object()) + i)}", sample_id=100 + i)  # an address, as PIL prints them
     u.commit({"rows": rows})
     w.finalize(["00000"])
     return Artifact(w.dir)
@@ -419,3 +419,10 @@ def test_model_probe_failure_names_the_manifest_key(tmp_path):
     with pytest.raises(StageError) as e:
         cached_info(tmp_path, "text_encoder", {"text_encoder": "no-such-org/enc"}, lambda: TextEncoder("no-such-org/enc").record)
     assert str(e.value).startswith("models.text_encoder: 'no-such-org/enc' not found or not loadable (") and "\n" not in str(e.value)
+
+
+def test_identical_runs_give_identical_error_bytes(tmp_path):
+    a = _tiny_artifact(tmp_path / "a", errors=3)
+    b = _tiny_artifact(tmp_path / "b", errors=3)
+    release_lock()
+    assert (a.dir / "errors" / "errors.parquet").read_bytes() == (b.dir / "errors" / "errors.parquet").read_bytes()
