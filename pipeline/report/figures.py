@@ -209,6 +209,7 @@ def histogram_figure(values: np.ndarray, path: Path, title: str, xlabel: str, bi
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel("count", fontsize=8)
     ax.set_title(title, fontsize=9)
