@@ -186,3 +186,18 @@ def test_split_retrieval_builtin(tmp_path):
     m2 = _manifest(tmp_path, [("ret", "split_retrieval", "val")])
     _, errors = H.run_harness(job, torch.nn.Linear(1, 1), m2, tmp_path / "o2", job_metrics=False, log=lambda s: None)
     assert errors and "no samples of split 'val'" in errors[0]
+
+
+def test_one_direction_protocols():
+    """'<p>/i2t' and '<p>/t2i' matrices are read in their own direction only, reported as '<p>'."""
+    rng = np.random.default_rng(1)
+    img_of = np.repeat(np.arange(5), 2)
+    S = rng.normal(size=(5, 10))
+    full = {(r.subset, r.metric): r.value for r in H.retrieval_rows("b", "p", S, img_of)}
+    i2t = H.retrieval_rows("b", "rerank/i2t", S, img_of)
+    t2i = H.retrieval_rows("b", "rerank/t2i", S, img_of)
+    assert {r.subset for r in i2t + t2i} == {"rerank"}
+    assert {r.metric for r in i2t} == {"i2t_R@1", "i2t_R@5", "i2t_R@10"}
+    assert {r.metric for r in t2i} == {"t2i_R@1", "t2i_R@5", "t2i_R@10"}
+    for r in i2t + t2i:
+        assert r.value == full[("p", r.metric)]

@@ -1,7 +1,8 @@
 """The `train` command: cached-feature training and evaluation of the jobs in train/jobs/.
 
     train run <job> --manifest M [--set train.<job>.key=value ...] [--fresh]
-    train eval <job> --checkpoint C --manifest M
+    train eval <job> --checkpoint C --manifest M [--bench NAME ...]
+    train compare RUN_DIR [RUN_DIR ...]
     train list
 """
 
@@ -120,16 +121,56 @@ def eval_(
     checkpoint: Annotated[Path, typer.Option("--checkpoint", "-c", help="checkpoint file (.pt)")],
     manifest: ManifestOpt,
     set_: SetOpt = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="folder for the eval report")] = None,
+    bench: Annotated[Optional[list[str]], typer.Option("--bench", help="only this benchmark of eval.benchmarks "
+                                                       "(repeatable)")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="folder for the results (default "
+                                                "<run_dir>/eval/step<N>)")] = None,
+    job_eval: Annotated[bool, typer.Option("--job-eval/--no-job-eval", help="also run the job's own evaluate() "
+                                           "(its metrics.json, heatmaps)")] = False,
 ) -> None:
-    """Evaluate a checkpoint (retrieval, compositionality, heatmaps: whatever the job reports)."""
-    from train.loop import evaluate_checkpoint
+    """Score a checkpoint on every benchmark of the manifest's eval.benchmarks and the job's own
+    evaluations: one table (metric, value, chance, n, skipped) in <out>/results.parquet and .md."""
+    from train.eval.harness import markdown_table, run_harness
+    from train.loop import load_model_for_eval
 
     if not checkpoint.is_file():
         _fail(f"checkpoint {checkpoint} does not exist")
-    _, _, _, j = build_job(job, manifest, set_)
-    res = evaluate_checkpoint(j, checkpoint, out)
-    typer.echo(json.dumps({"job": job, **res}))
+    _, _, m, j = build_job(job, manifest, set_, checkpoint=checkpoint)  # the checkpoint's training options and run folder
+    try:
+        model, step = load_model_for_eval(j, checkpoint)
+    except (KeyError, RuntimeError, ValueError) as e:
+        _fail(f"checkpoint {checkpoint} does not fit job {job} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    out_dir = out or j.run_dir / "eval" / f"step{step:06d}"
+    if job_eval:
+        import torch
+
+        with torch.no_grad():
+            res = j.evaluate(model, out_dir)
+        (out_dir / "metrics.json").write_text(json.dumps(res, indent=1))
+    try:
+        table, errors = run_harness(j, model, m, out_dir, checkpoint=str(checkpoint), step=step, only=bench)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(markdown_table(table))
+    for e in errors:
+        typer.echo(f"error: {e}", err=True)
+    typer.echo(f"results: {out_dir / 'results.parquet'} ({len(table)} rows; {out_dir / 'results.md'})")
+    if not table or errors:
+        raise typer.Exit(2)
+
+
+@app.command()
+def compare(
+    runs: Annotated[list[Path], typer.Argument(help="run folders (their newest eval/*/results.parquet), eval "
+                                               "folders or results.parquet files")],
+) -> None:
+    """One table across runs (jobs, variants, seeds), chance level beside each metric."""
+    from train.eval.harness import compare as _compare
+
+    try:
+        typer.echo(_compare(runs))
+    except FileNotFoundError as e:
+        _fail(str(e))
 
 
 @app.command("list")

@@ -67,19 +67,29 @@ def recall_first_hit(scores: np.ndarray, gt: np.ndarray) -> np.ndarray:
 
 def retrieval_rows(name: str, protocol: str, S: np.ndarray, img_of_caption: np.ndarray,
                    ks: Sequence[int] = (1, 5, 10)) -> list[Row]:
-    """R@K image->text and text->image for one score matrix S [I, T] (percent), chance beside."""
+    """R@K image->text and text->image for one score matrix S [I, T] (percent), chance beside.
+
+    A protocol named ``<p>/i2t`` (``<p>/t2i``) is a matrix valid in one direction only, e.g. a
+    two-stage rerank that ranks each query's own candidate set (ConceptOT G.4): it is read along
+    rows (columns) only and reported under protocol ``<p>``."""
     I, T = S.shape
+    directions = ("i2t", "t2i")
+    if protocol.endswith(("/i2t", "/t2i")):
+        protocol, d = protocol.rsplit("/", 1)
+        directions = (d,)
     gt = np.zeros((I, T), dtype=bool)
     gt[img_of_caption, np.arange(T)] = True
-    f_i2t = recall_first_hit(S, gt)
-    f_t2i = recall_first_hit(S.T, gt.T)
     caps = np.bincount(img_of_caption, minlength=I)
     rows = []
+    f_i2t = recall_first_hit(S, gt) if "i2t" in directions else None
+    f_t2i = recall_first_hit(S.T, gt.T) if "t2i" in directions else None
     for k in ks:
-        rows.append(Row(name, protocol, f"i2t_R@{k}", 100.0 * float((f_i2t < k).mean()), I,
-                        retrieval_chance(caps, T, k)))
-        rows.append(Row(name, protocol, f"t2i_R@{k}", 100.0 * float((f_t2i < k).mean()), T,
-                        retrieval_chance(np.ones(T, dtype=np.int64), I, k)))
+        if f_i2t is not None:
+            rows.append(Row(name, protocol, f"i2t_R@{k}", 100.0 * float((f_i2t < k).mean()), I,
+                            retrieval_chance(caps, T, k)))
+        if f_t2i is not None:
+            rows.append(Row(name, protocol, f"t2i_R@{k}", 100.0 * float((f_t2i < k).mean()), T,
+                            retrieval_chance(np.ones(T, dtype=np.int64), I, k)))
     return rows
 
 
