@@ -122,11 +122,11 @@ def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bo
 
         try:
             path = build_report(output, manifest, ctx.manifest)
-            lines.append(f"report: {path}  (open it in a browser; rebuild with `pipeline report --manifest {manifest}`)")
+            lines.append(f"report: {path}  (open it in a browser; rebuild with `pipeline report {output}`)")
         except Exception as e:  # the run succeeded; a report failure must not hide that
-            lines.append(f"report: not written ({type(e).__name__}: {e}); try `pipeline report --manifest {manifest}`")
+            lines.append(f"report: not written ({type(e).__name__}: {e}); try `pipeline report {output}`")
     else:
-        lines.append(f"report: `pipeline report --manifest {manifest}` writes {output / 'report' / 'index.html'}")
+        lines.append(f"report: `pipeline report {output}` writes {output / 'report' / 'index.html'}")
     for handler in logging.getLogger().handlers:  # the summary also goes into _logs/run-all.log
         if isinstance(handler, logging.FileHandler):
             handler.stream.write("\n".join(lines) + "\n")

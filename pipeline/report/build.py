@@ -208,6 +208,7 @@ def _stage_info(spec, art, runlog_stage: dict | None, manifest_path: str | None,
         timings=timings, stats=other_stats, models=models, random_weights=list(m.get("random_weights") or []),
         parameters=json.dumps(params, indent=1, default=str, sort_keys=True), disk=fmt_bytes(disk_usage(art.dir)),
         seconds=(runlog_stage or {}).get("seconds"), path=str(art.dir),
+        errors_path=str(art.dir / ((m.get("errors") or {}).get("path") or "errors.parquet")),
     )
     return info
 
