@@ -8,7 +8,7 @@ valid (subject != object, non-padding) entry, as RAM trains (``loss_type='bce'``
 
 Evaluation is RAM's ``get_recall_N``: per held-out image, the K highest-scoring
 (subject, object, predicate) triples are compared with the ground-truth triplets;
-recall@K = hits / |ground truth|, averaged over images that have ground truth. *Chance* is the
+recall@K = hits / |ground truth|, averaged over images that have ground truth, in percent. *Chance* is the
 expected recall of a uniformly random ranking of the same N = V (V - 1) C candidates,
 min(K, N) / N per image, averaged the same way.
 
@@ -147,8 +147,9 @@ def evaluate_model(model, items, n_pred: int, d: int, ks: list[int], batch_size:
                         chance[k].append(r[1])
     out = {"images": len(res[ks[0]])}
     for k in ks:
-        out[f"recall@{k}"] = float(np.mean(res[k])) if res[k] else float("nan")
-        out[f"chance_recall@{k}"] = float(np.mean(chance[k])) if chance[k] else float("nan")
+        # percentages, as every other job and the evaluation harness report recalls
+        out[f"recall@{k}"] = 100.0 * float(np.mean(res[k])) if res[k] else float("nan")
+        out[f"chance_recall@{k}"] = 100.0 * float(np.mean(chance[k])) if chance[k] else float("nan")
     return out
 
 
