@@ -511,7 +511,7 @@ class InfoGroundJob(Job):
             if not caps:
                 continue
             images.append({"nouns": nouns, "sample_id": sid, "boxes": reg_s["boxes"].astype(np.float64),
-                           "features": reg_s["features"].astype(np.float32), "words": feats.word_features.astype(np.float32),
+                           "features": reg_s["features"], "words": feats.word_features,  # float16 until used
                            "word_text": [span.get((int(c), int(w)), (0, 0, "?"))[2]
                                          for c, w in zip(feats.word_caption_id, feats.word_index)],
                            "word_caption": feats.word_caption_id, "captions": list(caps.values()),
@@ -531,10 +531,10 @@ class InfoGroundJob(Job):
         heat_left = self.cfg.heatmaps if heat_dir is not None else 0
         for im in es.images:
             R = len(im["boxes"]) if self.cfg.max_regions is None else min(len(im["boxes"]), self.cfg.max_regions)
-            rf = torch.from_numpy(im["features"][:R]).to(dev)[None]
+            rf = torch.from_numpy(im["features"][:R].astype(np.float32)).to(dev)[None]
             rmask = torch.ones(1, R, dtype=torch.bool, device=dev)
             k, v = model.regions(rf, rmask)
-            w = torch.from_numpy(im["words"]).to(dev)
+            w = torch.from_numpy(im["words"].astype(np.float32)).to(dev)
             q, vw = model.words(w, None)
             _, att = model.attention_all(q, vw, k, v, rmask)  # [W, 1, R]
             att = att[:, 0].cpu().numpy()
