@@ -221,3 +221,41 @@ def test_visual_tokens_failing_image_is_rejected_alone(extremes):
     assert sorted(_stored(art)) == sorted(r["sample_id"] for r in records if r["sample_id"] not in bad)
     errs = {e["sample_id"]: e["reason"] for e in art.errors().to_pylist()}
     assert errs == {sid: ("unreadable_image" if src == "f.jpg" else "segmentation_failed") for sid, src in bad.items()}
+
+
+def test_unit_exception_is_contained_as_one_line_naming_the_unit(tmp_path, monkeypatch):
+    import json as _json
+
+    import pandas as pd
+
+    import pipeline.stage as stage
+    from pipeline.io.artifacts import ArtifactWriter
+    from pipeline.runtime import _ActorEntry, _contained
+    from pipeline.stage import RunContext, run_units
+
+    def boom(payload):
+        raise RuntimeError("Input and output sizes should be greater than 0\n<500 lines>")
+
+    assert _contained(boom, {"unit": "00003"}) == {"unit": "00003", "failed": "RuntimeError: Input and output sizes should be greater than 0"}
+
+    class NoModel:
+        def __init__(self, spec):
+            raise OSError(f"{spec} is not a local folder and is not a valid model identifier")
+
+    entry = _ActorEntry(NoModel, {"spec": "x/y"})
+    out = _json.loads(entry(pd.DataFrame({"payload": [_json.dumps({"unit": "00001"})]}))["result"].iloc[0])
+    assert out == {"unit": "00001", "failed": "the worker could not start: OSError: x/y is not a local folder and is not a valid model identifier"}
+
+    # the driver turns failed units into one StageError line naming the first
+    def fake_map_units(pending, fn, **kw):
+        return iter([_contained(boom, p) for p in pending])
+
+    monkeypatch.setattr(stage, "map_units", fake_map_units)
+    w = ArtifactWriter(tmp_path, "regions", "extract-regions", {})
+    ctx = RunContext(manifest=None)
+    ctx.stage_cfg = None
+    monkeypatch.setattr(RunContext, "ray_cfg", property(lambda self: None))
+    with pytest.raises(StageError) as e:
+        run_units(ctx, w, [("00000", 0, {}), ("00001", 1, {})], boom)
+    assert str(e.value) == ("extract-regions: unit 00000 of regions failed: RuntimeError: Input and output sizes should be "
+                            "greater than 0 (and 1 more units); completed units are kept, a rerun resumes from them")
