@@ -55,7 +55,9 @@ def read_dataset(ds: "DatasetConfig", output_root: Path, defer_masks: bool = Fal
     if kind == "webdataset":
         from pipeline.readers.wds import read_webdataset
 
-        return read_webdataset(_need(ds, "path"), ds.split, max_member_bytes=ds.max_member_bytes)
+        from pipeline.readers.wds import DEFAULT_MAX_MEMBER_BYTES
+
+        return read_webdataset(_need(ds, "path"), ds.split, max_member_bytes=getattr(ds, "max_member_bytes", DEFAULT_MAX_MEMBER_BYTES))
     if kind == "folder":
         from pipeline.readers.folder import read_folder
 
