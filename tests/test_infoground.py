@@ -330,3 +330,43 @@ def test_text_words_match_the_stage_features():
         assert e.shape == r.features.shape, r.text
         assert np.allclose(e, r.features, atol=1e-4), r.text
     assert enc[2].shape[0] == 0 and tw.encode([texts[0]])[0] is enc[0]  # cached
+
+
+def test_score_word_features_batched_equals_per_pair(tmp_path):
+    """The harness score (mean over words of phi), batched per image with per-pair box masks, equals
+    a direct per-pair computation; texts without words score NaN."""
+    from infoground_planted import write_planted_grounding
+    from train.jobs.infoground import make_job
+    from train.jobs.infoground.job import centre_in
+
+    write_planted_grounding(tmp_path, n_images=20)
+    m = _manifest(tmp_path)
+    job = make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))
+    model = job.build_model().eval()
+    es = job.eval_set(["test"])
+    rng = np.random.default_rng(0)
+    sids, feats, boxes = [], [], []
+    for im in es.images:
+        for j in range(3):
+            sids.append(im["sample_id"])
+            feats.append(es.images[rng.integers(len(es.images))]["words"][: rng.integers(0, 5)])
+            boxes.append([np.nan] * 4 if j == 0 else list(im["boxes"][j]) if j == 1 else [0, 0, 1, 1])
+    with torch.no_grad():
+        fast = job.score_word_features(model, np.array(sids), feats, np.array(boxes))
+        ref = []
+        for s, w, b in zip(sids, feats, boxes):
+            if len(w) == 0:
+                ref.append(np.nan)
+                continue
+            r = job.regions.get(s)
+            keep = np.ones(len(r["boxes"]), bool)
+            if not np.isnan(b).any() and centre_in(r["boxes"].astype(np.float64), np.array(b)[None]).any():
+                keep = centre_in(r["boxes"].astype(np.float64), np.array(b)[None])
+            k, v = model.regions(torch.from_numpy(r["features"].astype(np.float32))[None],
+                                 torch.ones(1, len(keep), dtype=torch.bool))
+            q, vw = model.words(torch.from_numpy(w.astype(np.float32)), None)
+            phi, _ = model.attention_all(q, vw, k, v, torch.from_numpy(keep)[None])
+            ref.append(float(phi[:, 0].double().mean()))
+    ref = np.array(ref)
+    assert np.array_equal(np.isnan(fast), np.isnan(ref)) and np.isnan(ref).any()
+    assert np.nanmax(np.abs(fast - ref)) < 1e-5

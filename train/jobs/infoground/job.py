@@ -610,27 +610,39 @@ class InfoGroundJob(Job):
         out = np.full(len(sample_ids), np.nan, dtype=np.float64)
         by_img: dict[int, list[int]] = {}
         for p, s in enumerate(sample_ids):
-            by_img.setdefault(int(s), []).append(p)
+            if word_feats[p] is not None and len(word_feats[p]):
+                by_img.setdefault(int(s), []).append(p)
         for sid, ps in by_img.items():
             r = self.regions.get(sid, ("boxes.npy", "features.npy"))
             if r is None or len(r["boxes"]) == 0:
                 continue
-            feats_all = torch.from_numpy(r["features"].astype(np.float32)).to(dev)
-            k_all, v_all = model.regions(feats_all[None], torch.ones(1, len(feats_all), dtype=torch.bool, device=dev))
-            for p in ps:
-                w = word_feats[p]
-                if w is None or len(w) == 0:
-                    continue
-                k, v = k_all, v_all
-                keep = np.ones(len(r["boxes"]), bool)
-                if boxes is not None and not np.isnan(np.asarray(boxes[p], np.float64)).any():
-                    inside = centre_in(r["boxes"].astype(np.float64), np.asarray(boxes[p], np.float64)[None])
-                    if inside.any():
-                        keep = inside
-                m = torch.from_numpy(keep).to(dev)[None]
-                q, vw = model.words(torch.from_numpy(np.asarray(w, np.float32)).to(dev), None)
-                phi, _ = model.attention_all(q, vw, k, v, m)
-                out[p] = float(phi[:, 0].double().mean())
+            R = len(r["boxes"])
+            k, v = model.regions(torch.from_numpy(r["features"].astype(np.float32)).to(dev)[None],
+                                 torch.ones(1, R, dtype=torch.bool, device=dev))
+            # every word of every pair of this image in one pass; a pair with a box gets its own region mask
+            masks = np.ones((len(ps), R), bool)
+            if boxes is not None:
+                rb = r["boxes"].astype(np.float64)
+                for i, p in enumerate(ps):
+                    b = np.asarray(boxes[p], np.float64)
+                    if not np.isnan(b).any():
+                        inside = centre_in(rb, b[None])
+                        if inside.any():
+                            masks[i] = inside
+            uniq, which = np.unique(masks, axis=0, return_inverse=True)
+            which = np.asarray(which).reshape(-1)
+            n_words = np.asarray([len(word_feats[p]) for p in ps])
+            words = torch.from_numpy(np.concatenate([np.asarray(word_feats[p], np.float32) for p in ps])).to(dev)
+            q, vw = model.words(words, None)
+            k_u = k.expand(len(uniq), R, k.shape[-1])
+            v_u = v.expand(len(uniq), R, v.shape[-1])
+            phi, _ = model.attention_all(q, vw, k_u, v_u, torch.from_numpy(uniq).to(dev))  # [words, masks]
+            col = torch.from_numpy(np.repeat(which, n_words)).to(dev)
+            phi = phi.gather(1, col[:, None])[:, 0].double()
+            seg = torch.from_numpy(np.repeat(np.arange(len(ps)), n_words)).to(dev)
+            mean = torch.zeros(len(ps), dtype=torch.float64, device=dev).index_add_(0, seg, phi) / torch.from_numpy(
+                n_words).to(dev)
+            out[np.asarray(ps)] = mean.cpu().numpy()
         return out
 
     def score_pairs(self, model, sample_ids, texts, boxes=None):
