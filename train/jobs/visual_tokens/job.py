@@ -411,15 +411,15 @@ class VisualTokensJob(Job):
         if mp.exists():
             rows = [json.loads(x) for x in mp.read_text().splitlines() if x.strip()]
         ev = [r for r in rows if r.get("kind") == "eval" and "similarity/mean_cos_diag" in r]
-        pts = [(r["step"], r["similarity/mean_cos_diag"], r["similarity/mean_cos_offdiag"]) for r in ev]
+        # this evaluation is logged after it returns: its step is the last train line's
+        now = max([r.get("step", 0) for r in rows if r.get("kind") == "train"], default=0)
+        pts = [(r["step"], r["similarity/mean_cos_diag"], r["similarity/mean_cos_offdiag"]) for r in ev if r["step"] < now]
+        pts.append((now, res.get("similarity/mean_cos_diag", float("nan")), res.get("similarity/mean_cos_offdiag", float("nan"))))
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-        if pts:
-            s, d, o = zip(*pts)
-            ax[0].plot(s, d, marker="o", label="diagonal (matching)")
-            ax[0].plot(s, o, marker="o", label="off-diagonal")
-        ax[0].scatter([-1], [res.get("similarity/mean_cos_diag", 0)], marker="*", color="C0", label="this evaluation")
-        ax[0].scatter([-1], [res.get("similarity/mean_cos_offdiag", 0)], marker="*", color="C1")
-        ax[0].set_xlabel("step (earlier evaluations; * = this one)")
+        s, d, o = zip(*pts)
+        ax[0].plot(s, d, marker="o", label="diagonal (matching pairs)")
+        ax[0].plot(s, o, marker="o", label="off-diagonal (other pairs)")
+        ax[0].set_xlabel("training step (evaluations; set eval_every for a curve)")
         ax[0].set_ylabel("mean cosine similarity (eval)")
         ax[0].set_title(f"{self.cfg.variant}: image-text similarity (Fig. 4)", fontsize=9)
         ax[0].legend(fontsize=7)
