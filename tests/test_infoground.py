@@ -370,3 +370,27 @@ def test_score_word_features_batched_equals_per_pair(tmp_path):
     ref = np.array(ref)
     assert np.array_equal(np.isnan(fast), np.isnan(ref)) and np.isnan(ref).any()
     assert np.nanmax(np.abs(fast - ref)) < 1e-5
+
+
+def test_eval_on_another_runs_artifacts(tmp_path, monkeypatch):
+    """eval_output: train on one run's artifacts, evaluate on another's (its splits, phrases, regions,
+    words); widths that differ are one clear error."""
+    from infoground_planted import write_planted_grounding
+    from train.jobs.infoground import make_job
+    import train.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "plot_metrics", lambda *a, **k: None)
+    write_planted_grounding(tmp_path / "a", n_images=20)
+    write_planted_grounding(tmp_path / "b", n_images=40, id_offset=500, seed=1)
+    write_planted_grounding(tmp_path / "c", n_images=10, id_offset=900, d_r=16)
+    m = _manifest(tmp_path / "a", f"train.infoground.eval_output={tmp_path / 'b'}")
+    job = make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))
+    model = job.build_model()
+    res = job.evaluate(model, tmp_path / "ev")
+    assert res["test_phrases"] == 8 * 2 * 2 and res["val_phrases"] == 8 * 2 * 2  # b's 8 test and 8 val images
+    rows = job.job_metrics(model, tmp_path / "ev2")
+    assert rows[0].benchmark == "grounding:b" and rows[0].n == 32
+    m = _manifest(tmp_path / "a", f"train.infoground.eval_output={tmp_path / 'c'}")
+    job = make_job(m.train.infoground, m, tmp_path / "r2", torch.device("cpu"))
+    with pytest.raises(ValueError, match="widths 16/24 differ .* 32/24"):
+        job.evaluate(job.build_model(), tmp_path / "ev3")
