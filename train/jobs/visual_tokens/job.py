@@ -431,7 +431,7 @@ class VisualTokensJob(Job):
                     ax[1].plot(range(8), w[li, hi].cpu().numpy(), marker=".", alpha=0.7 if Lw * Hw > 1 else 1,
                                label=f"layer {li} head {hi}" if Lw * Hw > 1 else "learned w")
             ax[1].plot(range(8), range(8), "k--", lw=0.8, label="init w_r = r")
-            ax[1].set_xlabel("rank r (7 node->node, 6 node->edge, 5 edge->node, 4..1 kNN, 0 none)")
+            ax[1].set_xlabel("rank r (7 node-node, 6 node-edge, 5 edge-node, 4..1 kNN)")
             ax[1].set_ylabel("w_r (added to attention logits)")
             if Lw * Hw <= 8:
                 ax[1].legend(fontsize=6)
