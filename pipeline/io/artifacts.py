@@ -332,7 +332,7 @@ class ArtifactWriter:
         error_files = [self.dir / "_errors" / f"{u}.parquet" for u in units]
         error_tables = [pq.read_table(p) for p in error_files if p.exists()]
         errors = pa.concat_tables(error_tables) if error_tables else ERROR_SCHEMA.empty_table()
-        write_parquet_atomic(errors, self.dir / ERRORS_PATH)
+        write_parquet_atomic(errors, self.dir / ERRORS_PATH, if_changed=True)
         (self.dir / LEGACY_ERRORS_PATH).unlink(missing_ok=True)  # written by older versions at the root
         tables: dict[str, dict] = {}
         shards = []

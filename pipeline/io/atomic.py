@@ -46,15 +46,29 @@ def write_json_atomic(path: str | Path, obj) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
-def write_parquet_atomic(table: pa.Table, path: str | Path, compression: str = "zstd") -> None:
+def write_parquet_atomic(table: pa.Table, path: str | Path, compression: str = "zstd", if_changed: bool = False) -> None:
     """A zero-row table is written with no row group at all (schema only): ``pq.write_table`` would
     write one row group of 0 rows, which readers that size their batches by the first row group
-    (Hugging Face ``datasets``: "BatchSize must be greater than 0") cannot load."""
-    with atomic_path(path) as tmp:
+    (Hugging Face ``datasets``: "BatchSize must be greater than 0") cannot load. ``if_changed``:
+    leave an existing file with the same bytes untouched (a rerun with nothing to do rewrites nothing)."""
+
+    def write(where) -> None:
         if table.num_rows == 0:
-            pq.ParquetWriter(tmp, table.schema, compression=compression).close()
+            pq.ParquetWriter(where, table.schema, compression=compression).close()
         else:
-            pq.write_table(table, tmp, compression=compression)
+            pq.write_table(table, where, compression=compression)
+
+    path = Path(path)
+    if if_changed and path.is_file():
+        sink = pa.BufferOutputStream()
+        write(sink)
+        data = sink.getvalue().to_pybytes()
+        if path.stat().st_size == len(data) and path.read_bytes() == data:
+            return
+        write_bytes_atomic(path, data)
+        return
+    with atomic_path(path) as tmp:
+        write(tmp)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
