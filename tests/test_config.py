@@ -12,7 +12,9 @@ def test_demo_and_coco_manifests_load():
     demo = load_manifest(REPO / "manifests" / "demo.yaml")
     assert demo.dataset.kind == "synthetic" and demo.ray.address is None
     coco = load_manifest(REPO / "manifests" / "coco.yaml")
-    assert coco.dataset.kind == "coco" and coco.ray.address == "auto"
+    # COCO through Karpathy's split file: trains on train + restval, evaluates on the 5K test split
+    assert coco.dataset.kind == "karpathy" and coco.ray.address == "auto"
+    assert {b.format for b in coco.eval.benchmarks} >= {"retrieval"}
     assert coco.models.clip == "openai/clip-vit-base-patch16"
 
 
