@@ -172,7 +172,12 @@ def sam_run(tmp_path_factory, ray_session):
         ],
     )
     run_stage("ingest", RunContext(m))
+    from pipeline.loaders.samples import image_resolver
+
+    resolve = image_resolver(f"{m.output}/samples", m)  # samples.image is relative to the dataset's image root
     samples = sorted(Artifact(f"{m.output}/samples").read("samples").to_pylist(), key=lambda r: r["sample_id"])
+    for r in samples:
+        r["image"] = resolve(r["image"])
     rng = np.random.default_rng(1)
     kinds = {}
     from pipeline.readers.images import open_image
