@@ -123,7 +123,7 @@ def _samples_rows(out: Path) -> list:
     for f in Artifact(out / "samples").files("samples"):
         for r in pq.read_table(f).to_pylist():
             if isinstance(r.get("image"), str) and r["image"].startswith(str(out)):
-                r["image"] = os.path.relpath(r["image"], out)  # samples.image is absolute today
+                r["image"] = os.path.relpath(r["image"], out)  # absolute refs (outputs written before relative paths)
             rows.append(r)
     return rows
 
