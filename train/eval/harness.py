@@ -238,11 +238,14 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
     all_skips = skips + reader_skips
     n_skipped = sum(all_skips.values())
     for r in rows:
-        if r.subset in ("all", "overall") or r.subset not in skips_by_subset:
-            r.skipped, r.skip_reasons = (n_skipped, _fmt_skips(all_skips)) if r.subset in ("all", "overall") or \
-                data.kind == "retrieval" else (0, {})
-        else:
-            sub = skips_by_subset[r.subset]
+        if r.subset in ("all", "overall") or data.kind == "retrieval":
+            r.skipped, r.skip_reasons = n_skipped, _fmt_skips(all_skips)
+        else:  # a subset row counts the skips of its items' subsets (an aggregate such as VALSE's
+            # `actions` or VL-CheckList's `Attribute/color` covers `actions/...`, `Attribute/color/...`)
+            sub: Counter = Counter()
+            for k, c in skips_by_subset.items():
+                if k == r.subset or k.startswith(r.subset + "/"):
+                    sub += c
             r.skipped, r.skip_reasons = sum(sub.values()), _fmt_skips(sub)
         if getattr(job, "crop_note", "") and any(p.box is not None for it in keep[:50] for p in it.pairs):
             r.note = (r.note + "; " if r.note else "") + job.crop_note
