@@ -201,3 +201,18 @@ def test_one_direction_protocols():
     assert {r.metric for r in t2i} == {"t2i_R@1", "t2i_R@5", "t2i_R@10"}
     for r in i2t + t2i:
         assert r.value == full[("p", r.metric)]
+
+
+def test_compare_merges_evaluations_of_the_newest_step(tmp_path):
+    def write(d, step, bench, value):
+        H.write_results([{"job": "j", "variant": "v", "checkpoint": "c", "step": step, "benchmark": bench,
+                          "subset": "all", "metric": "acc", "value": value, "n": 3, "chance": 50.0, "skipped": 0,
+                          "skip_reasons": "{}", "unit": "%", "note": ""}], d)
+
+    run = tmp_path / "run"
+    write(run / "eval" / "step000005", 5, "old-step", 10.0)
+    write(run / "eval" / "final", 9, "a", 60.0)
+    write(run / "eval" / "step000009", 9, "b", 70.0)  # `train eval --bench b` of the final checkpoint
+    txt = H.compare([run])
+    assert "| a | all | acc | 50.0 | 60.0 (n=3) |" in txt and "| b | all | acc | 50.0 | 70.0 (n=3) |" in txt
+    assert "old-step" not in txt

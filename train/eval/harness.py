@@ -411,21 +411,30 @@ def markdown_table(table: list[dict]) -> str:
 # ------------------------------------------------------------------------------------ compare
 
 
-def _latest_results(path: Path) -> Path:
-    """results.parquet of a run folder (the newest evaluation), an eval folder or the file itself."""
+def _latest_results(path: Path) -> list[Path]:
+    """The results.parquet files that describe a run's newest model: the file itself, an eval
+    folder's, or, for a run folder, every eval/*/results.parquet of its highest step (a
+    `train eval --bench X` of the same checkpoint adds to the end-of-training table instead of
+    hiding it)."""
+    import pyarrow.parquet as pq
+
     path = Path(path)
     if path.is_file():
-        return path
+        return [path]
     if (path / "results.parquet").is_file():
-        return path / "results.parquet"
-    found = sorted((path / "eval").glob("*/results.parquet"), key=lambda p: p.stat().st_mtime) \
-        if (path / "eval").is_dir() else []
+        return [path / "results.parquet"]
+    found = list((path / "eval").glob("*/results.parquet")) if (path / "eval").is_dir() else []
     if not found:
-        found = sorted(path.glob("**/eval/*/results.parquet"), key=lambda p: p.stat().st_mtime)
+        found = list(path.glob("**/eval/*/results.parquet"))
     if not found:
         raise FileNotFoundError(f"{path}: no eval/*/results.parquet (run `train eval <job> --checkpoint ... "
                                 f"--manifest ...` first)")
-    return found[-1]
+    steps = {}
+    for f in found:
+        st = pq.read_table(f, columns=["step"]).column("step").to_pylist()
+        steps[f] = max(st) if st else -1
+    top = max(steps.values())
+    return sorted((f for f in found if steps[f] == top), key=lambda f: f.stat().st_mtime)
 
 
 def _run_label(res_path: Path, rows: list[dict]) -> str:
@@ -450,9 +459,13 @@ def compare(paths: Sequence[str | Path]) -> str:
 
     runs = []
     for p in paths:
-        f = _latest_results(Path(p))
-        rows = pq.read_table(f).to_pylist()
-        runs.append((_run_label(f, rows), f, rows))
+        files = _latest_results(Path(p))
+        merged: dict[tuple, dict] = {}
+        for f in files:  # oldest first: a newer evaluation of the same row wins
+            for r in pq.read_table(f).to_pylist():
+                merged[(r["benchmark"], r["subset"], r["metric"])] = r
+        rows = list(merged.values())
+        runs.append((_run_label(files[-1], rows), ", ".join(str(f) for f in files), rows))
     labels = [r[0] for r in runs]
     seen = Counter()
     for i, lab in enumerate(labels):  # disambiguate identical labels
