@@ -426,3 +426,16 @@ def test_identical_runs_give_identical_error_bytes(tmp_path):
     b = _tiny_artifact(tmp_path / "b", errors=3)
     release_lock()
     assert (a.dir / "errors" / "errors.parquet").read_bytes() == (b.dir / "errors" / "errors.parquet").read_bytes()
+
+
+@pytest.mark.parametrize("role", ["mlm", "word_encoder"])
+def test_mlm_probe_failure_names_the_manifest_key(tmp_path, role):
+    """negative-captions probes its MLM / word encoder in the driver: a wrong id is one line naming
+    the key, before any actor starts (it used to surface as a worker that could not start)."""
+    from pipeline.models.mlm import provenance
+    from pipeline.models.provenance import cached_info
+
+    with pytest.raises(StageError) as e:
+        cached_info(tmp_path, role, {role: "no-such-org/mlm"}, lambda: provenance("no-such-org/mlm", role))
+    msg = str(e.value)
+    assert msg.startswith(f"models.{role}: 'no-such-org/mlm' not found or not loadable (") and "\n" not in msg

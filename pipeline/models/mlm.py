@@ -195,4 +195,7 @@ def provenance(spec: str, role: str) -> dict:
             return load_word_encoder(spec, role).record
         return load_mlm(spec, role).record
     path = resolve_model_path(spec)
+    if not Path(path).is_dir():  # probed in the driver: a wrong id fails here as `models.<role>: ...`
+        raise FileNotFoundError("no local folder, installed model package or cached Hugging Face snapshot "
+                                "(machines without a hub need the weights on disk)")
     return model_record(role, spec, random_weights=False, weights_sha256=_files_hash(path), path=path)
