@@ -439,3 +439,14 @@ def test_mlm_probe_failure_names_the_manifest_key(tmp_path, role):
         cached_info(tmp_path, role, {role: "no-such-org/mlm"}, lambda: provenance("no-such-org/mlm", role))
     msg = str(e.value)
     assert msg.startswith(f"models.{role}: 'no-such-org/mlm' not found or not loadable (") and "\n" not in msg
+
+
+def test_predicate_encoder_probe_failure_names_the_manifest_key():
+    from types import SimpleNamespace
+
+    from pipeline.stages.extract_visual_tokens import model_records
+
+    cfg = SimpleNamespace(feature_layers=None, width=64, seed=0, relations="geometric")
+    with pytest.raises(StageError) as e:
+        model_records(cfg, {"sam": "tiny-random", "predicate_encoder": "no-such-org/clip", "relation_head": None})
+    assert str(e.value).startswith("models.predicate_encoder: 'no-such-org/clip' not found or not loadable (")

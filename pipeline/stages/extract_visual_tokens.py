@@ -306,6 +306,14 @@ def model_records(cfg: Config, models: dict) -> dict:
         enc._load()
         recs["predicate_encoder"] = enc.record
     else:
+        if not Path(spec).is_dir():  # a hub id must be in the local cache (offline): fail here, naming the key
+            try:
+                from huggingface_hub import snapshot_download
+
+                snapshot_download(spec, local_files_only=True)
+            except Exception:
+                raise StageError(f"models.predicate_encoder: {spec!r} not found or not loadable (no local folder or "
+                                 "cached Hugging Face snapshot)") from None
         files = [p for p in Path(spec).glob("*") if p.suffix in (".safetensors", ".bin")] if Path(spec).is_dir() else []
         recs["predicate_encoder"] = model_record("predicate_encoder", spec, random_weights=False, weights_sha256=weights_hash(files) if files else None)
     if cfg.relations == "learned":
