@@ -44,13 +44,13 @@ def planted_encode(pl_, texts: list[str], pooled_only: bool = False) -> dict:
 
 
 class C3Planted(Planted):
-    """Captions without cot_planted's "picture" filler: every non-stopword of a caption is visible
-    (a concept such as "picture" would be ungroundable noise in every metric)."""
+    """Captions without cot_planted's "picture" filler (a word no image shows: the concepts
+    "picture", "a picture red" ... would be ungroundable noise in every metric); a stopword filler
+    and every object's "<colour> <shape>", joined by "and", as cot_planted writes them."""
 
     def caption(self, objs):
-        parts = [f"{c} {s}" for c, s in objs]
         filler = ["there is", "with", "a"][int(self.rng.integers(0, 3))]
-        return f"{filler} " + " and ".join(parts)
+        return f"{filler} " + " and ".join(f"{c} {s}" for c, s in objs)
 
 
 def write_c3_planted(out: Path, n_images: int = 240, seed: int = 0, mining: M.MiningParams = MINING,
