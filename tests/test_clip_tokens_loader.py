@@ -70,6 +70,10 @@ def test_fields_filter_and_fresh_dicts(tmp_path):
     assert set(s) == {"__key__", "sample_id", "caption_ids"}
     s["scribble"] = 1
     assert "scribble" not in next(read_shard(shard, fields=None))
+    # the same field selection again (cached per mapping): a fresh dict, not the one changed above
+    assert set(next(read_shard(shard, fields=("caption_ids",)))) == {"__key__", "sample_id", "caption_ids"}
+    assert set(next(read_shard(shard, fields=("caption_ids", "text_mask")))) == {"__key__", "sample_id", "caption_ids",
+                                                                                 "text_mask"}
 
 
 def test_fits_in_memory_by_size(tmp_path):

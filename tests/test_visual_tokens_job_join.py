@@ -98,3 +98,23 @@ def test_shard_index_random_access_and_errors(two_artifacts, tmp_path):
     dup = _write(tmp_path / "dup", [1, 2], 1, _b, 0) + _write(tmp_path / "dup2", [2], 1, _b, 0)
     with pytest.raises(ValueError, match="sample_id 2 is in two shards"):
         ShardIndex(dup)
+
+
+def test_mapped_join_shares_no_state_between_samples(two_artifacts):
+    """Kept maps: the join merges one prepared dict per sample (views, shared across epochs);
+    what a caller does to a joined sample never reaches the next join of the same id, and the
+    prefix and field selection match the lazy join's."""
+    pa, pb, ids_a, ids_b = two_artifacts
+    sid = min(ids_a & ids_b)
+    mapped = ShardJoin(pb, ("caption_ids",), prefix="ct_", lazy=False)
+    lazy = ShardJoin(pb, ("caption_ids",), prefix="ct_", lazy=True)
+    first = mapped({"sample_id": sid, "x": 1})
+    assert set(first) == {"sample_id", "x", "ct_caption_ids"}
+    first["ct_caption_ids"] = "overwritten"
+    first["scribble"] = 1
+    again = mapped({"sample_id": sid})
+    assert set(again) == {"sample_id", "ct_caption_ids"}
+    np.testing.assert_array_equal(again["ct_caption_ids"], _b(sid)["caption_ids.npy"])
+    np.testing.assert_array_equal(np.asarray(lazy({"sample_id": sid})["ct_caption_ids"]), again["ct_caption_ids"])
+    with pytest.raises(KeyError, match=f"sample {min(ids_a - ids_b)} is not in"):
+        mapped({"sample_id": min(ids_a - ids_b)})

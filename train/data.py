@@ -271,6 +271,7 @@ class ShardIndex:
         if len(dup):
             raise ValueError(f"{self.name}: sample_id {int(self.ids[dup[0]])} is in two shards")
         self._parsed: dict[int, list] = {}
+        self._items: dict[tuple, list[dict]] = {}
         # sample_id -> (shard, position): a dict lookup per sample (a numpy searchsorted per scalar
         # cost ~10x more); ~100 bytes per sample
         self._where = dict(zip(self.ids.tolist(), zip(self.shard_of.tolist(), self.pos.tolist())))
@@ -311,6 +312,29 @@ class ShardIndex:
         return out
 
 
+    def items(self, sample_id: int, fields: tuple[str, ...] | None, prefix: str = "") -> dict:
+        """Kept maps only: ``{prefix + field: view}`` of the sample (no ``__key__``/``sample_id``),
+        built once per (shard, fields, prefix) and shared: callers merge it, never mutate it.
+        The join's per-sample work is then one dict lookup and one ``dict.update`` (it was a
+        field-by-field copy per sample, ~20% of the mapped data path)."""
+        hit = self._find(int(sample_id))
+        if hit is None:
+            raise KeyError(f"sample {int(sample_id)} is not in {self.name}")
+        shard, pos = hit
+        key = (shard, fields, prefix)
+        table = self._items.get(key)
+        if table is None:
+            parsed = self._parsed.get(shard)
+            if parsed is None:
+                from pipeline.loaders.clip_tokens import _parsed
+
+                parsed = self._parsed[shard] = _parsed(self.shards[shard])
+            table = self._items[key] = [
+                {prefix + k: v for k, v in s.items() if k not in ("__key__", "sample_id") and (fields is None or k in fields)}
+                for s in parsed]
+        return table[pos]
+
+
 class ShardJoin:
     """Attach the fields of another *shard* artifact's sample with the same ``sample_id`` (e.g.
     ``visual_tokens`` samples + their ``clip_tokens``: both artifacts are WebDataset shards, with
@@ -330,6 +354,7 @@ class ShardJoin:
         self.fields = None if fields is None else tuple(fields)
         self.prefix = prefix
         self.missing: set[int] = set()
+        self._views: dict[int, dict] = {}  # kept maps: sample_id -> its fields (views, shared)
 
     def keep(self, sample: dict) -> bool:
         sid = int(sample["sample_id"])
@@ -339,7 +364,14 @@ class ShardJoin:
         return False
 
     def __call__(self, sample: dict) -> dict:
-        other = self.index.read(int(sample["sample_id"]), self.fields)
+        sid = int(sample["sample_id"])
+        if not self.index.lazy:  # kept maps: the sample's (prefixed) fields, prepared once per shard
+            got = self._views.get(sid)
+            if got is None:
+                got = self._views[sid] = self.index.items(sid, self.fields, self.prefix)
+            sample.update(got)
+            return sample
+        other = self.index.read(sid, self.fields)
         for k, v in other.items():
             if k not in ("__key__", "sample_id"):
                 sample[self.prefix + k] = v

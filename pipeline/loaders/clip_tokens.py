@@ -231,6 +231,7 @@ def shard_reader(paths: Iterable[str | Path], mapped: bool | None = None):
 def close_mappings() -> None:
     """Forget every kept shard map (the OS unmaps each once no array views it any more)."""
     _MAPS.clear()
+    _SELECTED.clear()
 
 
 def read_shard(path: str | Path, fields: Iterable[str] | None = DEFAULT_FIELDS, lazy: bool = False) -> Iterator[dict]:
@@ -244,10 +245,30 @@ def read_shard(path: str | Path, fields: Iterable[str] | None = DEFAULT_FIELDS, 
     if lazy:
         yield from _read_shard_pread(path, wanted)
         return
-    keep = None if wanted is None else {"__key__", "sample_id"} | {w[:-4] for w in wanted}
-    for sample in _parsed(path):
+    if wanted is None:
+        samples = _parsed(path)
+    else:
+        # the field selection is made once per (mapping, fields) and cached beside the parse
+        keep = frozenset({"__key__", "sample_id"} | {w[:-4] for w in wanted})
+        samples = _selected(path, keep)
+    for sample in samples:
         # A fresh dict per sample: callers may add keys without touching the cached parse.
-        yield dict(sample) if keep is None else {k: v for k, v in sample.items() if k in keep}
+        yield dict(sample)
+
+
+def _selected(path: str | Path, keep: frozenset) -> list[dict]:
+    """The kept map's parsed samples restricted to the ``keep`` keys (cached per mapping)."""
+    samples = _parsed(path)
+    cache = _SELECTED.get(str(path))
+    if cache is None or cache[0] is not samples:
+        cache = _SELECTED[str(path)] = (samples, {})
+    out = cache[1].get(keep)
+    if out is None:
+        out = cache[1][keep] = [{k: v for k, v in s.items() if k in keep} for s in samples]
+    return out
+
+
+_SELECTED: dict[str, tuple[list, dict]] = {}  # path -> (the parse it selects from, {keep: samples})
 
 
 def read_sample(path: str | Path, position: int, fields: Iterable[str] | None = DEFAULT_FIELDS,
