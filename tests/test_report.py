@@ -84,7 +84,9 @@ def test_metric_panels_split_families(tmp_path):
     rows = [{"kind": "train", "step": s, "epoch": 0, "loss": 10.0 / s ** 2, "lr": 1e-4, "grad_norm": 2.0,
              "steps_per_s": 5.0, "samples_per_s": 320.0, "hn_index_hit": 0.5} for s in (1, 2, 3, 4, 5, 6, 7, 8)]
     rows.append({"kind": "eval", "step": 8, "epoch": 0, "global/i2t_R@1": 40.00000059604645, "global/t2i_R@1": 12.5,
-                 "chance/i2t_R@1": 3.1, "chance/t2i_R@1": 1.6, "eval_images": 64, "eval_captions": 320})
+                 "chance/i2t_R@1": 3.1, "chance/t2i_R@1": 1.6, "eval_images": 64, "eval_captions": 320,
+                 "grounding/acc@IoU0.5": 0.0, "chance/grounding_acc@IoU0.5": 0.0, "grounding/mean_IoU": 0.07,
+                 "sugarcrepe/swap_att": 41.3, "sugarcrepe/overall": 47.4, "chance/sugarcrepe": 50.0})
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn li')
     panels = {p["title"]: p for p in metric_panels(rows)}
@@ -93,6 +95,13 @@ def test_metric_panels_split_families(tmp_path):
     ev = panels["eval: global (%)"]
     assert ev["ylim"] == (0, 100) and set(ev["keys"]) == {"global/i2t_R@1", "global/t2i_R@1"}
     assert ev["chance"] == {"global/i2t_R@1": "chance/i2t_R@1", "global/t2i_R@1": "chance/t2i_R@1"}
+    # an accuracy of 0 % is a percentage (not a fraction on an axis of its own); IoU on a 0-1 axis
+    assert panels["eval: grounding (%)"]["keys"] == ["grounding/acc@IoU0.5"] and panels["eval: grounding (%)"]["ylim"] == (0, 100)
+    assert panels["eval: grounding (0-1)"]["keys"] == ["grounding/mean_IoU"]
+    # SugarCrepe's pairwise accuracies: percent, with the family's chance (50) as their dashed line
+    sc = panels["eval: sugarcrepe (%)"]
+    assert sc["ylim"] == (0, 100) and sc["chance"] == {"sugarcrepe/overall": "chance/sugarcrepe",
+                                                       "sugarcrepe/swap_att": "chance/sugarcrepe"}
     # counts never become a curve on a metric axis
     assert not any("eval_images" in k for p in panels.values() for k in p["keys"])
     out = plot_metrics(path, tmp_path / "metrics.png")  # one eval point still draws (markers), torn line skipped

@@ -124,7 +124,8 @@ def test_two_stage_rerank_only_within_topk():
 
 
 def test_pairwise_accuracy():
-    assert pairwise_accuracy([1, 2, 3, 4], [0, 3, 3, 1]) == pytest.approx(100 * 2.5 / 4)
+    assert pairwise_accuracy([1, 2, 3, 4], [0, 3, 3, 1]) == pytest.approx(100 * 2 / 4)  # the tie (3, 3) is wrong
+    assert pairwise_accuracy([1.0, 1.0], [1.0, 1.0]) == 0.0  # a constant scorer
 
 
 @pytest.mark.skipif(not SHARED_SC.is_dir(), reason="shared SugarCrepe data not present")

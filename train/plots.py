@@ -58,9 +58,10 @@ def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 
 def is_percent_metric(key: str) -> bool:
-    """Recalls, accuracies and rates are percentages (0-100) in this repository."""
+    """Recalls, accuracies and rates are percentages (0-100) in this repository (SugarCrepe's keys,
+    ``sugarcrepe/<kind>``, are pairwise accuracies)."""
     k = key.lower()
-    return any(t in k for t in ("r@", "recall", "acc", "precision", "%", "pct", "percent"))
+    return any(t in k for t in ("r@", "recall", "acc", "precision", "%", "pct", "percent", "sugarcrepe"))
 
 
 def is_fraction_metric(key: str) -> bool:
@@ -88,13 +89,19 @@ def _family(key: str) -> str:
 def chance_keys(metrics: list[str], chances: list[str]) -> dict[str, str]:
     """metric -> the key of its chance level: ``chance/<m>`` (concept-ot: ``chance/i2t_R@1`` for
     ``global/i2t_R@1``), ``chance_<m>`` or ``<prefix>_chance_<m>`` (relation-head:
-    ``val_chance_recall@20`` for ``val_recall@20``)."""
+    ``val_chance_recall@20`` for ``val_recall@20``), or ``chance/<family>`` for every metric of a
+    family (concept-ot: ``chance/sugarcrepe`` for ``sugarcrepe/swap_att``)."""
     out = {}
     for c in chances:
         bare = c.replace("chance/", "").replace("chance_", "")
         for m in metrics:
             if m == bare or m.endswith("/" + bare) or m.replace("/", "_") == bare:
                 out.setdefault(m, c)
+    for c in chances:  # family-level chance last: a metric's own chance key wins
+        if c.startswith("chance/") and "/" not in c[len("chance/"):]:
+            for m in metrics:
+                if "/" in m and m.split("/", 1)[0] == c[len("chance/"):]:
+                    out.setdefault(m, c)
     return out
 
 
@@ -140,17 +147,14 @@ def metric_panels(rows: list[dict]) -> list[dict]:
     for fam, keys in sorted(efams.items()):
         counts = {k.split("/", 1)[-1]: last[k] for k in sorted(ints) if _family(k) == fam and _is_num(last.get(k))
                   and not k.startswith(COUNT_PREFIXES)}
-        named_pct = [k for k in keys if is_percent_metric(k)]
-        # percentages on a 0-100 axis; a rate whose values all stay <= 1 may have been logged as a
-        # fraction: it gets an axis of its own, scaled to the data and labelled "as logged"
-        pct = [k for k in named_pct if max(_series(ev, k)[1] or [0]) > 1.0]
-        frac = [k for k in keys if k not in named_pct and is_fraction_metric(k)]
-        small = [k for k in named_pct if k not in pct]
-        other = [k for k in keys if k not in pct and k not in frac and k not in small]
+        # percentages on a 0-100 axis (every job logs recalls and accuracies in percent, so an
+        # accuracy of 0 or 0.5 % is one, not a fraction), AUCs / IoUs on a 0-1 axis
+        pct = [k for k in keys if is_percent_metric(k)]
+        frac = [k for k in keys if k not in pct and is_fraction_metric(k)]
+        other = [k for k in keys if k not in pct and k not in frac]
         ch = {k: chance[k] for k in keys if k in chance}
         add(f"eval: {fam} (%)", pct, ev, "eval", ylim=(0, 100), chance=ch, ylabel="%", counts=counts)
         add(f"eval: {fam} (0-1)", frac, ev, "eval", ylim=(0, 1), chance=ch, ylabel="fraction", counts=counts)
-        add(f"eval: {fam} (rates <= 1)", small, ev, "eval", chance=ch, ylabel="as logged", counts=counts)
         add(f"eval: {fam}", other, ev, "eval", chance=ch, counts=counts)
     return panels
 
@@ -217,9 +221,6 @@ def plot_metrics(metrics_path: Path, out_png: Path, title: str | None = None) ->
             # room above the top for the legend, so no line at 100 % hides under it
             ax.set_ylim(lo, hi + (hi - lo) * (0.3 if many else 0.12))
             ax.set_yticks(np.linspace(lo, hi, 6))
-        elif p["ylabel"] == "as logged":  # rates: from 0, and a visible range when all are 0
-            vals = [v for k in p["keys"] for v in _series(p["rows"], k)[1]]
-            ax.set_ylim(bottom=0.0 if min(vals) >= 0 else None, top=max(max(vals) * 1.15, 1.0 if max(vals) <= 1 else 0))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         if len(p["keys"]) > 1 or p["chance"]:

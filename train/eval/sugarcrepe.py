@@ -37,11 +37,12 @@ def read_sugarcrepe(dirs) -> dict[str, list[dict]]:
 
 
 def pairwise_accuracy(pos_scores, neg_scores) -> float:
-    """100 * mean(pos > neg); ties count as half (a constant scorer is at chance, 50)."""
+    """100 * mean(pos > neg), strict: a tie counts as wrong, as in SugarCrepe's own evaluation and the
+    harness (train/eval/benchmarks/sugarcrepe.py), so a constant scorer scores 0, not 50."""
     import torch
 
     pos = torch.as_tensor(pos_scores, dtype=torch.float64)
     neg = torch.as_tensor(neg_scores, dtype=torch.float64)
     if pos.numel() == 0:
         return float("nan")
-    return float(100 * ((pos > neg).double() + 0.5 * (pos == neg).double()).mean())
+    return float(100 * (pos > neg).double().mean())

@@ -16,6 +16,8 @@ from pipeline.io.artifacts import Artifact, ArtifactMissing
 from pipeline.loaders.clip_tokens import collate as ct_collate
 from pipeline.loaders.clip_tokens import fits_in_memory, read_sample, read_shard
 from train.data import ParquetJoin, ShardStream, loader
+from train.eval.benchmarks.sugarcrepe import MAIN as MAIN_KINDS
+from train.eval.benchmarks.sugarcrepe import kind_of
 from train.eval.interface import NoScorableItems
 from train.eval.retrieval import retrieval_report, two_stage_scores
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
@@ -69,9 +71,27 @@ def mine_pairs(g: torch.Tensor, K: int, bad: torch.Tensor):
     return ii, tt, neg_x, neg_i, vx, vi
 
 
-def _resolve(manifest, p: str) -> Path:
-    q = Path(p)
-    return q if q.is_absolute() else Path(manifest.output) / q
+def _index_there(index_dir) -> bool:
+    from train.jobs.concept_ot.index_negatives import IndexMissing, require_index
+
+    try:
+        require_index(index_dir)
+        return True
+    except IndexMissing:
+        return False
+
+
+def _local_output(manifest) -> Path:
+    from pipeline.io.storage import local_path
+
+    return local_path(manifest.output)
+
+
+def _resolve(manifest, p: str) -> Path | str:
+    """``p`` under the manifest's output unless absolute (an object-storage URL stays a str)."""
+    from pipeline.io.storage import resolve_under
+
+    return resolve_under(manifest.output, p)
 
 
 class ConceptOTJob(Job):
@@ -120,7 +140,7 @@ class ConceptOTJob(Job):
         is present and matches (only for the hn_index_hit metric); None otherwise."""
         if self._nb is False:
             table = SampleTable(self.shards, functools.partial(read_shard, fields=("caption_ids",), lazy=True),
-                                self._keep_train) if (self.index_dir / "_manifest.json").is_file() else None
+                                self._keep_train) if _index_there(self.index_dir) else None
             if table is None:
                 self._nb = None
             elif self.cfg.hard_negatives == "index":
@@ -716,7 +736,7 @@ class ConceptOTJob(Job):
         dirs = []
         ds = self.manifest.dataset
         if ds.kind == "synthetic":
-            root = Path(ds.synthetic.root) if ds.synthetic.root else Path(self.manifest.output) / "source" / "synthetic"
+            root = Path(ds.synthetic.root) if ds.synthetic.root else _local_output(self.manifest) / "source" / "synthetic"
             dirs.append(root / "sugarcrepe")
         dirs.append(Path(__file__).resolve().parents[4] / "shared" / "data" / "sugarcrepe")
         return dirs
@@ -774,12 +794,17 @@ class ConceptOTJob(Job):
             a = pairwise_accuracy(gp + lam * sp, gn + lam * sn)
             res[f"sugarcrepe/{kind}"] = a
             res[f"sugarcrepe_global/{kind}"] = a_g
-            accs.append((a, len(triples)))
-            accs_g.append((a_g, len(triples)))
+            main = kind_of(kind) in MAIN_KINDS
+            accs.append((a, len(triples), main))
+            accs_g.append((a_g, len(triples), main))
         if accs:
-            n = sum(k for _, k in accs)
-            res["sugarcrepe/overall"] = sum(a * k for a, k in accs) / n
-            res["sugarcrepe_global/overall"] = sum(a * k for a, k in accs_g) / n
+            # overall as the harness: triple-weighted over the five main kinds (ConceptOT Table 3), when present
+            if any(m for _, _, m in accs):
+                accs, accs_g = [x for x in accs if x[2]], [x for x in accs_g if x[2]]
+            n = sum(k for _, k, _ in accs)
+            res["sugarcrepe/overall"] = sum(a * k for a, k, _ in accs) / n
+            res["sugarcrepe_global/overall"] = sum(a * k for a, k, _ in accs_g) / n
+            res["chance/sugarcrepe"] = res["chance/sugarcrepe_global"] = 50.0  # pairwise, ties wrong
         return res
 
     def _load_images(self, sids: list[int]) -> list[dict]:
