@@ -122,7 +122,7 @@ def test_harness_pairwise_skips_results_and_compare(tmp_path, monkeypatch):
     assert tuple(t.column_names) == RESULT_COLUMNS
     assert set(t.column("job").to_pylist()) == {"fake"} and set(t.column("variant").to_pylist()) == {"v1"}
     assert set(t.column("step").to_pylist()) == {10}
-    assert "| toy | all | acc | 33.3 % | 50.0 | 3 | 3 |" in (out / "results.md").read_text()
+    assert "| toy | all | acc | 33.3 % | 50.0 % | 3 | 3 |" in (out / "results.md").read_text()
     # unique pairs in chunks of 2: 6 pairs -> 3 calls
     assert job.calls == 3
 
@@ -135,7 +135,7 @@ def test_harness_pairwise_skips_results_and_compare(tmp_path, monkeypatch):
     H.run_harness(job2, torch.nn.Linear(1, 1), m, out2, log=lambda s: None)
     txt = H.compare([tmp_path / "run", tmp_path / "run2"])
     line = next(x for x in txt.splitlines() if x.startswith("| toy | all | acc"))
-    assert line == "| toy | all | acc | 50.0 | 33.3 (n=3) | 66.7 (n=3) |"
+    assert line == "| toy | all | acc | 50.0 % | 33.3 % (n=3) | 66.7 % (n=3) |"
     assert "fake/v1 s3" in txt.splitlines()[0] and "fake/v2" in txt.splitlines()[0]
 
 
@@ -214,5 +214,11 @@ def test_compare_merges_evaluations_of_the_newest_step(tmp_path):
     write(run / "eval" / "final", 9, "a", 60.0)
     write(run / "eval" / "step000009", 9, "b", 70.0)  # `train eval --bench b` of the final checkpoint
     txt = H.compare([run])
-    assert "| a | all | acc | 50.0 | 60.0 (n=3) |" in txt and "| b | all | acc | 50.0 | 70.0 (n=3) |" in txt
+    assert "| a | all | acc | 50.0 % | 60.0 % (n=3) |" in txt and "| b | all | acc | 50.0 % | 70.0 % (n=3) |" in txt
     assert "old-step" not in txt
+    # a fraction (IoU, AUC) carries no percent sign, beside percentages in the same table
+    H.write_results([{"job": "j", "variant": "v", "checkpoint": "c", "step": 9, "benchmark": "grounding",
+                      "subset": "all", "metric": "mean_IoU", "value": 0.0717, "n": 44, "chance": 0.07, "skipped": 0,
+                      "skip_reasons": "{}", "unit": "fraction", "note": ""}], run / "eval" / "step000009-own")
+    txt = H.compare([run])
+    assert "| grounding | all | mean_IoU | 0.070 | 0.072 (n=44) |" in txt and "| a | all | acc | 50.0 % | 60.0 % (n=3) |" in txt

@@ -329,9 +329,9 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
             raise ValueError(f"--bench {', '.join(unknown)}: not in the manifest's eval.benchmarks "
                              f"({', '.join(names) or 'none configured'})")
         specs = [s for s in specs if s.name in set(only)]
-    samples_dir = Path(manifest.eval.samples_artifact)
-    if not samples_dir.is_absolute():
-        samples_dir = Path(manifest.output) / samples_dir
+    from pipeline.io.storage import resolve_under
+
+    samples_dir = resolve_under(manifest.output, manifest.eval.samples_artifact)
     rows: list[Row] = []
     errors: list[str] = []
     model.eval()
@@ -403,8 +403,9 @@ def markdown_table(table: list[dict]) -> str:
     for r in table:
         unit = r.get("unit") or ""
         suffix = " %" if unit == "%" else ""
+        chance = fmt_num(r["chance"], unit)
         lines.append(f"| {r['benchmark']} | {r['subset']} | {r['metric']} | {fmt_num(r['value'], unit)}{suffix} | "
-                     f"{fmt_num(r['chance'], unit)} | {int(r['n']):,} | {int(r['skipped']):,} |")
+                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} |")
     return "\n".join(lines)
 
 
@@ -488,12 +489,13 @@ def compare(paths: Sequence[str | Path]) -> str:
         rs = cell[k]
         any_r = next(iter(rs.values()))
         unit = any_r.get("unit") or ""
+        suffix = " %" if unit == "%" else ""  # the unit beside each number (AUCs, IoUs: fractions, bare)
         chances = {fmt_num(r.get("chance"), unit) for r in rs.values()}
-        chance = " / ".join(sorted(chances))
+        chance = " / ".join(c + (suffix if c != "-" else "") for c in sorted(chances))
         vals = []
         for j in range(len(runs)):
             r = rs.get(j)
-            vals.append("-" if r is None else f"{fmt_num(r['value'], unit)} (n={int(r['n']):,})")
+            vals.append("-" if r is None else f"{fmt_num(r['value'], unit)}{suffix} (n={int(r['n']):,})")
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {chance} | " + " | ".join(vals) + " |")
     src = "\n".join(f"- {lab}: {f}" for lab, (_, f, _) in zip(labels, runs))
     return "\n".join(lines) + "\n\n" + src
