@@ -122,15 +122,31 @@ def test_errors_table_in_its_own_folder_zero_rows_without_row_groups(tmp_path):
     assert pq.read_schema(path).equals(ERROR_SCHEMA)
     assert pads.dataset(root / "errors").to_table().num_rows == 0
     assert pads.dataset(root / "things").to_table().column_names == ["sample_id"]
+    # the root folder: a dataset reader walks the sub-folders and stacked errors/errors.parquet
+    # under the table (3 + 2 rows, the errors' columns); the layout note there makes it fail naming it
+    art_e = _tiny_artifact(tmp_path / "e", errors=2)
+    with pytest.raises(pa.ArrowInvalid, match="README.txt"):
+        pads.dataset(art_e.dir).to_table()
+    with pytest.raises(pa.ArrowInvalid, match="README.txt"):
+        pq.read_table(art_e.dir)
+    assert "things/" in (art_e.dir / "README.txt").read_text() and pq.read_table(art_e.dir / "things").num_rows == 3
+    before = (art_e.dir / "README.txt").stat().st_mtime_ns
+    _tiny_artifact(tmp_path / "e", errors=2)  # a rerun: the same note is not rewritten
+    assert (art_e.dir / "README.txt").stat().st_mtime_ns == before
     art2 = _tiny_artifact(tmp_path / "b", errors=2)
     for rg in range(pq.ParquetFile(art2.dir / "errors" / "errors.parquet").metadata.num_row_groups):
         assert pq.ParquetFile(art2.dir / "errors" / "errors.parquet").metadata.row_group(rg).num_rows > 0
     assert [e["detail"] for e in art2.errors().to_pylist()] == ["object", "object"]  # no addresses
-    try:
-        import datasets
-    except ImportError:
-        return
-    assert len(datasets.Dataset.from_parquet(str(path))) == 0
+    import datasets  # the test extra installs it
+
+    # Hugging Face datasets: the zero-row table loads as a Dataset with the errors' columns (a
+    # file with one empty row group made it fail on "BatchSize must be greater than 0"). Its
+    # builders (load_dataset / Dataset.from_parquet, even from_generator) refuse *every* empty
+    # split in datasets 5.2 ("corresponds to no data"), whatever the file: README says so.
+    ds = datasets.Dataset(pq.read_table(path))
+    assert len(ds) == 0 and ds.column_names == ERROR_SCHEMA.names
+    ds2 = datasets.Dataset.from_parquet(str(art2.dir / "errors" / "errors.parquet"), cache_dir=str(tmp_path / "hf"))
+    assert len(ds2) == 2 and ds2.column_names == ERROR_SCHEMA.names
 
 
 def test_verify_finds_a_flipped_byte_of_unchanged_size(tmp_path):

@@ -133,6 +133,33 @@ def release_lock(artifact_dir: Path | None = None) -> None:
             os.close(fd)  # closing the only descriptor releases the flock
 
 
+LAYOUT_NOTE = "README.txt"
+
+
+def write_layout_note(artifact_dir: Path, artifact: str, stage: str, tables: list[str]) -> None:
+    """``README.txt`` at the artifact's root: which folder holds which table. It is also what keeps
+    a reader of the *root* folder from silently merging tables: ``pyarrow.dataset`` (and
+    ``pq.read_table``, pandas) walk sub-folders and would stack ``errors/errors.parquet`` under a
+    table; with this non-Parquet file there they fail with a line naming it instead. Written only
+    when its text changes (a rerun with nothing to do touches nothing)."""
+    names = [t for t in tables if t != "errors"]
+    text = (f"{artifact}: the artifact written by the `{stage}` stage.\n"
+            "Each table is in its own folder; read one folder, never this root folder (a dataset reader of\n"
+            "the root would stack the tables, rejected rows included):\n"
+            + "".join(f"  {t}/\n" for t in names)
+            + "  errors/errors.parquet  the rows the stage rejected (sample_id, reason, detail)\n"
+            "_manifest.json holds provenance, parameters, models and every file's size and sha256.\n")
+    p = Path(artifact_dir) / LAYOUT_NOTE
+    try:
+        if p.read_text() == text:
+            return
+    except OSError:
+        pass
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, p)
+
+
 def remove_stale_tmp(artifact_dir: Path) -> int:
     """Delete ``.<name>.<hex>.tmp`` files (and folders) a killed run left; returns how many."""
     n = 0
@@ -373,6 +400,7 @@ class ArtifactWriter:
         }
         manifest.update(extra or {})
         self._remove_orphans(markers)
+        write_layout_note(self.dir, self.artifact, self.stage, sorted(tables))
         write_json_atomic(self.dir / "_manifest.json", manifest)
         release_lock(self.dir)
         return manifest
