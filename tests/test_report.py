@@ -3,7 +3,8 @@
 Fast tests run stages in-process (a serial stand-in for the Ray mapper, same payload round trip
 through JSON) on a few generated images. The browser test (slow) renders the whole demo's report
 in headless Chromium: no console errors, every image loads, every section present; it saves a
-screenshot (``.ci-reports/report.png`` under CI, else the test's tmp folder).
+screenshot (``.ci-reports/report.png`` when that folder exists, as under ``.ci/run``, or CI is set; else
+the test's tmp folder).
 """
 
 from __future__ import annotations
@@ -247,7 +248,8 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
         assert not missing, missing  # the demo has every artifact and a training run with an evaluation
         text = driver.execute_script("return document.body.innerText")
         assert "RANDOM WEIGHTS" in text and "concept-ot" in text
-        shots = REPO / ".ci-reports" if os.environ.get("CI") else tmp_path
+        # .ci/run makes .ci-reports/ (its CI artifacts folder) before the slow suite
+        shots = REPO / ".ci-reports" if os.environ.get("CI") or (REPO / ".ci-reports").is_dir() else tmp_path
         shots.mkdir(parents=True, exist_ok=True)
         from selenium.common.exceptions import TimeoutException
 
@@ -265,3 +267,24 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
         assert (shots / "report.png").stat().st_size > 50_000
     finally:
         driver.quit()
+
+
+def test_eval_table_puts_overall_rows_first_and_folds_subsets(tmp_path):
+    from pipeline.report.build import _eval_tables
+    from train.eval.harness import write_results
+
+    def row(bench, subset, metric, value, unit="%"):
+        return {"job": "j", "variant": "v", "checkpoint": "c", "step": 3, "benchmark": bench, "subset": subset,
+                "metric": metric, "value": value, "n": 10, "chance": 50.0, "skipped": 0, "skip_reasons": "{}",
+                "unit": unit, "note": ""}
+
+    write_results([row("vg-relation", "above", "accuracy", 40.0), row("vg-relation", "all", "macro_accuracy", 48.7),
+                   row("retrieval", "global", "i2t_R@1", 30.0), row("grounding", "all", "mean_IoU", 0.07, "fraction"),
+                   row("vg-attribution", "black_blue", "accuracy", 0.0), row("vg-attribution", "all", "accuracy", 49.6)],
+                  tmp_path / "run" / "eval" / "final")
+    (t,) = _eval_tables(tmp_path / "run")
+    main = {(r["benchmark"], r["subset"]) for r in t["rows"] if r["main"]}
+    assert main == {("vg-relation", "all"), ("retrieval", "global"), ("grounding", "all"), ("vg-attribution", "all")}
+    assert t["n_sub"] == 2
+    v = {(r["benchmark"], r["subset"]): r for r in t["rows"]}
+    assert v[("vg-relation", "all")]["value"] == "48.7%" and v[("grounding", "all")]["value"] == "0.070"

@@ -443,8 +443,14 @@ def _eval_tables(run_dir: Path) -> list[dict]:
                                  "n": fmt_num(r.get("n")), "skipped": fmt_num(r.get("skipped")),
                                  "reasons": ", ".join(f"{k}: {fmt_num(v)}" for k, v in reasons.items()),
                                  "note": r.get("note") or "", "unit": unit})
+            # the overall rows first; per-subset rows (relations, attribute pairs, kinds...) folded below
+            # them. A benchmark without an `all` row (retrieval: one row set per protocol) is overall.
+            has_all = {r["benchmark"] for r in out_rows if r["subset"] in ("all", "overall")}
+            for r in out_rows:
+                r["main"] = r["subset"] in ("all", "overall") or r["benchmark"] not in has_all
             head = rows[0] if rows else {}
             tables.append({"tag": d.name, "source": "results.parquet", "rows": out_rows, "kind": "results",
+                           "n_sub": sum(not r["main"] for r in out_rows),
                            "checkpoint": head.get("checkpoint"), "step": head.get("step"), "variant": head.get("variant")})
             continue
         mj = d / "metrics.json"
@@ -538,7 +544,14 @@ def build_report(output: str | Path, manifest_path: str | Path | None = None, ma
     from pipeline.io.artifacts import Artifact, ArtifactMissing
     from pipeline.stage import dependency_order, registry
 
-    output = Path(output)
+    from pipeline.io import storage
+
+    if manifest is not None:
+        storage.configure_from(manifest)
+    location = storage.normalize(output)  # an object-storage run: read through its local mirror
+    output = storage.local_path(location)
+    if storage.is_remote(location):
+        output.mkdir(parents=True, exist_ok=True)
     if not output.is_dir():
         raise FileNotFoundError(f"{output} is not a folder: run `pipeline run all --manifest {manifest_path or '<manifest.yaml>'}` first")
     runlog = read_runlog(output)
@@ -555,7 +568,7 @@ def build_report(output: str | Path, manifest_path: str | Path | None = None, ma
     for spec in reg.values():
         for a in spec.writes:
             try:
-                arts[a] = Artifact(output / a)
+                arts[a] = Artifact(storage.join(location, a))
             except ArtifactMissing:
                 arts[a] = None
                 if (output / a).is_dir():
