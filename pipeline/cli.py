@@ -65,14 +65,17 @@ def run(
         m = load_manifest(manifest, set_ or [])
     except ManifestError as e:
         _fail(str(e))
+    from pipeline.io import storage
     from pipeline.io.artifacts import OutputPathError, ensure_dir
 
+    storage.configure_from(m)
+    local = storage.local_path(m.output)  # an object-storage output: its mirror in the cache (logs stay local)
     try:  # a file where the output folder should be, or no write permission: one line, exit 2
-        ensure_dir(Path(m.output))
-        ensure_dir(Path(m.output) / "_logs", "log")
+        ensure_dir(local)
+        ensure_dir(local / "_logs", "log")
     except OutputPathError as e:
         _fail(str(e))
-    setup_logging(Path(m.output), f"run-{stage}", verbose)
+    setup_logging(local, f"run-{stage}", verbose)
     reg = registry()
     if stage == "all":
         names = dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled])
@@ -86,7 +89,7 @@ def run(
     try:
         for name in names:
             summary = run_stage(name, ctx)
-            record_stage(m.output, name, summary, manifest)
+            record_stage(local, name, summary, manifest)
             typer.echo(f"{name}: " + json.dumps(summary))
     except (StageError, ManifestError) as e:
         _fail(str(e))
@@ -96,16 +99,17 @@ def run(
         log.debug("stage %s failed", name, exc_info=True)
         _fail(f"stage {name} failed: {describe_exception(e)}" + ("" if verbose else " (rerun with -v for the traceback)"))
     if stage == "all":
-        _run_summary(ctx, names, Path(m.output), manifest, report)
+        _run_summary(ctx, names, local, manifest, report, m.output)
 
 
-def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bool) -> None:
+def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bool, location: str | None = None) -> None:
     """The end of `run all`: each stage's rows, errors and time, where the artifacts, the log and the report are."""
     from pipeline.report.build import fmt_num, fmt_seconds, main_rows
     from pipeline.stage import registry
 
     reg = registry()
-    lines = ["", f"run all: {len(names)} stages done; artifacts under {output}/", f"  {'stage':24s} {'artifact':14s} {'rows':>8s} {'errors':>7s} {'time':>8s}"]
+    location = location or str(output)
+    lines = ["", f"run all: {len(names)} stages done; artifacts under {location.rstrip('/')}/", f"  {'stage':24s} {'artifact':14s} {'rows':>8s} {'errors':>7s} {'time':>8s}"]
     for name in names:
         s = ctx.summaries.get(name, {})
         try:
@@ -121,10 +125,10 @@ def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bo
         from pipeline.report import build_report
 
         try:
-            path = build_report(output, manifest, ctx.manifest)
-            lines.append(f"report: {path}  (open it in a browser; rebuild with `pipeline report {output}`)")
+            path = build_report(location, manifest, ctx.manifest)
+            lines.append(f"report: {path}  (open it in a browser; rebuild with `pipeline report {location}`)")
         except Exception as e:  # the run succeeded; a report failure must not hide that
-            lines.append(f"report: not written ({type(e).__name__}: {e}); try `pipeline report {output}`")
+            lines.append(f"report: not written ({type(e).__name__}: {e}); try `pipeline report {location}`")
     else:
         lines.append(f"report: `pipeline report {output}` writes {output / 'report' / 'index.html'}")
     for handler in logging.getLogger().handlers:  # the summary also goes into _logs/run-all.log
@@ -136,7 +140,7 @@ def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bo
 
 @app.command()
 def report(
-    output: Annotated[Optional[Path], typer.Argument(help="a run's output folder (or give --manifest)")] = None,
+    output: Annotated[Optional[str], typer.Argument(help="a run's output folder or URL (or give --manifest)")] = None,
     manifest: Annotated[Optional[Path], typer.Option("--manifest", "-m", help="run description (YAML)")] = None,
     set_: SetOpt = None,
 ) -> None:
@@ -150,7 +154,7 @@ def report(
             m = load_manifest(manifest, set_ or [])
         except ManifestError as e:
             _fail(str(e))
-        output = output or Path(m.output)
+        output = output or m.output
     if output is None:
         _fail("give a run's output folder or --manifest")
     setup_logging(None)
@@ -185,7 +189,7 @@ def _fmt_value(v, width: int = 60) -> str:
 
 @app.command()
 def inspect(
-    path: Annotated[Path, typer.Argument(help="artifact folder, e.g. runs/demo/concepts")],
+    path: Annotated[str, typer.Argument(help="artifact folder or URL, e.g. runs/demo/concepts, s3://bucket/run/samples")],
     rows: Annotated[int, typer.Option("--rows", "-n", help="sample rows per table")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="print the _manifest.json")] = False,
 ) -> None:
@@ -193,14 +197,18 @@ def inspect(
     from pipeline.io.artifacts import Artifact, ArtifactMissing
     from pipeline.io.inspect import describe
 
+    from pipeline.io import storage
+
     try:
         art = Artifact(path)
     except ArtifactMissing as e:
-        inside = sorted(p.parent.name for p in Path(path).glob("*/_manifest.json")) if Path(path).is_dir() else []
+        inside = _artifacts_in(path)
         if inside:  # a run's output folder, not one artifact
             _fail(f"{path} is a run folder, not an artifact: `pipeline report {path}` writes its report; "
-                  f"inspect one of its artifacts with `pipeline inspect {Path(path) / inside[0]}` ({', '.join(inside)})")
+                  f"inspect one of its artifacts with `pipeline inspect {storage.join(path, inside[0])}` ({', '.join(inside)})")
         _fail(str(e))
+    except (OSError, RuntimeError) as e:  # an unreachable store, a missing fsspec backend
+        _fail(f"{path}: {e}")
     if as_json:
         typer.echo(json.dumps(art.manifest, indent=2))
         return
@@ -209,18 +217,20 @@ def inspect(
 
 @app.command()
 def verify(
-    paths: Annotated[list[Path], typer.Argument(help="artifact folders (or an output folder: every artifact in it)")],
+    paths: Annotated[list[str], typer.Argument(help="artifact folders or URLs (or an output folder: every artifact in it)")],
     fix: Annotated[bool, typer.Option("--fix", help="forget the units of bad files, so the next run redoes them")] = False,
 ) -> None:
     """Check every file of finished artifacts against the sizes and sha256s in _manifest.json."""
     from pipeline.io.artifacts import Artifact, ArtifactMissing, forget_units_of
 
+    from pipeline.io import storage
+
     arts = []
     for p in paths:
-        if (p / "_manifest.json").is_file():
+        if _is_artifact(p):
             arts.append(p)
         else:
-            found = sorted(d for d in p.glob("*/") if (d / "_manifest.json").is_file()) if p.is_dir() else []
+            found = [storage.join(p, a) for a in _artifacts_in(p)]
             if not found:
                 _fail(f"{p} is not a finished artifact and holds none")
             arts.extend(found)
@@ -240,6 +250,28 @@ def verify(
             typer.echo(f"  forgot {n} units: `pipeline run` redoes them")
     if bad:
         raise typer.Exit(1)
+
+
+def _is_artifact(path: str) -> bool:
+    from pipeline.io import storage
+
+    if storage.is_remote(path):
+        return storage.Remote(path).size("_manifest.json") is not None
+    return (Path(path) / "_manifest.json").is_file()
+
+
+def _artifacts_in(path: str) -> list[str]:
+    """Names of the finished artifacts directly inside a folder or URL."""
+    from pipeline.io import storage
+
+    if storage.is_remote(path):
+        try:
+            rels = storage.Remote(path).listing()
+        except Exception:
+            return []
+        return sorted({r.split("/")[0] for r in rels if r.count("/") == 1 and r.endswith("/_manifest.json")})
+    p = Path(path)
+    return sorted(d.parent.name for d in p.glob("*/_manifest.json")) if p.is_dir() else []
 
 
 def main() -> None:

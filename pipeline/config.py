@@ -63,6 +63,22 @@ class RayConfig(Section):
     )
 
 
+class StorageConfig(Section):
+    """Object-storage outputs and datasets (``output: s3://bucket/run``): see pipeline/io/storage.py."""
+
+    cache_dir: str | None = Field(
+        None, description="local mirror of remote artifacts (<cache_dir>/s3/<bucket>/<key>); default "
+        "$VLPIPE_CACHE_DIR, else ~/.cache/vlpipe/storage",
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, Ceph, moto); default AWS_ENDPOINT_URL / FSSPEC_S3_ENDPOINT_URL, else AWS",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="further fsspec options of the store (s3fs: region_name, anon, ...); "
+        "credentials belong in the environment or an instance role, not here",
+    )
+
+
 class SyntheticConfig(Section):
     n_images: int = Field(64, ge=1)
     seed: int = 0
@@ -166,6 +182,7 @@ def manifest_model() -> type[Section]:
         __base__=Section,
         name=(str, "run"),
         output=(str, "runs/demo"),
+        storage=(StorageConfig, Field(default_factory=StorageConfig)),
         ray=(RayConfig, Field(default_factory=RayConfig)),
         dataset=(DatasetConfig, Field(default_factory=DatasetConfig)),
         models=(ModelsConfig, Field(default_factory=ModelsConfig)),

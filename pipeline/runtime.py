@@ -3,7 +3,8 @@
 Stages hand their units of work to :func:`map_units`, which runs them as a Ray Data pipeline
 (``from_items -> map_batches -> iterate``) with a task pool for pure-CPU work or an actor pool for
 model work (the model is loaded once per actor, not once per unit). On a cluster the same code
-spreads units over the nodes; the artifact folder must then be on storage all nodes share.
+spreads units over the nodes; the artifact folder must then be on storage all nodes share: a shared
+file system, or an object store (``output: s3://...``, pipeline/io/storage.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ _QUIET_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # no download / loading bars from model loads
     "TRANSFORMERS_VERBOSITY": "error",
 }
+_STORAGE_ENV = ("VLPIPE_CACHE_DIR", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "FSSPEC_S3_ENDPOINT_URL",
+                "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE")
 # Workers only: model-loading bars (tqdm) from inside actors do not belong in the driver's log.
 _WORKER_ENV = {"TQDM_DISABLE": "1"}
 
@@ -63,7 +66,9 @@ def ensure_ray(ray_cfg) -> dict:
         return {"address": ray_cfg.address or "local", "cpus": ray.cluster_resources().get("CPU", 0)}
     # Workers must import this package; an editable install makes that true locally, and on a
     # cluster the image installs it. Keep the driver's sys.path for a source checkout too.
-    env_vars = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME") if k in os.environ}
+    # Object storage (pipeline/io/storage.py): the cache folder and the endpoint/region of the store
+    # reach the workers; credentials do not travel (each node's environment or role provides them).
+    env_vars = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", *_STORAGE_ENV) if k in os.environ}
     env_vars.update(_QUIET_ENV)
     env_vars.update(_WORKER_ENV)
     runtime_env = dict(getattr(ray_cfg, "runtime_env", None) or {})

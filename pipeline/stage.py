@@ -133,9 +133,24 @@ class RunContext:
     summaries: dict = field(default_factory=dict)
     stage_cfg: object = None  # the running stage's Config, for options run_units applies to every stage
 
+    def __post_init__(self):
+        from pipeline.io import storage
+
+        storage.configure_from(self.manifest)  # the manifest's storage section (cache, endpoint)
+
+    @property
+    def location(self):
+        """``output:`` as given: a local Path, or an object-storage URL (str)."""
+        from pipeline.io import storage
+
+        return storage.location(self.manifest.output)
+
     @property
     def output(self) -> Path:
-        return Path(self.manifest.output)
+        """The local output folder (for a URL output: its mirror in the storage cache)."""
+        from pipeline.io import storage
+
+        return storage.local_path(self.manifest.output)
 
     @property
     def ray_cfg(self):
@@ -143,14 +158,16 @@ class RunContext:
 
     def artifact(self, name: str) -> Artifact:
         try:
-            return Artifact(self.output / name)
+            from pipeline.io import storage
+
+            return Artifact(storage.join(self.location, name))
         except ArtifactMissing:
             producers = [s.name for s in registry().values() if name in s.writes]
             hint = f"run `pipeline run {producers[0]}` first" if producers else "it is not produced by any stage"
-            raise StageError(f"input artifact '{name}' not found under {self.output}: {hint}") from None
+            raise StageError(f"input artifact '{name}' not found under {self.location}: {hint}") from None
 
     def writer(self, artifact: str, stage: str, params: dict, inputs=None, models=None) -> ArtifactWriter:
-        w = ArtifactWriter(self.output, artifact, stage, params, inputs=inputs, models=models, force=self.force)
+        w = ArtifactWriter(self.location, artifact, stage, params, inputs=inputs, models=models, force=self.force)
         # The error policy applies to every stage's artifact, whichever way its units are run;
         # run_units (or a stage) sets w.input_rows, else the rate is over rejected + kept rows.
         rate = getattr(self.stage_cfg, "max_error_rate", 0.5)
@@ -161,6 +178,13 @@ class RunContext:
 
 
 def unit_writer(payload: dict) -> UnitWriter:
+    from pipeline.io import storage
+
+    if "storage" in payload:  # the driver's storage options (a dataset or an output on object storage)
+        storage.configure(**payload["storage"])
+    url = payload.get("artifact_url")
+    if url:  # an object-storage artifact: this node's mirror of it
+        return UnitWriter(storage.local_path(url), payload["stage"], payload["unit"], payload["fingerprint"], url=url)
     return UnitWriter(payload["artifact_dir"], payload["stage"], payload["unit"], payload["fingerprint"])
 
 
@@ -358,7 +382,7 @@ def run_units(
             done += 1
             continue
         pending.append(
-            dict(payload, artifact_dir=str(writer.dir), stage=writer.stage, unit=name, fingerprint=fp)
+            dict(payload, **writer.worker_keys(), unit=name, fingerprint=fp)
         )
     log.info("%s: %d shards to do, %d already complete", writer.artifact, len(pending), done)
     failed: list[tuple[str, str]] = []
@@ -396,7 +420,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     # Ray starts on the first unit that has work (map_units): a rerun with nothing to do starts none.
     ctx.stage_cfg = cfg
     t0 = time.perf_counter()
-    log.info("stage %s: start (output %s)", name, ctx.output)
+    log.info("stage %s: start (output %s)", name, ctx.location)
     try:
         summary = spec.module.run(ctx, cfg) or {}
     except (ArtifactBusy, OutputPathError, RayStartError) as e:

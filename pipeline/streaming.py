@@ -65,7 +65,7 @@ def run_units_stream(ctx, writer: ArtifactWriter, units: Iterable[tuple[str, obj
                 counts["done"] += 1
                 continue
             counts["pending"] += 1
-            yield dict(payload, artifact_dir=str(writer.dir), stage=writer.stage, unit=name, fingerprint=fp)
+            yield dict(payload, **writer.worker_keys(), unit=name, fingerprint=fp)
 
     failed: list[tuple[str, str]] = []
     t0 = last = time.perf_counter()

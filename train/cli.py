@@ -52,7 +52,11 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
     cfg = getattr(m.train, key)
     from train.loop import resolve_device
 
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(m.output) / "train" / name / cfg.run_tag()
+    from pipeline.io import storage
+
+    storage.configure_from(m)  # artifacts under an object-storage output are read through the cache
+    # an object-storage output: training runs (checkpoints, logs) go to its local mirror
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else storage.local_path(m.output) / "train" / name / cfg.run_tag()
     if checkpoint is not None:
         cfg, run_dir = _config_of_checkpoint(name, cfg, checkpoint, overrides or [])
         setattr(m.train, key, cfg)

@@ -18,6 +18,12 @@ marker exists, its fingerprint matches and its files are present with the record
 crash at any point loses at most the units in flight and a deleted shard is redone alone.
 Markers and files of units that no longer exist (another shard size, say) are removed, and so are
 the temporary files (``.<name>.<random>.tmp``) a killed run left behind.
+
+An output (or artifact) may be an object-storage URL (``s3://bucket/run``): the artifact is then
+written and read through a local mirror in the cache folder, units are uploaded file by file with
+their marker last, ``_manifest.json`` last of all, resume reads markers from the store, readers
+fetch and verify files on first use, and the lock is an object created with a conditional put.
+:mod:`pipeline.io.storage` describes it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.io import storage
 from pipeline.io.atomic import fingerprint, sha256_file, write_json_atomic, write_parquet_atomic
 
 SCHEMA_VERSION = 1
@@ -131,6 +138,10 @@ def release_lock(artifact_dir: Path | None = None) -> None:
         fd = _HELD.pop(key, None)
         if fd is not None:
             os.close(fd)  # closing the only descriptor releases the flock
+        if artifact_dir is not None and (url := storage.url_of_local(key)) is not None:
+            storage.release_remote_lock(url)
+    if artifact_dir is None:
+        storage.release_remote_lock()
 
 
 LAYOUT_NOTE = "README.txt"
@@ -228,8 +239,9 @@ class UnitResult:
 class UnitWriter:
     """Writes the files of one unit inside the artifact folder (usable inside Ray workers)."""
 
-    def __init__(self, artifact_dir: str | Path, stage: str, unit: str, unit_fingerprint: str):
-        self.dir = Path(artifact_dir)
+    def __init__(self, artifact_dir: str | Path, stage: str, unit: str, unit_fingerprint: str, url: str | None = None):
+        self.dir = Path(artifact_dir)  # local (the mirror of ``url`` when the artifact is remote)
+        self.url = url
         self.stage, self.unit, self.fp = stage, unit, unit_fingerprint
         self.files: list[dict] = []
         self.errors: list[dict] = []
@@ -267,12 +279,23 @@ class UnitWriter:
         self.errors.append(error_row(self.stage, self.unit, reason, detail, **ids))
 
     def commit(self, stats: dict | None = None) -> UnitResult:
+        errors_rel, marker_rel = f"_errors/{self.unit}.parquet", f"_state/{self.unit}.json"
         if self.errors:
-            write_parquet_atomic(pa.Table.from_pylist(self.errors, schema=ERROR_SCHEMA), self.dir / "_errors" / f"{self.unit}.parquet")
+            write_parquet_atomic(pa.Table.from_pylist(self.errors, schema=ERROR_SCHEMA), self.dir / errors_rel)
         else:
-            (self.dir / "_errors" / f"{self.unit}.parquet").unlink(missing_ok=True)
+            (self.dir / errors_rel).unlink(missing_ok=True)
         result = UnitResult(self.unit, self.fp, self.files, len(self.errors), dict(stats or {}))
-        write_json_atomic(self.dir / "_state" / f"{self.unit}.json", result.__dict__)
+        write_json_atomic(self.dir / marker_rel, result.__dict__)
+        if self.url:  # write then put: the files, the errors, and the marker last
+            remote = storage.Remote(self.url)
+            remote.rm(marker_rel)  # an older marker must not vouch for files being replaced
+            for f in self.files:
+                remote.put(f["path"])
+            if self.errors:
+                remote.put(errors_rel)
+            else:
+                remote.rm(errors_rel)
+            remote.put(marker_rel)
         return result
 
 
@@ -289,7 +312,9 @@ class ArtifactWriter:
         models: dict[str, dict] | None = None,
         force: bool = False,
     ):
-        self.dir = Path(output) / artifact
+        self.location = storage.join(output, artifact)  # a path or a URL
+        self.remote = storage.Remote(self.location) if storage.is_remote(self.location) else None
+        self.dir = storage.local_path(self.location)  # where files are written (the mirror of a URL)
         self.artifact, self.stage = artifact, stage
         self.params, self.inputs, self.models = params, dict(inputs or {}), dict(models or {})
         self.force = force
@@ -298,9 +323,18 @@ class ArtifactWriter:
         # Everything a unit's content depends on apart from its own input slice.
         semantic = {k: v for k, v in params.items() if k not in EXECUTION_ONLY}
         self.base_fingerprint = fingerprint(SCHEMA_VERSION, stage, semantic, self.inputs, self.models)
-        ensure_dir(Path(output))
+        ensure_dir(storage.local_path(output))
         ensure_dir(self.dir, "artifact")
         acquire_lock(self.dir)
+        if self.remote is not None:
+            try:
+                busy = storage.acquire_remote_lock(self.remote)
+            except Exception:
+                release_lock(self.dir)
+                raise
+            if busy:
+                release_lock(self.dir)
+                raise ArtifactBusy(f"{self.location} is being written by another run ({busy}); wait for it to finish or stop it")
         if n := remove_stale_tmp(self.dir):
             import logging
 
@@ -309,29 +343,103 @@ class ArtifactWriter:
             for sub in ("_state", "_errors"):
                 shutil.rmtree(self.dir / sub, ignore_errors=True)
             (self.dir / "_manifest.json").unlink(missing_ok=True)
+            if self.remote is not None:
+                for rel in list(self.remote.listing()):
+                    if rel.startswith(("_state/", "_errors/")) or rel == "_manifest.json":
+                        self.remote.rm(rel)
+        if self.remote is not None:
+            self._pull()
+
+    # ---- object storage: the store is the truth, the mirror a working copy ----------------------
+    _LOCAL_ONLY = ("_lock", "_cache.json")
+
+    def _pull(self) -> None:
+        """Replace the mirror's markers and unit errors by the store's, and fetch the artifact's
+        other files (not the units' own files: resume checks those by size on the store)."""
+        listing = self.remote.listing(refresh=True)
+        for sub in ("_state", "_errors"):
+            shutil.rmtree(self.dir / sub, ignore_errors=True)
+        small = [r for r in listing if r.startswith(("_state/", "_errors/")) or r == "_manifest.json"]
+        if small:
+            self.remote.fs.get([self.remote._key(r) for r in small], [str(self.dir / r) for r in small])
+        unit_files = set()
+        for marker in (self.dir / "_state").glob("*.json"):
+            try:
+                unit_files.update(f["path"] for f in json.loads(marker.read_text()).get("files", []))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        for rel, size in listing.items():
+            if rel in unit_files or rel in small or rel in self._LOCAL_ONLY or rel.startswith("errors/"):
+                continue
+            p = self.dir / rel
+            if not p.is_file() or p.stat().st_size != size:
+                self.remote.get(rel)
+
+    def _push(self) -> None:
+        """Upload what the mirror has and the store lacks (or holds with another size): the
+        artifact's own files first, markers after them; ``_manifest.json`` is put by finalize."""
+        listing = self.remote.listing(refresh=True)
+        files, markers = [], []
+        for p in sorted(self.dir.rglob("*")):
+            rel = p.relative_to(self.dir).as_posix()
+            if not p.is_file() or rel in self._LOCAL_ONLY or rel == "_manifest.json" or p.name.startswith("."):
+                continue
+            if listing.get(rel) != p.stat().st_size:
+                (markers if rel.startswith("_state/") else files).append(rel)
+        for rel in files + markers:
+            self.remote.put(rel)
+
+    def marker(self, unit: str) -> dict | None:
+        """A unit's completion marker (fetched from the store when this machine did not write it)."""
+        return self._marker(unit, fetch=True)
 
     def unit_fingerprint(self, unit: str, unit_input: object) -> str:
         return fingerprint(self.base_fingerprint, unit, unit_input)
 
     def unit_writer(self, unit: str, unit_fp: str) -> UnitWriter:
-        return UnitWriter(self.dir, self.stage, unit, unit_fp)
+        return UnitWriter(self.dir, self.stage, unit, unit_fp, url=self.location if self.remote else None)
 
-    def _marker(self, unit: str) -> dict | None:
+    def worker_keys(self) -> dict:
+        """Payload keys a worker's :func:`pipeline.stage.unit_writer` needs (remote: the URL and
+        the storage options, so a worker on another node finds its own mirror and the store)."""
+        keys = {"artifact_dir": str(self.dir), "stage": self.stage, "storage": storage.config()}
+        if self.remote is not None:
+            keys["artifact_url"] = self.location
+        return keys
+
+    def _marker(self, unit: str, fetch: bool = False) -> dict | None:
         path = self.dir / "_state" / f"{unit}.json"
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
-            return None
+            pass
+        if fetch and self.remote is not None and self.remote.size(f"_state/{unit}.json") is not None:
+            try:
+                return json.loads(self.remote.get(f"_state/{unit}.json").read_text())
+            except (OSError, ValueError):
+                return None
+        return None
 
     def is_done(self, unit: str, unit_fp: str) -> bool:
         m = self._marker(unit)
         if not m or m.get("fingerprint") != unit_fp:
             return False
         for f in m.get("files", []):
+            if self.remote is not None:
+                if self.remote.size(f["path"]) != f["bytes"]:
+                    return False
+                continue
             p = self.dir / f["path"]
             if not p.is_file() or p.stat().st_size != f["bytes"]:
                 return False
         return True
+
+    def local_file(self, rel: str) -> Path:
+        """A file of this artifact as a local path (fetched from the store when missing here)."""
+        p = self.dir / rel
+        if self.remote is not None and not p.is_file():
+            self.remote.get(rel)
+        return p
 
     def prune(self, live_units: set[str]) -> None:
         """Delete markers, shards and error files of units that are not part of this run."""
@@ -343,6 +451,11 @@ class ArtifactWriter:
             if unit in live_units:
                 continue
             m = self._marker(unit) or {}
+            if self.remote is not None:  # the marker first: files without a marker are not a unit
+                self.remote.rm(f"_state/{unit}.json")
+                for f in m.get("files", []):
+                    self.remote.rm(f["path"])
+                self.remote.rm(f"_errors/{unit}.parquet")
             for f in m.get("files", []):
                 (self.dir / f["path"]).unlink(missing_ok=True)
             (self.dir / "_errors" / f"{unit}.parquet").unlink(missing_ok=True)
@@ -352,10 +465,15 @@ class ArtifactWriter:
         """Merge per-unit errors and markers into ``errors.parquet`` and ``_manifest.json``."""
         markers = []
         for u in units:
-            m = self._marker(u)
+            m = self._marker(u, fetch=True)
             if m is None:
                 raise RuntimeError(f"{self.artifact}: unit {u} has no completion marker; the stage did not finish it")
             markers.append(m)
+        if self.remote is not None:  # errors of units another node ran
+            for u in units:
+                rel = f"_errors/{u}.parquet"
+                if not (self.dir / rel).is_file() and self.remote.size(rel) is not None:
+                    self.remote.get(rel)
         error_files = [self.dir / "_errors" / f"{u}.parquet" for u in units]
         error_tables = [pq.read_table(p) for p in error_files if p.exists()]
         errors = pa.concat_tables(error_tables) if error_tables else ERROR_SCHEMA.empty_table()
@@ -402,6 +520,11 @@ class ArtifactWriter:
         self._remove_orphans(markers)
         write_layout_note(self.dir, self.artifact, self.stage, sorted(tables))
         write_json_atomic(self.dir / "_manifest.json", manifest)
+        if self.remote is not None:  # everything else first, the manifest last
+            self.remote.rm(LEGACY_ERRORS_PATH)
+            self._push()
+            self.remote.put("_manifest.json")
+            storage.release_remote_lock(self.location)
         release_lock(self.dir)
         return manifest
 
@@ -411,25 +534,66 @@ class ArtifactWriter:
         live = {f["path"] for m in markers for f in m.get("files", [])}
         folders = {Path(p).parent for p in live if Path(p).parent != Path(".")}
         for folder in folders:
-            for f in (self.dir / folder).iterdir():
-                rel = str(f.relative_to(self.dir))
-                if f.is_file() and rel not in live and f.suffix in (".parquet", ".tar") and not f.name.startswith("."):
-                    f.unlink()
+            if (self.dir / folder).is_dir():
+                for f in (self.dir / folder).iterdir():
+                    rel = str(f.relative_to(self.dir))
+                    if f.is_file() and rel not in live and f.suffix in (".parquet", ".tar") and not f.name.startswith("."):
+                        f.unlink()
+        if self.remote is not None:
+            names = {Path(folder).as_posix() for folder in folders}
+            for rel in list(self.remote.listing(refresh=True)):
+                p = Path(rel)
+                if p.parent.as_posix() in names and rel not in live and p.suffix in (".parquet", ".tar") and not p.name.startswith("."):
+                    self.remote.rm(rel)
 
 
 class Artifact:
-    """Read side of a finished artifact folder."""
+    """Read side of a finished artifact folder (a local path, or a URL read through the cache).
+
+    For a URL, ``_manifest.json`` is downloaded at construction; :meth:`files`, :meth:`local_file`
+    and :meth:`errors` fetch what they return into the local mirror, verified against the sizes
+    and sha256s the manifest records; ``dir`` fetches the whole artifact first (for code that
+    reads the folder directly), ``local`` is the mirror without fetching anything."""
 
     def __init__(self, path: str | Path):
-        self.dir = Path(path)
-        if not (self.dir / "_manifest.json").is_file():
+        loc = storage.normalize(path)
+        self.location = storage.location(loc)
+        self.remote = storage.Remote(loc) if storage.is_remote(loc) else None
+        self._local = storage.local_path(loc)
+        self._synced = False
+        self._verified: dict | None = None
+        if self.remote is not None:
+            raw = self.remote.cat("_manifest.json")
+            if raw is None:
+                raise ArtifactMissing(
+                    f"{loc} is not a finished artifact (no _manifest.json): run the stage that writes it first"
+                )
+            self.__dict__["manifest"] = json.loads(raw)
+            dst = self._local / "_manifest.json"
+            if not dst.is_file() or dst.read_bytes() != raw:
+                from pipeline.io.atomic import write_bytes_atomic
+
+                write_bytes_atomic(dst, raw)
+        elif not (self._local / "_manifest.json").is_file():
             raise ArtifactMissing(
-                f"{self.dir} is not a finished artifact (no _manifest.json): run the stage that writes it first"
+                f"{self._local} is not a finished artifact (no _manifest.json): run the stage that writes it first"
             )
+
+    @property
+    def local(self) -> Path:
+        """The local folder (for a URL: its mirror, holding what has been fetched so far)."""
+        return self._local
+
+    @property
+    def dir(self) -> Path:
+        """The local folder with every file of the artifact in it (a URL's are fetched once)."""
+        if self.remote is not None and not self._synced:
+            self.fetch_all()
+        return self._local
 
     @cached_property
     def manifest(self) -> dict:
-        return json.loads((self.dir / "_manifest.json").read_text())
+        return json.loads((self._local / "_manifest.json").read_text())
 
     @property
     def name(self) -> str:
@@ -445,10 +609,86 @@ class Artifact:
     def files(self, table: str) -> list[Path]:
         if table not in self.manifest["tables"]:
             raise KeyError(f"artifact {self.name} has no table {table!r}; it has {self.tables()}")
-        return [self.dir / s["path"] for s in self.manifest["shards"] if s["table"] == table]
+        entries = [s for s in self.manifest["shards"] if s["table"] == table]
+        out = [self._fetch(s) for s in entries]
+        self._save_verified()
+        return out
 
     def shard_entries(self, table: str) -> list[dict]:
         return [s for s in self.manifest["shards"] if s["table"] == table]
+
+    # ---- the cache of a remote artifact ---------------------------------------------------
+    def _load_verified(self) -> dict:
+        if self._verified is None:
+            try:
+                self._verified = json.loads((self._local / "_cache.json").read_text())
+            except (OSError, ValueError):
+                self._verified = {}
+        return self._verified
+
+    def _save_verified(self) -> None:
+        if self.remote is not None and self._verified is not None and self._verified.get("_dirty"):
+            self._verified.pop("_dirty")
+            write_json_atomic(self._local / "_cache.json", self._verified)
+
+    def _fetch(self, entry: dict) -> Path:
+        """The local copy of a manifest entry: downloaded when absent or not the recorded bytes."""
+        p = self._local / entry["path"]
+        if self.remote is None:
+            return p
+        seen = self._load_verified()
+        want = [entry["bytes"], entry["sha256"]]
+        try:
+            st = p.stat()
+            if seen.get(entry["path"]) == [st.st_size, st.st_mtime_ns, entry["sha256"]]:
+                return p
+            ok = st.st_size == entry["bytes"] and sha256_file(p) == entry["sha256"]
+        except OSError:
+            ok = False
+        if not ok:
+            self.remote.get(entry["path"])
+            got = [p.stat().st_size, sha256_file(p)]
+            if got != want:
+                p.unlink(missing_ok=True)
+                raise OSError(f"{self.location}/{entry['path']}: the stored object is not the one _manifest.json records "
+                              f"({got[0]} bytes, sha256 {got[1][:12]}; recorded {want[0]} bytes, {want[1][:12]}); "
+                              "the artifact changed while being read, or is corrupt: `pipeline verify` it")
+        st = p.stat()
+        seen[entry["path"]] = [st.st_size, st.st_mtime_ns, entry["sha256"]]
+        seen["_dirty"] = True
+        return p
+
+    def local_file(self, rel: str) -> Path:
+        """One file of the artifact as a local path (a URL's fetched, and verified when the
+        manifest records it)."""
+        if self.remote is None:
+            return self._local / rel
+        entry = next((s for s in self.manifest["shards"] if s["path"] == rel), None)
+        if entry is not None:
+            p = self._fetch(entry)
+            self._save_verified()
+            return p
+        p = self._local / rel
+        size = self.remote.size(rel)
+        if size is not None and (not p.is_file() or p.stat().st_size != size):
+            self.remote.get(rel)
+        return p
+
+    def fetch_all(self) -> None:
+        """Fetch every file of a remote artifact (its shards, errors and other files) into the mirror."""
+        if self.remote is None:
+            return
+        shards = {s["path"] for s in self.manifest["shards"]}
+        for s in self.manifest["shards"]:
+            self._fetch(s)
+        self._save_verified()
+        for rel, size in self.remote.listing(refresh=True).items():
+            if rel in shards or rel in ("_lock", "_manifest.json") or rel.startswith(("_state/", "_errors/")):
+                continue
+            p = self._local / rel
+            if not p.is_file() or p.stat().st_size != size:
+                self.remote.get(rel)
+        self._synced = True
 
     def read(self, table: str, columns: list[str] | None = None) -> pa.Table:
         files = self.files(table)
@@ -459,29 +699,64 @@ class Artifact:
         return pl.scan_parquet([str(f) for f in self.files(table)])
 
     def errors(self) -> pa.Table:
-        path = self.dir / self.manifest.get("errors", {}).get("path", ERRORS_PATH)
+        rel = self.manifest.get("errors", {}).get("path", ERRORS_PATH)
+        path = self.local_file(rel)
         return pq.read_table(path) if path.exists() else ERROR_SCHEMA.empty_table()
+
+    def problems(self) -> list[tuple[str, str]]:
+        """``(relative path, problem)`` for every recorded file that is missing, of another size
+        or another sha256 (a remote artifact: sizes on the store, sha256 of the fetched copies)."""
+        out = []
+        listing = self.remote.listing(refresh=True) if self.remote is not None else None
+        for s in self.manifest["shards"]:
+            rel = s["path"]
+            if listing is not None:
+                if rel not in listing:
+                    out.append((rel, "missing"))
+                elif listing[rel] != s["bytes"]:
+                    out.append((rel, f"{listing[rel]} bytes, recorded {s['bytes']}"))
+                else:
+                    try:
+                        self._fetch(s)
+                    except OSError:
+                        out.append((rel, "sha256 differs from the one recorded (content changed or corrupt)"))
+                continue
+            p = self._local / rel
+            if not p.is_file():
+                out.append((rel, "missing"))
+            elif p.stat().st_size != s["bytes"]:
+                out.append((rel, f"{p.stat().st_size} bytes, recorded {s['bytes']}"))
+            elif sha256_file(p) != s["sha256"]:
+                out.append((rel, "sha256 differs from the one recorded (content changed or corrupt)"))
+        self._save_verified()
+        return out
 
     def verify(self) -> list[str]:
         """Check every recorded file against its size and sha256; one problem line per bad file."""
-        problems = []
-        for s in self.manifest["shards"]:
-            p = self.dir / s["path"]
-            if not p.is_file():
-                problems.append(f"{p}: missing")
-            elif p.stat().st_size != s["bytes"]:
-                problems.append(f"{p}: {p.stat().st_size} bytes, recorded {s['bytes']}")
-            elif sha256_file(p) != s["sha256"]:
-                problems.append(f"{p}: sha256 differs from the one recorded (content changed or corrupt)")
-        return problems
+        return [f"{storage.join(self.location, rel)}: {why}" for rel, why in self.problems()]
 
 
 def forget_units_of(art: Artifact) -> int:
     """Remove the completion markers of the units whose files fail :meth:`Artifact.verify`, and the
     artifact's _manifest.json, so the next run of its stage redoes exactly those units."""
-    bad = {str(Path(line.split(": ", 1)[0]).relative_to(art.dir)) for line in art.verify()}
+    bad = {rel for rel, _why in art.problems()}
     n = 0
-    for marker in (art.dir / "_state").glob("*.json"):
+    if art.remote is not None:
+        for rel in art.remote.listing(refresh=True):
+            if not (rel.startswith("_state/") and rel.endswith(".json")):
+                continue
+            try:
+                files = json.loads(art.remote.cat(rel) or b"{}").get("files", [])
+            except ValueError:
+                continue
+            if any(f["path"] in bad for f in files):
+                art.remote.rm(rel)
+                (art.local / rel).unlink(missing_ok=True)
+                n += 1
+        art.remote.rm("_manifest.json")
+        (art.local / "_manifest.json").unlink(missing_ok=True)
+        return n
+    for marker in (art.local / "_state").glob("*.json"):
         try:
             files = json.loads(marker.read_text()).get("files", [])
         except (OSError, ValueError):
@@ -489,7 +764,7 @@ def forget_units_of(art: Artifact) -> int:
         if any(f["path"] in bad for f in files):
             marker.unlink()
             n += 1
-    (art.dir / "_manifest.json").unlink(missing_ok=True)
+    (art.local / "_manifest.json").unlink(missing_ok=True)
     return n
 
 

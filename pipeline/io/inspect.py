@@ -30,7 +30,7 @@ def describe(art: Artifact, rows: int, fmt) -> str:
     out = [
         f"artifact   {m['artifact']}  (stage {m['stage']}, schema v{m['schema_version']}, code {m['code_version']})",
         f"created    {m['created']}   fingerprint {m['fingerprint']}",
-        f"folder     {art.dir}",
+        f"folder     {art.location}" + (f"  (cached in {art.local})" if art.remote is not None else ""),
     ]
     if m.get("random_weights"):
         out.append(f"WARNING    computed with RANDOM WEIGHTS for: {', '.join(m['random_weights'])}")
@@ -43,30 +43,31 @@ def describe(art: Artifact, rows: int, fmt) -> str:
     for table, info in m["tables"].items():
         out.append("")
         out.append(f"table {table}: {info['rows']} rows in {info['files']} shard(s)")
-        files = art.files(table)
+        # files fetched one at a time (a remote artifact: only the ones shown are downloaded)
+        files = [e["path"] for e in art.shard_entries(table)]
         if not files:
             continue
-        if files[0].suffix == ".parquet":
-            schema = pq.read_schema(files[0])
+        if files[0].endswith(".parquet"):
+            schema = pq.read_schema(art.local_file(files[0]))
             for f in schema:
                 out.append(f"  {f.name}: {f.type}")
             shown = 0
-            for path in files:
-                t = pq.read_table(path)
+            for rel in files:
+                t = pq.read_table(art.local_file(rel))
                 for row in t.slice(0, rows - shown).to_pylist():
                     out.append("  | " + "  ".join(f"{k}={fmt(v, 48)}" for k, v in row.items()))
                     shown += 1
                 if shown >= rows:
                     break
         else:
-            for k, sample in enumerate(iter_shard(files[0])):
+            for k, sample in enumerate(iter_shard(art.local_file(files[0]))):
                 if k == 0:
                     for name, v in sample.items():
                         if name != "__key__":
                             out.append(f"  {name}: {_describe_value(v)}")
                 if k >= rows:
                     break
-            out.append(f"  (first shard {files[0].name}; keys are sample_id zero-padded to 12 digits)")
+            out.append(f"  (first shard {files[0].rsplit('/', 1)[-1]}; keys are sample_id zero-padded to 12 digits)")
     errors = art.errors()
     if errors.num_rows:
         out.append("")

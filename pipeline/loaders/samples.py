@@ -12,7 +12,8 @@ and folders: every reader of images (the image stages, the report, the trainers)
    synthetic root: point it at the dataset's new home on another machine),
 
 the first that exists winning. Absolute paths and URLs (outputs written before relative paths,
-images outside the root) pass through unchanged.
+images outside the root, datasets on object storage: ``s3://...`` references are stored as full
+URLs and ``image_root`` is the dataset's URL) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def dataset_image_root(ds, output: str | Path) -> Path | None:
         from pipeline.readers import synthetic_root
 
         return Path(os.path.abspath(synthetic_root(ds, Path(output))))
+    if kind == "webdataset" and ds.path and is_url(ds.path):  # s3://b/shards/, s3://b/shards/*.tar, .../x.tar
+        p = ds.path.rstrip("/")
+        if _glob.has_magic(p):
+            p = p[: next(i for i, ch in enumerate(p) if ch in "*?[")].rsplit("/", 1)[0]
+        elif p.endswith(".tar"):
+            p = p.rsplit("/", 1)[0]
+        return p
+    if getattr(ds, "images", None) and is_url(ds.images):
+        return ds.images.rstrip("/")
     if kind == "webdataset" and ds.path:
         p = ds.path
         if _glob.has_magic(p):  # the folder before the first wildcard
@@ -51,7 +61,7 @@ def dataset_image_root(ds, output: str | Path) -> Path | None:
 
 def relative_ref(ref: str | None, root: str | Path | None) -> str | None:
     """``ref`` relative to ``root`` (POSIX separators) when it lies under it; else unchanged."""
-    if not ref or root is None or is_url(ref):
+    if not ref or root is None or is_url(ref) or is_url(str(root)):
         return ref
     path, sep, member = ref.partition(TAR_SEP)
     if not os.path.isabs(path):
@@ -67,6 +77,8 @@ def recorded_root(output: str | Path, root: str | Path | None) -> str | None:
     """How ``root`` is written into ``_manifest.json``: relative to ``output`` when inside it."""
     if root is None:
         return None
+    if is_url(str(root)):
+        return str(root)
     try:
         return Path(os.path.abspath(root)).relative_to(Path(os.path.abspath(output))).as_posix() or "."
     except ValueError:
@@ -80,6 +92,8 @@ def resolve_ref(ref: str | None, root: str | Path | None) -> str | None:
     path, sep, member = ref.partition(TAR_SEP)
     if os.path.isabs(path) or root is None:
         return ref
+    if is_url(str(root)):
+        return f"{str(root).rstrip('/')}/{path}{sep}{member}"
     return str(Path(root) / path) + sep + member
 
 
@@ -94,11 +108,15 @@ def find_image_root(samples_dir: str | Path, manifest=None, recorded: str | None
         except (OSError, ValueError):
             recorded = None
     candidates = []
+    if recorded and is_url(recorded):  # a dataset on object storage: URLs resolve as they are
+        return recorded
     if recorded:
         r = Path(recorded)
         candidates.append(r if r.is_absolute() else samples_dir.parent / r)
     if manifest is not None:
-        own = dataset_image_root(manifest.dataset, manifest.output)
+        from pipeline.io.storage import local_path
+
+        own = dataset_image_root(manifest.dataset, local_path(manifest.output))  # an object-store output: its mirror
         if own is not None:
             candidates.append(own)
     for c in candidates:

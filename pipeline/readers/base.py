@@ -116,6 +116,12 @@ def finish(rec: SourceRecord) -> SourceRecord:
 
 
 def abspath(p: str | Path) -> Path:
+    """An absolute local path, or for a URL (``s3://``, ``gs://``: read through fsspec) a
+    :class:`pipeline.io.storage.UrlPath`, which supports what the readers do with paths."""
+    from pipeline.io import storage
+
+    if isinstance(p, storage.UrlPath) or storage.is_remote(p):
+        return storage.as_path(p)
     return Path(p).expanduser().resolve()
 
 

@@ -4,8 +4,9 @@ A header row is recognised when its cells name the columns (``caption`` and one 
 ``image``, ``path``, ``file``, ``filepath``, in either order); without one, the order is caption
 then image. ``source_id`` is the 0-based data-row number (blank lines skipped, not counted).
 Relative paths resolve against ``images`` (default: the TSV's folder); ``file://`` URLs become
-paths. http(s) URLs are not fetched (offline pipeline): the record keeps its caption, image None
-and a problem saying so -- download with img2dataset and use ``kind: webdataset`` instead.
+paths; ``s3://`` / ``gs://`` references are kept (read through fsspec, pipeline/io/storage.py).
+http(s) URLs are not fetched (offline pipeline): the record keeps its caption, image None and a
+problem saying so -- download with img2dataset and use ``kind: webdataset`` instead.
 Each row is decoded on its own so one non-UTF-8 caption does not stop the file.
 """
 from __future__ import annotations
@@ -32,7 +33,9 @@ def resolve_image(ref: str, root: Path) -> tuple[str | None, str | None]:
     if not ref:
         return None, MISSING_IMAGE_FIELD
     scheme = urlparse(ref).scheme.lower()
-    if scheme in ("http", "https", "ftp", "s3", "gs"):
+    if scheme in ("s3", "gs", "gcs", "az", "abfs"):  # object storage: read through fsspec (pipeline/io/storage.py)
+        return ref, None
+    if scheme in ("http", "https", "ftp"):
         return None, URL_NOT_FETCHED
     if scheme == "file":
         return str(Path(unquote(urlparse(ref).path)).resolve()), None

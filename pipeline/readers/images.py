@@ -19,12 +19,20 @@ class ImageError(ValueError):
     """The image is missing or cannot be decoded; the message names it."""
 
 
+class ImageMissing(ImageError, FileNotFoundError):
+    """The image (or the tar holding it) does not exist: a local file or an object (URL)."""
+
+
 def tar_ref(tar_path: str | Path, member: str) -> str:
+    from pipeline.io import storage
+
+    if isinstance(tar_path, storage.UrlPath) or storage.is_remote(tar_path):
+        return f"{storage.normalize(tar_path)}{TAR_SEP}{member}"
     return f"{Path(tar_path).resolve()}{TAR_SEP}{member}"
 
 
 @functools.lru_cache(maxsize=32)
-def _tar_index(tar_path: str, mtime_ns: int, size: int) -> dict[str, tuple[int, int]]:
+def _tar_index(tar_path: str, mtime_ns, size: int) -> dict[str, tuple[int, int]]:
     """member name -> (data offset, size), built in one pass over the headers.
 
     ``tarfile.extractfile(name)`` would rescan the archive on every call, which makes reading all
@@ -32,37 +40,53 @@ def _tar_index(tar_path: str, mtime_ns: int, size: int) -> dict[str, tuple[int, 
     size so a rewritten shard is re-indexed.
     """
     index: dict[str, tuple[int, int]] = {}
-    with tarfile.open(tar_path, "r:") as tf:
+    from pipeline.io import storage
+
+    with storage.open_file(tar_path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tf:
         for m in tf:
             if m.isfile():
                 index[m.name] = (m.offset_data, m.size)
     return index
 
 
+def _stat(path: str) -> tuple[int, object]:
+    """(mtime or version, size) of a local file or an object (URL)."""
+    from pipeline.io import storage
+
+    if storage.is_remote(path):
+        info = storage.url_info(path)
+        return str(info["version"]), int(info["size"] or 0)
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
 def read_image_bytes(ref: str) -> bytes:
-    """Raw bytes of an image reference (file path or ``<tar>::<member>``)."""
+    """Raw bytes of an image reference (file path or ``<tar>::<member>``; either may be a URL,
+    read through fsspec: :mod:`pipeline.io.storage`)."""
+    from pipeline.io import storage
+
     if TAR_SEP in ref:
         tar_path, member = ref.split(TAR_SEP, 1)
         try:
-            st = os.stat(tar_path)
-            index = _tar_index(tar_path, st.st_mtime_ns, st.st_size)
+            version, size = _stat(tar_path)
+            index = _tar_index(tar_path, version, size)
             if member not in index:
                 raise ImageError(f"image {ref}: no member {member!r} in {tar_path}")
             offset, size = index[member]
-            with open(tar_path, "rb") as f:
+            with storage.open_file(tar_path, "rb") as f:
                 f.seek(offset)
                 data = f.read(size)
             if len(data) != size:
                 raise ImageError(f"image {ref}: tar is truncated")
             return data
         except FileNotFoundError:
-            raise ImageError(f"image {ref}: tar file not found") from None
+            raise ImageMissing(f"image {ref}: tar file not found") from None
         except (tarfile.TarError, OSError, EOFError) as e:
             raise ImageError(f"image {ref}: cannot read tar ({e})") from None
     try:
-        return Path(ref).read_bytes()
+        return storage.read_bytes(ref)
     except FileNotFoundError:
-        raise ImageError(f"image {ref}: file not found") from None
+        raise ImageMissing(f"image {ref}: file not found") from None
     except OSError as e:
         raise ImageError(f"image {ref}: cannot read ({e.strerror or e})") from None
 

@@ -7,7 +7,9 @@ base name) and must be adjacent, as WebDataset writers produce them. ``source_id
 (a key seen again in a later shard is flagged ``duplicate key``). The caption is the ``.txt``
 content (stripped); without a ``.txt``, the ``caption`` field of the ``.json`` is used. Images stay
 in the tar: ``image`` is ``"<abs tar>::<member>"`` (see ``readers.images.open_image``).
-Tars are read header by header, so image bytes are skipped, not loaded.
+Tars are read header by header, so image bytes are skipped, not loaded. ``path`` may be a URL
+(``s3://bucket/shards/`` or ``s3://bucket/shards/*.tar``): tars are then read through fsspec by
+ranges, and ``image`` is ``"s3://bucket/shards/x.tar::<member>"``.
 
 User-supplied tars are untrusted: nothing is ever extracted to disk (member names are only keys,
 so ``../`` or absolute names cannot reach outside anything), links and other non-file members are
@@ -30,12 +32,16 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 def shard_paths(path: str | Path) -> list[Path]:
     s = str(path)
-    if any(ch in s for ch in "*?["):
+    from pipeline.io import storage
+
+    if storage.is_remote(s) and any(ch in s for ch in "*?["):  # s3://bucket/shards/*.tar
+        found = [storage.UrlPath(u) for u in storage.glob_urls(s)]
+    elif any(ch in s for ch in "*?["):
         found = [abspath(f) for f in sorted(glob.glob(s))]
     else:
         p = abspath(s)
         if p.is_dir():
-            found = sorted(p.glob("*.tar"))
+            found = sorted(p.glob("*.tar"))  # a URL folder: listed through fsspec
         elif p.is_file():
             found = [p]
         else:
@@ -127,7 +133,7 @@ def read_webdataset(path: str | Path, split: str | None = None, max_member_bytes
     seen = SeenKeys()  # bounded per key: a 1M-sample folder costs ~12 MB here, not a dict of strings
     for tar in shard_paths(path):
         try:
-            with tarfile.open(tar, "r:") as tf:  # uncompressed only: images are read by offset
+            with _open_tar(tar) as tf:  # uncompressed only: images are read by offset
                 key = None
                 members: dict[str, tuple[str, bytes | None]] = {}
                 too_large: list[str] = []
@@ -149,6 +155,24 @@ def read_webdataset(path: str | Path, split: str | None = None, max_member_bytes
                     yield _dedupe(_make_record(tar, key, members, split or "train", too_large), seen, tar)
         except (tarfile.TarError, EOFError, OSError) as e:
             raise ReaderError(f"WebDataset shard {tar}: unreadable tar ({e})") from None
+
+
+def _open_tar(tar):
+    """A local tar, or a URL's read through fsspec (ranged reads: image bytes are skipped)."""
+    from pipeline.io import storage
+
+    if isinstance(tar, storage.UrlPath):
+        f = tar.open("rb")
+        tf = tarfile.open(fileobj=f, mode="r:")
+        close = tf.close
+
+        def closing():
+            close()
+            f.close()
+
+        tf.close = closing
+        return tf
+    return tarfile.open(tar, "r:")
 
 
 def _dedupe(rec: SourceRecord, seen: SeenKeys, tar: Path) -> SourceRecord:

@@ -420,5 +420,5 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         "captions": int(len(cap_ids)),
         "index": {s: e["kind"] for s, e in info["indexes"].items()},
         "missing_slots": m["stats"].get("missing_slots", 0),
-        "path": str(writer.dir),
+        "path": str(writer.location),
     }

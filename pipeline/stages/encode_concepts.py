@@ -173,5 +173,5 @@ def run(ctx: RunContext, cfg: Config) -> dict:
                                 "tokens": "float16 [U, M, d_t] .npy per unit (zero beyond n_tokens)",
                                 "membership": str(MEMBERSHIP_SCHEMA)})
     stats.update({"concepts": m["tables"].get("index", {}).get("rows", 0),
-                  "membership_rows": m["tables"].get("membership", {}).get("rows", 0), "path": str(writer.dir)})
+                  "membership_rows": m["tables"].get("membership", {}).get("rows", 0), "path": str(writer.location)})
     return stats

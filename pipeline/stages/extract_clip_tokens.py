@@ -269,5 +269,5 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         "samples": m["tables"].get("shards", {}).get("rows", 0),
         "captions": m["tables"].get("captions", {}).get("rows", 0),
         "errors": m["errors"]["rows"],
-        "path": str(writer.dir),
+        "path": str(writer.location),
     }

@@ -134,4 +134,4 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     )
     dims = {k: record[k] for k in ("image_size", "patch_size", "grid", "n_patches", "n_groups", "group_dim", "projection_dim")}
     m = writer.finalize(names, extra={"dims": dims}, schema=SCHEMA)
-    return {"samples": m["tables"].get("shards", {}).get("rows", 0), "errors": m["errors"]["rows"], "path": str(writer.dir)}
+    return {"samples": m["tables"].get("shards", {}).get("rows", 0), "errors": m["errors"]["rows"], "path": str(writer.location)}

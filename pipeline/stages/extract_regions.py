@@ -183,5 +183,5 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         "samples": m["tables"].get("shards", {}).get("rows", 0),
         "boxes": m["stats"].get("boxes", 0),
         "errors": m["errors"]["rows"],
-        "path": str(writer.dir),
+        "path": str(writer.location),
     }

@@ -391,7 +391,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         "triplets": st.get("triplets", 0),
         "errors": man["errors"]["rows"],
         "post_over_model": round(post_s / model_s, 4) if model_s else None,
-        "path": str(writer.dir),
+        "path": str(writer.location),
     }
 
 

@@ -90,6 +90,11 @@ def _image_stat(ref: str | None) -> list:
         return [None]
     path = ref.split("::", 1)[0]
     try:
+        if "://" in path:  # an object (URL): its size and version (ETag)
+            from pipeline.io.storage import url_info
+
+            info = url_info(path)
+            return [ref, info["size"], str(info["version"])]
         st = os.stat(path)
         return [ref, st.st_size, st.st_mtime_ns]
     except OSError:
@@ -123,7 +128,8 @@ def _record_payload(rec, sample_id: int, first_caption_id: int) -> dict:
 def _image_size(ref: str, mode: str, max_pixels: int | None = None) -> tuple[int, int]:
     from pipeline.readers.images import image_header_size, open_image
 
-    if not os.path.exists(ref.split("::", 1)[0]):
+    path = ref.split("::", 1)[0]
+    if "://" not in path and not os.path.exists(path):  # a URL's absence shows when it is read
         raise FileNotFoundError("file not found")
     if mode == "decode":
         return open_image(ref, max_pixels=max_pixels).size
@@ -301,8 +307,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     names = run_units_stream(ctx, writer, units(), ingest_unit, input_rows=lambda: counts["records"])
     if not counts["records"]:
         raise StageError(f"dataset ({ds.kind}) has no records")
-    has_ann = has_ann or any((writer.dir / "_state" / f"{n}.json").is_file()
-                             and '"instances"' in (writer.dir / "_state" / f"{n}.json").read_text() for n in names)
+    has_ann = has_ann or any('"instances"' in json.dumps(writer.marker(n) or {}) for n in names)
     schema = {
         "samples": str(SAMPLES_SCHEMA),
         "captions": str(CAPTIONS_SCHEMA),
@@ -315,5 +320,5 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         "samples": m["tables"]["samples"]["rows"],
         "captions": m["tables"]["captions"]["rows"],
         "errors": m["errors"]["rows"],
-        "path": str(writer.dir),
+        "path": str(writer.location),
     }

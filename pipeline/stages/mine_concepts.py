@@ -226,7 +226,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     # 2. vocabulary of the concepts used
     vocab_fp = writer.unit_fingerprint(VOCAB_UNIT, concept_shas)
     if not writer.is_done(VOCAB_UNIT, vocab_fp):
-        cids = pl.scan_parquet([str(writer.dir / f["path"]) for f in _unit_files(writer, mine_names)]).select("concept_id").unique().collect()
+        cids = pl.scan_parquet([str(writer.local_file(f["path"])) for f in _unit_files(writer, mine_names)]).select("concept_id").unique().collect()
         vocab = M.vocab_table(saved_index(), cids["concept_id"].to_numpy()).cast(VOCAB_SCHEMA)
         w = writer.unit_writer(VOCAB_UNIT, vocab_fp)
         w.write_table("vocab", vocab)
@@ -234,7 +234,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     shutil.rmtree(index_dir, ignore_errors=True)
     del caps
     names = mine_names + [VOCAB_UNIT]
-    vocab_path = writer.dir / _unit_files(writer, [VOCAB_UNIT])[0]["path"]
+    vocab_path = writer.local_file(_unit_files(writer, [VOCAB_UNIT])[0]["path"])
 
     # 3. hard negatives: embed on Ray actors, search with FAISS in the driver
     extra = {}
@@ -261,7 +261,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         if not writer.is_done(HARD_NEG_UNIT, hn_fp):
             from pipeline.concepts.hard_negatives import mine_hard_negatives, token_matrix
 
-            emb = read_embeddings([writer.dir / f["path"] for f in emb_files]).astype(np.float32)
+            emb = read_embeddings([writer.local_file(f["path"]) for f in emb_files]).astype(np.float32)
             toks = token_matrix(vocab.column("text").to_pylist(), cfg.n_max)
             nb, sc, kind = mine_hard_negatives(emb, toks, k=cfg.hard_negatives_k, index=cfg.hard_negatives_index,
                                                flat_max=cfg.hard_negatives_flat_max)
@@ -280,7 +280,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             w.commit({"hard_negative_index": kind})
         names.append(HARD_NEG_UNIT)
         extra["hard_negatives"] = {"k": cfg.hard_negatives_k, "encoder": enc_spec,
-                                   "embedding_dim": pq.read_schema(writer.dir / emb_files[0]["path"]).field("embedding").type.list_size
+                                   "embedding_dim": pq.read_schema(writer.local_file(emb_files[0]["path"])).field("embedding").type.list_size
                                    if emb_files else None}
     m = writer.finalize(names, schema={"concepts": str(CONCEPTS_SCHEMA), "vocab": str(VOCAB_SCHEMA),
                                        "hard_negatives": str(HARD_NEG_SCHEMA),
@@ -290,7 +290,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         "samples": len(sample_ids),
         "concept_rows": m["tables"].get("concepts", {}).get("rows", 0),
         "vocab": m["tables"].get("vocab", {}).get("rows", 0),
-        "path": str(writer.dir),
+        "path": str(writer.location),
     }
 
 
@@ -299,7 +299,9 @@ def _unit_files(writer, names: list[str]) -> list[dict]:
 
     files = []
     for n in names:
-        m = json.loads((writer.dir / "_state" / f"{n}.json").read_text())
+        m = writer.marker(n)  # fetched from the store when a worker on another node wrote it
+        if m is None:
+            raise RuntimeError(f"concepts: unit {n} has no completion marker")
         files.extend(m["files"])
     return files
 

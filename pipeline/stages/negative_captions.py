@@ -259,10 +259,10 @@ def _count_nouns(payload: dict) -> dict:
     return {"counts": dict(c)}
 
 
-def _noun_vocab(ctx: RunContext, entries: list[dict], samples_dir: Path, cfg: Config, models, out_dir: Path) -> tuple[str, str]:
+def _noun_vocab(ctx: RunContext, entries: list[dict], samples, cfg: Config, models, out_dir: Path) -> tuple[str, str]:
     from pipeline.runtime import map_units
 
-    units = [{"path": str(samples_dir / e["path"]), "spacy": models.spacy,
+    units = [{"path": str(samples.local_file(e["path"])), "spacy": models.spacy,
               "noun_pos": list(cfg.noun_pos) + (["PROPN"] if cfg.include_propn else [])} for e in entries]
     path = out_dir / "noun_vocab.json"
     # The counts depend on the caption shards, the tagger and the options only: reuse them on a
@@ -314,7 +314,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     records["spacy"] = spacy_record(models.spacy)
     vocab_path, vocab_fp = (None, None)
     if cfg.restrict_to_noun_vocab:
-        vocab_path, vocab_fp = _noun_vocab(ctx, entries, samples.dir, cfg, models, out_dir)
+        vocab_path, vocab_fp = _noun_vocab(ctx, entries, samples, cfg, models, out_dir)
     params = {**cfg.model_dump(mode="json"), "noun_vocab": vocab_fp}
     params.pop("enabled", None)
     params = fingerprinted(params, cfg.device, cfg.precision, cfg.num_gpus)  # device: where; precision: only if not fp32
@@ -324,7 +324,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     for e in entries:
         if remaining is not None and remaining <= 0:
             break
-        path = samples.dir / e["path"]
+        path = samples.local_file(e["path"])
         sids = np.unique(pq.read_table(path, columns=["sample_id"]).column("sample_id").to_numpy())
         if remaining is not None:
             sids = sids[:remaining]
@@ -350,7 +350,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         "captions": m["stats"].get("captions", 0),
         "nouns": m["tables"].get("negatives", {}).get("rows", 0),
         "errors": m["errors"]["rows"],
-        "path": str(writer.dir),
+        "path": str(writer.location),
     }
 
 

@@ -112,6 +112,8 @@ def log(msg: str) -> None:
     print(f"c3: {msg}", file=sys.stderr)
 
 
-def resolve(manifest, p: str) -> Path:
-    q = Path(p)
-    return q if q.is_absolute() else Path(manifest.output) / q
+def resolve(manifest, p: str) -> Path | str:
+    """``p`` under the manifest's output unless absolute (an object-storage URL stays a str)."""
+    from pipeline.io.storage import resolve_under
+
+    return resolve_under(manifest.output, p)

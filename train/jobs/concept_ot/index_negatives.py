@@ -70,8 +70,12 @@ class IndexMissing(FileNotFoundError):
 def require_index(index_dir: str | Path, hint: str = "") -> Path:
     """``index_dir`` if it holds a finished `index` artifact, else :class:`IndexMissing` saying how
     to build it (``hint``: what else the caller can do)."""
-    index_dir = Path(index_dir)
-    if not (index_dir / "_manifest.json").is_file():
+    from pipeline.io import storage
+
+    index_dir = storage.location(index_dir)
+    there = (storage.Remote(index_dir).size("_manifest.json") is not None if storage.is_remote(index_dir)
+             else (index_dir / "_manifest.json").is_file())
+    if not there:
         raise IndexMissing(
             f"the index artifact {index_dir} does not exist (no _manifest.json): run "
             f"`pipeline run build-index --manifest <manifest>` (or enable stages.build_index and run "

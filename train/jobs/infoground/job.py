@@ -25,9 +25,10 @@ from train.loop import Job
 GROUNDING_METRICS = ("r1", "r5", "r10", "pointing_accuracy")
 
 
-def _resolve(root, p: str) -> Path:
-    q = Path(p)
-    return q if q.is_absolute() else Path(root) / q
+def _resolve(root, p: str) -> Path | str:
+    from pipeline.io.storage import resolve_under
+
+    return resolve_under(root, p)
 
 
 def _artifact(root, rel: str, expected: str, what: str) -> Artifact:

@@ -153,9 +153,10 @@ def evaluate_model(model, items, n_pred: int, d: int, ks: list[int], batch_size:
     return out
 
 
-def _artifact_dir(manifest, name: str) -> Path:
-    p = Path(name)
-    return p if p.is_absolute() else Path(manifest.output) / name
+def _artifact_dir(manifest, name: str) -> Path | str:
+    from pipeline.io.storage import resolve_under
+
+    return resolve_under(manifest.output, name)
 
 
 def _split(manifest, cfg: Config, sample_ids: list[int]) -> tuple[set[int], set[int]]:

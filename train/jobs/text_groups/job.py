@@ -22,9 +22,11 @@ CLUSTERINGS = ("kmeans", "spectral", "meanshift")
 SIMPLE_BASELINES = ("random", "one-group", "chunks")
 
 
-def _resolve(manifest, p: str) -> Path:
-    q = Path(p)
-    return q if q.is_absolute() else Path(manifest.output) / q
+def _resolve(manifest, p: str) -> Path | str:
+    """``p`` under the manifest's output unless absolute (an object-storage URL stays a str)."""
+    from pipeline.io.storage import resolve_under
+
+    return resolve_under(manifest.output, p)
 
 
 def _log(msg: str) -> None:
@@ -204,7 +206,8 @@ class TextGroupsJob(Job):
         out = [("samples", self.samples, False)]
         for p in self.cfg.discovery_artifacts:
             path = _resolve(self.manifest, p)
-            out.append((path.parent.name + "/" + path.name if path.name == "samples" else path.name, Artifact(path), True))
+            named = Path(str(path).rstrip("/"))  # a URL too: only its last two names are used
+            out.append((named.parent.name + "/" + named.name if named.name == "samples" else named.name, Artifact(path), True))
         return out
 
     def _gold(self, art: Artifact) -> D.GoldCaptions:
@@ -246,7 +249,9 @@ class TextGroupsJob(Job):
         if self._vanilla is False:
             self._vanilla = None
             if self.cfg.vanilla_run:
-                run = _resolve(self.manifest, self.cfg.vanilla_run)
+                from pipeline.io.storage import local_path
+
+                run = local_path(_resolve(self.manifest, self.cfg.vanilla_run))  # training runs are local
                 ck = run / "checkpoints" / "final.pt"
                 if ck.is_file():
                     st = load_checkpoint(ck)

@@ -26,9 +26,17 @@ from train.loop import Job
 TEXT_FIELDS = ("text_tokens", "text_mask", "text_embed", "caption_ids")
 
 
-def _resolve(manifest, p: str) -> Path:
-    q = Path(p)
-    return q if q.is_absolute() else Path(manifest.output) / q
+def _local_output(manifest) -> Path:
+    from pipeline.io.storage import local_path
+
+    return local_path(manifest.output)
+
+
+def _resolve(manifest, p: str) -> Path | str:
+    """``p`` under the manifest's output unless absolute (an object-storage URL stays a str)."""
+    from pipeline.io.storage import resolve_under
+
+    return resolve_under(manifest.output, p)
 
 
 def shuffle_ranks(ranks: np.ndarray, T: int, seed: int, sample_id: int) -> np.ndarray:
@@ -324,7 +332,7 @@ class VisualTokensJob(Job):
             return [Path(d) for d in self.cfg.swap_dirs]
         ds = self.manifest.dataset
         if ds.kind == "synthetic":
-            root = Path(ds.synthetic.root) if ds.synthetic.root else Path(self.manifest.output) / "source" / "synthetic"
+            root = Path(ds.synthetic.root) if ds.synthetic.root else _local_output(self.manifest) / "source" / "synthetic"
             return [root / "sugarcrepe"]
         return []
 
