@@ -134,6 +134,7 @@ def test_report_shows_errors_and_missing_artifacts(tmp_path, no_ray):
         assert f"pipeline run {stage} --manifest manifests/demo.yaml" in html, stage
     assert "the folder exists but has no _manifest.json" in html
     assert "no training run under" in html and "train run concept-ot --manifest manifests/demo.yaml" in html
+    assert "Training runs: none yet" in html.split('id="overview"')[1].split("</section>")[0]  # said at the top too
     # thumbnails of the samples exist beside the page
     assert len(list((out / "report" / "img" / "thumbs").glob("*.jpg"))) >= 4
     assert "RANDOM WEIGHTS" not in html.split("<main>")[1].split('id="overview"')[0]  # ingest alone has no model
@@ -248,6 +249,8 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
         assert not missing, missing  # the demo has every artifact and a training run with an evaluation
         text = driver.execute_script("return document.body.innerText")
         assert "RANDOM WEIGHTS" in text and "concept-ot" in text
+        overview = driver.execute_script("return document.getElementById('overview').innerText")
+        assert "Training runs: concept-ot/" in overview, overview  # the runs are named at the top, linked
         # .ci/run makes .ci-reports/ (its CI artifacts folder) before the slow suite
         shots = REPO / ".ci-reports" if os.environ.get("CI") or (REPO / ".ci-reports").is_dir() else tmp_path
         shots.mkdir(parents=True, exist_ok=True)
