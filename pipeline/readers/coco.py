@@ -32,7 +32,7 @@ from pipeline.readers.scene_graph import attach_scene_graphs, load_scene_graphs
 
 
 def guess_split(path: str | Path) -> str:
-    name = Path(path).name.lower()
+    name = Path(str(path)).name.lower()  # a UrlPath (s3://...) too
     for s in ("val", "test"):
         if s in name:
             return s
