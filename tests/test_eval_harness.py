@@ -148,6 +148,24 @@ def test_zero_scorable_is_an_error_naming_counts(tmp_path, monkeypatch):
     assert len(errors) == 1
     assert errors[0].startswith("toy: 0 of 4 items are scorable: 4 of 4 benchmark images are in")
     assert "0 in the job's artifacts" in errors[0]
+    assert "run the stage(s) that make this job's artifacts" in errors[0]  # the images are ingested, not encoded
+    # images not in the samples at all: what to ingest, by format, with the spec's image folder
+    spec = SimpleNamespace(name="wg", format="winoground", path=str(tmp_path), images="data/winoground/images",
+                           image_map=None, split=None, max_items=None, subsets=None, options={})
+    monkeypatch.setitem(H.BUILTIN, "winoground", lambda sp, sd: BenchData(sp.name, [
+        Item([Pair(f"ex_{k}_img_0", "a"), Pair(f"ex_{k}_img_1", "b")]) for k in range(3)], score=_pairwise_score))
+    from pipeline.io.artifacts import ArtifactWriter
+
+    w = ArtifactWriter(tmp_path / "s", "samples", "ingest", {"fake": True})
+    uw = w.unit_writer("00000", "fp")
+    uw.write_table("samples", pa.table({"sample_id": pa.array([0, 1], pa.int64()), "source_id": ["a", "b"],
+                                        "image": ["/i/a.jpg", "/i/b.jpg"], "split": ["test", "test"]}))
+    uw.commit({"rows": 2})
+    w.finalize(["00000"])  # no Winoground image among these samples
+    with pytest.raises(NoScorableItems, match=r"wg: 0 of 3 items are scorable: 0 of 6 benchmark images are in .*; ingest "
+                       r"Winoground's images \(data/images.zip\) \(data/winoground/images\) into this run or give "
+                       r"eval.benchmarks\[wg\].image_map"):
+        H.evaluate_benchmark(FakeJob({}, scorable=set()), None, spec, tmp_path / "s" / "samples", set(), log=lambda s: None)
     with pytest.raises(NoScorableItems):
         H.evaluate_benchmark(job, None, m.eval.benchmarks[0], tmp_path, {100}, log=lambda s: None)
     # --bench with an unknown name is a one-line error

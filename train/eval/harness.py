@@ -179,6 +179,22 @@ def expand_spec(spec, output: str | Path):
     return spec
 
 
+# where each format's images come from (for the "0 scorable items" error)
+IMAGE_SOURCES = {
+    "sugarcrepe": "COCO val2017",
+    "aro_vg_relation": "ARO's Visual Genome images (vgr_vga_images.zip)",
+    "aro_vg_attribution": "ARO's Visual Genome images (vgr_vga_images.zip)",
+    "aro_order": "the Karpathy test images (COCO val2014 / Flickr30k)",
+    "retrieval": "the Karpathy test images (COCO val2014 / Flickr30k)",
+    "split_retrieval": "images of that split",
+    "winoground": "Winoground's images (data/images.zip)",
+    "valse": "each VALSE piece's source images (Visual7W, COCO 2014, SWiG, VisDial, ...)",
+    "vl_checklist": "VL-CheckList's images (VG, SWiG, HAKE per its DATASETS.md)",
+    "svo_probes": "SVO-Probes' images (downloaded from the CSV's urls as <image_id>.jpg)",
+    "foil": "COCO val2014",
+}
+
+
 def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], pairs_chunk: int = 2048,
                        log: Callable[[str], None] = print) -> list[Row]:
     """Rows of one benchmark (raises NoScorableItems when nothing can be scored)."""
@@ -226,10 +242,17 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
         if total == 0:
             raise NoScorableItems(f"{spec.name}: no items read from {spec.path}"
                                   + (f" ({dict(reader_skips)})" if reader_skips else ""))
+        where = IMAGE_SOURCES.get(str(spec.format).lower(), "the benchmark's images")
+        if getattr(spec, "images", None):
+            where += f" ({spec.images})"
+        if n_in and not n_art:  # the images are in the samples, not in the artifacts this job reads
+            fix = (f"run the stage(s) that make this job's artifacts on them (the {n_in:,} matched samples have "
+                   "no features)")
+        else:
+            fix = f"ingest {where} into this run or give eval.benchmarks[{spec.name}].image_map"
         raise NoScorableItems(
             f"{spec.name}: 0 of {total:,} items are scorable: {n_in:,} of {n_imgs:,} benchmark images are in "
-            f"{samples_dir} and {n_art:,} in the job's artifacts; ingest the benchmark's images (e.g. COCO val2014 / "
-            f"Karpathy test) into this run or give eval.benchmarks[{spec.name}].image_map")
+            f"{samples_dir} and {n_art:,} in the job's artifacts; {fix}")
     t0 = time.perf_counter()
     if data.kind == "retrieval":
         rows = _score_retrieval(job, model, spec, data, keep, sid_of)
