@@ -291,3 +291,24 @@ def test_eval_table_puts_overall_rows_first_and_folds_subsets(tmp_path):
     assert t["n_sub"] == 2
     v = {(r["benchmark"], r["subset"]): r for r in t["rows"]}
     assert v[("vg-relation", "all")]["value"] == "48.7%" and v[("grounding", "all")]["value"] == "0.070"
+
+
+def test_report_shows_benchmarks_train_eval_could_not_score(tmp_path, no_ray):
+    from pipeline.report import build_report
+    from train.eval.harness import write_results
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=4"])
+    _run(["ingest"], m)
+    run = Path(m.output) / "train" / "concept-ot" / "conceptot"
+    row = {"job": "concept-ot", "variant": "conceptot", "checkpoint": "c", "step": 3, "benchmark": "sugarcrepe",
+           "subset": "all", "metric": "accuracy", "value": 47.4, "n": 274, "chance": 50.0, "skipped": 5,
+           "skip_reasons": "{}", "unit": "%", "note": ""}
+    err = "winoground: 0 of 52 items are scorable: 0 of 104 benchmark images are in runs/demo/samples"
+    write_results([row], run / "eval" / "step000003", errors=[err])
+    (run / "config.json").write_text(json.dumps({"variant": "conceptot", "seed": 0}))
+    assert json.loads((run / "eval" / "step000003" / "errors.json").read_text()) == [err]
+    html = build_report(Path(m.output), "manifests/demo.yaml", m).read_text()
+    assert "Not scored (1)" in html and "winoground: 0 of 52 items are scorable" in html
+    write_results([row], run / "eval" / "step000003")  # scored again without errors: the old list goes
+    assert not (run / "eval" / "step000003" / "errors.json").exists()
+    assert "Not scored" not in build_report(Path(m.output), "manifests/demo.yaml", m).read_text()

@@ -449,7 +449,14 @@ def _eval_tables(run_dir: Path) -> list[dict]:
             for r in out_rows:
                 r["main"] = r["subset"] in ("all", "overall") or r["benchmark"] not in has_all
             head = rows[0] if rows else {}
+            errors = []
+            if (d / "errors.json").is_file():  # benchmarks train eval could not score (harness.write_results)
+                try:
+                    errors = [str(e) for e in json.loads((d / "errors.json").read_text())]
+                except ValueError:
+                    errors = [f"{d / 'errors.json'} is not valid JSON"]
             tables.append({"tag": d.name, "source": "results.parquet", "rows": out_rows, "kind": "results",
+                           "errors": errors,
                            "n_sub": sum(not r["main"] for r in out_rows),
                            "checkpoint": head.get("checkpoint"), "step": head.get("step"), "variant": head.get("variant")})
             continue

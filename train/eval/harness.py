@@ -402,6 +402,12 @@ def write_results(table: list[dict], out_dir: Path, errors: Sequence[str] = ()) 
     if errors:
         md += "\n\nErrors (benchmarks not scored):\n\n" + "\n".join(f"- {e}" for e in errors) + "\n"
     (out_dir / "results.md").write_text(md + "\n")
+    # the benchmarks that could not be scored, for the run report (a stale list from an earlier run goes)
+    err_path = out_dir / "errors.json"
+    if errors:
+        err_path.write_text(json.dumps(list(errors), indent=1) + "\n")
+    else:
+        err_path.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------- presentation
