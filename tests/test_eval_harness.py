@@ -240,3 +240,9 @@ def test_compare_merges_evaluations_of_the_newest_step(tmp_path):
                       "skip_reasons": "{}", "unit": "fraction", "note": ""}], run / "eval" / "step000009-own")
     txt = H.compare([run])
     assert "| grounding | all | mean_IoU | 0.070 | 0.072 (n=44) |" in txt and "| a | all | acc | 50.0 % | 60.0 % (n=3) |" in txt
+    # two runs of one job and variant (other options, e.g. conceptot and conceptot-34a1d0): each column
+    # names its run folder (before: "j/v #1" and a bare "j/v")
+    write(tmp_path / "j" / "v-34a1d0" / "eval" / "final", 9, "a", 61.0)
+    (tmp_path / "j" / "v-34a1d0" / "config.json").write_text("{}")
+    head = H.compare([run, tmp_path / "j" / "v-34a1d0"]).splitlines()[0]
+    assert head == "| benchmark | subset | metric | chance | j/v (run) | j/v (v-34a1d0) |", head

@@ -467,6 +467,18 @@ def _latest_results(path: Path) -> list[Path]:
     return sorted((f for f in found if steps[f] == top), key=lambda f: f.stat().st_mtime)
 
 
+def _run_dir_of(res_path: Path) -> Path:
+    """The run folder a results file belongs to: the nearest folder above it with a config.json, else
+    the folder holding its eval/ folder, else its own folder."""
+    for d in res_path.parents:
+        if (d / "config.json").is_file():
+            return d
+    parts = res_path.parts
+    if "eval" in parts:
+        return Path(*parts[: len(parts) - 1 - parts[::-1].index("eval")])
+    return res_path.parent
+
+
 def _run_label(res_path: Path, rows: list[dict]) -> str:
     job = rows[0]["job"] if rows else "?"
     variant = rows[0]["variant"] if rows else "?"
@@ -496,11 +508,15 @@ def compare(paths: Sequence[str | Path]) -> str:
                 merged[(r["benchmark"], r["subset"], r["metric"])] = r
         rows = list(merged.values())
         runs.append((_run_label(files[-1], rows), ", ".join(str(f) for f in files), rows))
-    labels = [r[0] for r in runs]
-    seen = Counter()
-    for i, lab in enumerate(labels):  # disambiguate identical labels
-        seen[lab] += 1
-        if labels.count(lab) > 1:
+    base = [r[0] for r in runs]
+    n_of = Counter(base)
+    # identical labels (two runs of one variant with other options): name their run folders
+    labels = [f"{lab} ({_run_dir_of(Path(files.split(', ')[-1])).name})" if n_of[lab] > 1 else lab
+              for lab, (_, files, _) in zip(base, runs)]
+    n_of, seen = Counter(labels), Counter()
+    for i, lab in enumerate(labels):  # still identical (the same folder twice): number them
+        if n_of[lab] > 1:
+            seen[lab] += 1
             labels[i] = f"{lab} #{seen[lab]}"
     keys: list[tuple] = []
     cell: dict[tuple, dict[int, dict]] = {}
