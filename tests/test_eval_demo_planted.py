@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import REPO  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
 from demo_planted import write_generated_planted  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
