@@ -74,6 +74,8 @@ class Config(TrainerConfig):
     d_proj: int = Field(256, ge=1, description="joint space width of the Linear projections")
     tau: float = Field(0.07, gt=0, description="InfoNCE temperature (fixed)")
     lambda_rec: float = Field(1.0, ge=0, description="reconstruction weight lambda")
+    gumbel: bool = Field(True, description="Gumbel noise on the assignment logits in training (Eq. 2; GroupViT's "
+                         "`gumbel`); false: hard argmax of the noiseless softmax over groups, still straight-through")
     gumbel_tau: float = Field(1.0, gt=0, description="Gumbel-softmax temperature (GroupViT's)")
     assign_eps: float = Field(1.0, gt=0, description="assignment normalisation eps (GroupViT's)")
     pre_assign_attn: bool = Field(True, description="GroupViT's cross-attention block (groups attend to tokens) before "

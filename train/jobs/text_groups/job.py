@@ -107,7 +107,7 @@ class TextGroupsJob(Job):
         else:
             m = TextGroupTransformer(d=c.width, heads=c.heads, n_groups=c.n_groups, layers_pre=c.layers_pre,
                                      layers_post=c.layers_post, max_len=c.max_len, d_img=self.d_img, d_proj=c.d_proj,
-                                     decoder=variant != "no-reconstruction", gumbel_tau=c.gumbel_tau,
+                                     decoder=variant != "no-reconstruction", gumbel=c.gumbel, gumbel_tau=c.gumbel_tau,
                                      assign_eps=c.assign_eps, pre_assign=c.pre_assign_attn)
         rec = torch.tensor(list(json.dumps(self.tok_record, sort_keys=True).encode()), dtype=torch.uint8)
         m.register_buffer("tokenizer_record", rec)  # the tokenizer travels with every checkpoint
@@ -164,8 +164,15 @@ class TextGroupsJob(Job):
             total = total + c.lambda_rec * lr
             extras["loss_reconstruction"] = float(lr.detach())
         if "assign" in out:
-            used = (out["assign"].detach() > 0).any(-1).sum(-1).float().mean()
+            hard = out["assign"].detach()
+            used = (hard > 0).any(-1).sum(-1).float().mean()
             extras["groups_used"] = float(used)
+            # fraction of real tokens whose training assignment (argmax with Gumbel noise) is the
+            # noiseless argmax that evaluation and phrase discovery use: 1/K = the assignment logits are
+            # lost in the noise (the grouping has not been learnt), 1 = deterministic assignment
+            m = batch["mask"]
+            same = (hard.argmax(1) == out["soft"].detach().argmax(1))[m]
+            extras["assign_stable"] = float(same.float().mean())
         return total, extras
 
     # --- scoring interface ------------------------------------------------------------------
