@@ -139,7 +139,7 @@ def _fake_clip_tokens(out, xi, img_ids, xc, cap_ids, owner):
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
-def test_stage_end_to_end_and_resume(tmp_path, ray_session, kind):
+def test_stage_end_to_end_and_resume(tmp_path, ray_session, kind, monkeypatch):
     from pipeline.io.artifacts import Artifact
     from pipeline.stage import RunContext, run_stage
     from tests.conftest import make_manifest
@@ -175,9 +175,19 @@ def test_stage_end_to_end_and_resume(tmp_path, ray_session, kind):
     index = faiss.read_index(str(art.dir / "faiss" / "captions.faiss"))
     _, top = index.search(xi16[:3], 1)
     assert set(top[:, 0]) <= set(cap_ids.tolist())
-    # rerun: nothing redone, index not rebuilt
+    # rerun: nothing redone, index not rebuilt, and no embedding loaded into the driver
+    import pipeline.stages.build_index as bi
+
+    monkeypatch.setattr(bi, "_load_embeddings", lambda *a, **k: pytest.fail("embeddings loaded with the index up to date"))
     before = (art.dir / "faiss" / "images.faiss").stat().st_mtime_ns
     markers = {p: p.stat().st_mtime_ns for p in (art.dir / "_state").glob("*.json")}
     run_stage("build-index", RunContext(m))
     assert (art.dir / "faiss" / "images.faiss").stat().st_mtime_ns == before
     assert {p: p.stat().st_mtime_ns for p in (art.dir / "_state").glob("*.json")} == markers
+    # a lost search unit is redone from its own query slice of the stored matrices (still no
+    # embedding in the driver), byte for byte
+    lost = art.dir / Artifact(art.dir).shard_entries("caption_negatives")[1]["path"]
+    data = lost.read_bytes()
+    lost.unlink()
+    run_stage("build-index", RunContext(m))
+    assert lost.read_bytes() == data

@@ -29,6 +29,11 @@ Bulk search: flat indexes are searched with FAISS; IVF hard negatives use
 with BLAS over all queries at once (FAISS's per-query IVF scan is memory-bound; see there).
 The FAISS files are rebuilt only when the embeddings or index options change (``faiss/_build.json``
 holds their fingerprint); search runs in resumable units of ``query_chunk`` queries.
+
+Driver memory: building loads every embedding into the driver (one FAISS index over all of them
+needs them in one place: inherent to this stage), in :func:`_build`, and releases them before the
+search; a rerun whose index is up to date loads no embedding at all. Each search unit
+memory-maps the stored matrices and reads only its own ``[start, stop)`` query slice.
 """
 
 from __future__ import annotations
@@ -304,13 +309,15 @@ def _search_unit(payload: dict) -> dict:
         )
     else:
         index = faiss.read_index(os.path.join(root, f"{other}.faiss"))
+    # this unit's query slice only (memory-mapped); an image query also needs every caption's
+    # owner to skip its own captions (two int64 columns)
     q = np.load(os.path.join(root, f"{side}.npy"), mmap_mode="r")[start:stop]
-    qids = np.load(os.path.join(root, f"{side}_ids.npy"))[start:stop]
-    cap_ids = np.load(os.path.join(root, "captions_ids.npy"))
-    cap_owner = np.load(os.path.join(root, "captions_owner.npy"))
-    order = np.argsort(cap_ids, kind="stable")
+    qids = np.array(np.load(os.path.join(root, f"{side}_ids.npy"), mmap_mode="r")[start:stop])
+    cap_owner = np.load(os.path.join(root, "captions_owner.npy"), mmap_mode="r")
     if side == "images":
-        ids, scores = search_excluding(index, q, k, (cap_ids[order], cap_owner[order]), qids, payload["max_captions"])
+        cap_ids = np.load(os.path.join(root, "captions_ids.npy"))
+        order = np.argsort(cap_ids, kind="stable")
+        ids, scores = search_excluding(index, q, k, (cap_ids[order], np.asarray(cap_owner)[order]), qids, payload["max_captions"])
         table = pa.table(
             {
                 "sample_id": pa.array(qids, pa.int64()),
@@ -321,7 +328,7 @@ def _search_unit(payload: dict) -> dict:
         )
         w.write_table("image_negatives", table)
     else:
-        owner = cap_owner[start:stop]
+        owner = np.array(cap_owner[start:stop])
         ids, scores = search_excluding(index, q, k, None, owner, 1)
         table = pa.table(
             {
@@ -360,64 +367,83 @@ def _load_embeddings(ctx: RunContext, normalize: bool):
     return art, xi[oi], img_ids[oi], xc[oc], cap_ids[oc], cap_owner[oc]
 
 
-def run(ctx: RunContext, cfg: Config) -> dict:
+def _build(ctx: RunContext, cfg: Config, root, build_fp: str) -> dict:
+    """Load every embedding of `clip_tokens` and build both indexes (the FAISS files, the
+    query-side matrices and id arrays the search units memory-map): the one step that holds the
+    whole dataset's embeddings in the driver, inherent to building one index over all of them.
+    The matrices are released when it returns: the search units read their own query slices from
+    ``faiss/*.npy``, the driver keeps only ``_build.json``. Returns that content."""
     import faiss
 
-    art, xi, img_ids, xc, cap_ids, cap_owner = _load_embeddings(ctx, cfg.normalize)
+    _, xi, img_ids, xc, cap_ids, cap_owner = _load_embeddings(ctx, cfg.normalize)
     if len(cap_ids) == 0:
         raise StageError("clip_tokens has no caption embeddings; hard negatives need captions")
+    faiss.omp_set_num_threads(max(1, os.cpu_count() or 1))
+    info = {"fingerprint": build_fp, "indexes": {}}
+    sides = {"images": (xi, img_ids), "captions": (xc, cap_ids)}
+    for side, (x, ids) in sides.items():
+        kind = resolve_kind(len(ids), cfg.index, cfg.flat_max)
+        index = build_index(x, ids, kind, cfg.nlist, cfg.nprobe, cfg.nprobe_fraction, cfg.train_size, cfg.seed, cfg.kmeans_iters)
+        _faiss_write(index, root / f"{side}.faiss")
+        _npy_write(root / f"{side}.npy", x)
+        _npy_write(root / f"{side}_ids.npy", ids)
+        entry = {"kind": kind, "n": int(len(ids)), "dim": int(x.shape[1])}
+        if kind == "ivf":
+            ivf = faiss.extract_index_ivf(index)
+            entry.update(nlist=int(ivf.nlist), nprobe=int(ivf.nprobe))
+            centroids, assign = ivf_lists(index, x)
+            _npy_write(root / f"{side}_centroids.npy", centroids)
+            _npy_write(root / f"{side}_assign.npy", assign)
+        info["indexes"][side] = entry
+    _npy_write(root / "captions_owner.npy", cap_owner)
+    for side in sides:
+        info["indexes"][side]["sha256"] = sha256_file(root / f"{side}.faiss")
+    info["max_captions"] = _max_captions(img_ids, cap_owner)
+    write_json_atomic(root / "_build.json", info)
+    return info
+
+
+def _max_captions(img_ids: np.ndarray, cap_owner: np.ndarray) -> int:
+    """The most captions one image has (how many own captions an image query must skip)."""
+    return int(np.bincount(np.searchsorted(img_ids, cap_owner), minlength=len(img_ids)).max()) if len(cap_owner) else 0
+
+
+def run(ctx: RunContext, cfg: Config) -> dict:
+    art = ctx.artifact("clip_tokens")
     params = cfg.model_dump(mode="json", exclude={"enabled", "threads"})
     writer = ctx.writer("index", NAME, params, inputs={"clip_tokens": art.fingerprint})
     root = writer.dir / "faiss"
     build_fp = fingerprint(params, art.fingerprint)
     info_path = root / "_build.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    sides = {"images": (xi, img_ids), "captions": (xc, cap_ids)}
-    files_ok = all((root / f"{s}.faiss").is_file() for s in sides)
+    files_ok = all((root / f"{s}.faiss").is_file() for s in ("images", "captions"))
     if ctx.force or info.get("fingerprint") != build_fp or not files_ok:
-        faiss.omp_set_num_threads(max(1, os.cpu_count() or 1))
-        info = {"fingerprint": build_fp, "indexes": {}}
-        for side, (x, ids) in sides.items():
-            kind = resolve_kind(len(ids), cfg.index, cfg.flat_max)
-            index = build_index(x, ids, kind, cfg.nlist, cfg.nprobe, cfg.nprobe_fraction, cfg.train_size, cfg.seed, cfg.kmeans_iters)
-            _faiss_write(index, root / f"{side}.faiss")
-            _npy_write(root / f"{side}.npy", x)
-            _npy_write(root / f"{side}_ids.npy", ids)
-            entry = {"kind": kind, "n": int(len(ids)), "dim": int(x.shape[1])}
-            if kind == "ivf":
-                ivf = faiss.extract_index_ivf(index)
-                entry.update(nlist=int(ivf.nlist), nprobe=int(ivf.nprobe))
-                centroids, assign = ivf_lists(index, x)
-                _npy_write(root / f"{side}_centroids.npy", centroids)
-                _npy_write(root / f"{side}_assign.npy", assign)
-            info["indexes"][side] = entry
-        _npy_write(root / "captions_owner.npy", cap_owner)
-        for side in sides:
-            info["indexes"][side]["sha256"] = sha256_file(root / f"{side}.faiss")
-        write_json_atomic(info_path, info)
-    max_caps = int(np.bincount(np.searchsorted(img_ids, cap_owner), minlength=len(img_ids)).max()) if len(cap_owner) else 0
+        info = _build(ctx, cfg, root, build_fp)
+    elif "max_captions" not in info:  # built by an older version: from the id arrays (8 bytes a row)
+        info["max_captions"] = _max_captions(np.load(root / "images_ids.npy", mmap_mode="r"), np.load(root / "captions_owner.npy", mmap_mode="r"))
+    n = {side: info["indexes"][side]["n"] for side in ("images", "captions")}
     units = []
-    for side, (x, ids) in sides.items():
+    for side in ("images", "captions"):
         other = "captions" if side == "images" else "images"
-        for u, start in enumerate(range(0, len(ids), cfg.query_chunk)):
-            stop = min(len(ids), start + cfg.query_chunk)
+        for u, start in enumerate(range(0, n[side], cfg.query_chunk)):
+            stop = min(n[side], start + cfg.query_chunk)
             payload = {
                 "side": side,
                 "start": start,
                 "stop": stop,
                 "k": cfg.k,
                 "nprobe": info["indexes"][other].get("nprobe", 0),
-                "max_captions": max_caps,
+                "max_captions": info["max_captions"],
                 "threads": cfg.threads,
             }
             unit_input = [info["indexes"][other]["sha256"], info["indexes"][side]["sha256"], start, stop]
             units.append((f"{side[:3]}-{u:05d}", unit_input, payload))
-    names = run_units(ctx, writer, units, search_unit, total_rows=len(img_ids) + len(cap_ids))
+    names = run_units(ctx, writer, units, search_unit, total_rows=n["images"] + n["captions"])
     schema = {"image_negatives": str(NEG_IMAGE_SCHEMA), "caption_negatives": str(NEG_CAPTION_SCHEMA)}
     m = writer.finalize(names, extra={"faiss": info["indexes"], "similarity": "cosine" if cfg.normalize else "inner product"}, schema=schema)
     return {
-        "images": int(len(img_ids)),
-        "captions": int(len(cap_ids)),
+        "images": n["images"],
+        "captions": n["captions"],
         "index": {s: e["kind"] for s, e in info["indexes"].items()},
         "missing_slots": m["stats"].get("missing_slots", 0),
         "path": str(writer.location),

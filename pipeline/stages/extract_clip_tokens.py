@@ -38,7 +38,7 @@ from pydantic import Field
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
-from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
+from pipeline.stages._image_units import decoded_batches, image_writer, open_images, plan_image_units, unit_records
 
 NAME = "extract-clip-tokens"
 READS = ["samples"]
@@ -129,7 +129,7 @@ class ClipTokenWorker:
         times = {"decode_s": 0.0}
         encoded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         kept_records = []
-        for kept, pixels in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
+        for kept, pixels in decoded_batches(w, unit_records(payload), self.batch_size, self._decode, times):
             t0 = time.perf_counter()
             kept, out = isolate_failures(w, kept, pixels, lambda _r, px: encode_images(self.model, px, self.project_tokens))
             if out is None:
@@ -233,7 +233,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.models.provenance import cached_info
 
     spec = ctx.manifest.models.clip
-    records, inputs = load_samples(ctx, with_captions=True)
+    plan = plan_image_units(ctx, cfg.shard_size, ("captions",))
     # Provenance and dims: computed by a model load once, then cached (a rerun with nothing to do
     # loads no model; see pipeline.models.provenance.cached_info).
     with model_key("models.clip", spec):
@@ -241,12 +241,11 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     dims = {k: record[k] for k in ("image_size", "patch_size", "n_patches", "vision_dim", "text_dim", "projection_dim")}
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
-    writer = ctx.writer("clip_tokens", NAME, params, inputs=inputs, models={"clip": record})
-    units = image_units(records, cfg.shard_size)
+    writer = image_writer(ctx, "clip_tokens", NAME, params, plan, models={"clip": record})
     names = run_units(
         ctx,
         writer,
-        units,
+        plan.units,
         ClipTokenWorker,
         actor=True,
         num_cpus=cfg.num_cpus,
@@ -259,7 +258,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             max_text_tokens=cfg.max_text_tokens,
             project_tokens=cfg.project_tokens,
         ),
-        total_rows=len(records),
+        total_rows=plan.rows,
     )
     token_dims = dict(dims)
     if cfg.project_tokens:

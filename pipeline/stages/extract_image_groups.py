@@ -29,7 +29,7 @@ from pydantic import Field
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
-from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
+from pipeline.stages._image_units import decoded_batches, image_writer, open_images, plan_image_units, unit_records
 from pipeline.stages.extract_clip_tokens import _f16_list
 
 NAME = "extract-image-groups"
@@ -78,7 +78,7 @@ class GroupWorker:
         t_enc = 0.0
         times = {"decode_s": 0.0}
         results = []
-        for kept, pixels in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
+        for kept, pixels in decoded_batches(w, unit_records(payload), self.batch_size, self._decode, times):
             t0 = time.perf_counter()
             kept, out = isolate_failures(w, kept, pixels, lambda _r, px: {k: _np16(v) for k, v in encode_groups(self.model, px).items()})
             if out is None:
@@ -116,21 +116,21 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.models.provenance import cached_info
 
     spec = ctx.manifest.models.groupvit
-    records, inputs = load_samples(ctx, with_captions=False)
+    plan = plan_image_units(ctx, cfg.shard_size)
     with model_key("models.groupvit", spec):  # cached: a rerun with nothing to do loads no model
         record = cached_info(ctx.output, "groupvit", {"groupvit": spec}, lambda: load_groupvit(spec)[2])
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
-    writer = ctx.writer("image_groups", NAME, params, inputs=inputs, models={"groupvit": record})
+    writer = image_writer(ctx, "image_groups", NAME, params, plan, models={"groupvit": record})
     names = run_units(
         ctx,
         writer,
-        image_units(records, cfg.shard_size),
+        plan.units,
         GroupWorker,
         actor=True,
         num_cpus=cfg.num_cpus,
         constructor_kwargs=dict(spec=spec, device=cfg.device, threads=int(round(cfg.num_cpus)), batch_size=cfg.batch_size),
-        total_rows=len(records),
+        total_rows=plan.rows,
     )
     dims = {k: record[k] for k in ("image_size", "patch_size", "grid", "n_patches", "n_groups", "group_dim", "projection_dim")}
     m = writer.finalize(names, extra={"dims": dims}, schema=SCHEMA)

@@ -31,7 +31,7 @@ from pydantic import Field
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
-from pipeline.stages._image_units import decoded_batches, image_units, load_samples, open_images
+from pipeline.stages._image_units import decoded_batches, image_writer, open_images, plan_image_units, unit_records
 
 NAME = "extract-regions"
 READS = ["samples"]
@@ -110,7 +110,7 @@ class RegionWorker:
         t_enc = 0.0
         times = {"decode_s": 0.0}
         results = []
-        for kept, images in decoded_batches(w, payload["records"], self.batch_size, self._decode, times):
+        for kept, images in decoded_batches(w, unit_records(payload), self.batch_size, self._decode, times):
             t0 = time.perf_counter()
             # an image the model cannot take (e.g. 1x300, resized to a zero-width side) is rejected
             # alone: the shared policy retries the batch without it
@@ -147,7 +147,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.models.provenance import cached_info
 
     spec = ctx.manifest.models.detector
-    records, inputs = load_samples(ctx, with_captions=False, with_instances=cfg.backend == "annotations")
+    plan = plan_image_units(ctx, cfg.shard_size, ("boxes",) if cfg.backend == "annotations" else (),
+                            missing_hint="use backend: detector")
     def probe() -> dict:
         det = load_detector(spec, score_thresh=cfg.score_thresh, min_size=cfg.min_size, max_boxes=cfg.max_boxes)
         return {"record": det.record, "dim": det.dim, "categories": det.categories}
@@ -157,11 +158,11 @@ def run(ctx: RunContext, cfg: Config) -> dict:
                                             min_size=cfg.min_size, max_boxes=cfg.max_boxes))
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
-    writer = ctx.writer("regions", NAME, params, inputs=inputs, models={"detector": det.record})
+    writer = image_writer(ctx, "regions", NAME, params, plan, models={"detector": det.record})
     names = run_units(
         ctx,
         writer,
-        image_units(records, cfg.shard_size),
+        plan.units,
         RegionWorker,
         actor=True,
         num_cpus=cfg.num_cpus,
@@ -175,7 +176,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             score_thresh=cfg.score_thresh,
             min_size=cfg.min_size,
         ),
-        total_rows=len(records),
+        total_rows=plan.rows,
     )
     extra = {"dims": {"feature_dim": det.dim, "max_boxes": cfg.max_boxes}, "backend": cfg.backend, "categories": det.categories}
     m = writer.finalize(names, extra=extra, schema=SCHEMA)

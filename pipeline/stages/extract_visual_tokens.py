@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import polars as pl
 from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, isolate_failures, run_units, unit_writer
-from pipeline.stages._image_units import image_units, load_samples, prefetched_batches
+from pipeline.stages._image_units import image_writer, plan_image_units, prefetched_batches, unit_records
 from pipeline.visual_tokens.predicates import DEFAULT_PREDICATE_MAP
 
 NAME = "extract-visual-tokens"
@@ -179,7 +178,7 @@ class VisualTokenWorker:
         path = w.shard_path()
         with ShardWriter(path) as sw:
             for kept, images, failed, dt in prefetched_batches(
-                payload["records"], c.batch_size, self._decode, failure=lambda r, e: (r, "unreadable_image", describe_exception(e))
+                unit_records(payload), c.batch_size, self._decode, failure=lambda r, e: (r, "unreadable_image", describe_exception(e))
             ):
                 t_dec += dt
                 for r, reason, detail in failed:
@@ -253,33 +252,6 @@ def embedding_info(cfg: Config, models: dict) -> dict:
     return {"sam": models["sam"], "embedding": cfg.embedding, "width": cfg.width, "seed": cfg.seed, "segmenter_feature": "sam"}
 
 
-def _records_with_annotations(ctx: RunContext, records: list[dict], need_instances: bool, need_relations: bool) -> None:
-    art = ctx.artifact("samples")
-    ids = pl.Series([r["sample_id"] for r in records])
-    if need_instances or need_relations:
-        missing = [t for t, need in (("instances", need_instances), ("relations", need_relations)) if need and t not in art.tables()]
-        if missing:
-            raise StageError(f"the samples artifact has no {' / '.join(missing)} table: the dataset has no annotations; use segmenter: sam / relations: learned|geometric")
-    if need_instances:
-        inst = (
-            art.scan("instances").filter(pl.col("sample_id").is_in(ids.implode()))
-            .select("sample_id", "instance_id", "category", "box", "mask_rle").sort("sample_id", "instance_id").collect()
-        )  # fmt: skip
-        by = {}
-        for row in inst.to_dicts():
-            row["box"] = [float(x) for x in row["box"]]
-            by.setdefault(row.pop("sample_id"), []).append(row)
-        for r in records:
-            r["instances"] = by.get(r["sample_id"], [])
-    if need_relations:
-        rel = art.scan("relations").filter(pl.col("sample_id").is_in(ids.implode())).collect()
-        by = {}
-        for row in rel.to_dicts():
-            by.setdefault(row.pop("sample_id"), []).append(row)
-        for r in records:
-            r["relations"] = by.get(r["sample_id"], [])
-
-
 def model_records(cfg: Config, models: dict) -> dict:
     """Provenance of every model used, computed without loading large checkpoints."""
     from pipeline.models.provenance import is_tiny_random, model_record, weights_hash
@@ -342,8 +314,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         cfg = cfg.model_copy(update={"predicates": default_vocabulary(ctx.manifest.dataset.kind)})
     models = {"sam": m.sam, "predicate_encoder": m.predicate_encoder, "relation_head": m.relation_head}
     vocab = _pred_vocab(cfg)
-    records, inputs = load_samples(ctx, with_captions=False)
-    _records_with_annotations(ctx, records, cfg.segmenter == "annotations", cfg.relations == "annotations")
+    attach = (("instances",) if cfg.segmenter == "annotations" else ()) + (("relations",) if cfg.relations == "annotations" else ())
+    plan = plan_image_units(ctx, cfg.shard_size, attach, missing_hint="use segmenter: sam / relations: learned|geometric")
     from pipeline.models.provenance import cached_info
 
     # cached: a rerun with nothing to do builds no model (relation_head is keyed by its file's stat)
@@ -351,17 +323,16 @@ def run(ctx: RunContext, cfg: Config) -> dict:
                        feature_layers=cfg.feature_layers, width=cfg.width, seed=cfg.seed, relations=cfg.relations)
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
     params["limit"] = ctx.limit
-    writer = ctx.writer("visual_tokens", NAME, params, inputs=inputs, models=recs)
-    units = image_units(records, cfg.shard_size)
+    writer = image_writer(ctx, "visual_tokens", NAME, params, plan, models=recs)
     names = run_units(
         ctx,
         writer,
-        units,
+        plan.units,
         VisualTokenWorker,
         actor=True,
         num_cpus=cfg.num_cpus,
         constructor_kwargs=dict(cfg=cfg.model_dump(mode="json"), models=models, threads=int(round(cfg.num_cpus))),
-        total_rows=len(records),
+        total_rows=plan.rows,
     )
     sam_rec = recs["sam"]
     extra = {
