@@ -44,13 +44,17 @@ def planted_encode(pl_, texts: list[str], pooled_only: bool = False) -> dict:
 
 
 class C3Planted(Planted):
-    """Captions without cot_planted's "picture" filler (a word no image shows: the concepts
-    "picture", "a picture red" ... would be ungroundable noise in every metric); a stopword filler
-    and every object's "<colour> <shape>", joined by "and", as cot_planted writes them."""
+    """Captions as real ones describe objects: every object "a <colour> <shape>", joined by "and"
+    ("a red circle and a blue square"), so "a red" means a red object, as in real captions.
+    Neither cot_planted's "picture" filler (a word no image shows) nor a leading stopword filler
+    ("there is", "with") is written: their n-grams ("with red", "there is red", "is red circle")
+    hold when the *first* object named is red and the filler was drawn, which no image shows: 130
+    of the 285 two- and three-word concepts of 400 images (now 131 multi-word concepts in all,
+    of 143). The concepts that depend on the order objects are named in ("circle and",
+    "and a blue") remain, as in real captions."""
 
     def caption(self, objs):
-        filler = ["there is", "with", "a"][int(self.rng.integers(0, 3))]
-        return f"{filler} " + " and ".join(f"{c} {s}" for c, s in objs)
+        return " and ".join(f"a {c} {s}" for c, s in objs)
 
 
 def write_c3_planted(out: Path, n_images: int = 240, seed: int = 0, mining: M.MiningParams = MINING,

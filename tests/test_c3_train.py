@@ -126,6 +126,47 @@ def test_exact_resume_and_variants(data, tmp_path):
             assert set(b["mcp_type"].tolist()) == {0, 1}
 
 
+def test_eval_negatives_are_concept_matched(data, tmp_path):
+    """Held-out triplets and negatives come from the eval split; type-2 negatives are the image
+    pair of another positive with this positive's concept (lacking it, near it for hard, its words
+    in the caption for binding), so a scorer that sees only the concept is at AUC 0.5 exactly on
+    every negative type (the chance control's premise; independent C' gave it 0.69-0.81)."""
+    from train.jobs.c3.job import pq_text
+
+    out, _ = data
+    job = _job(out, ["train.c3.eval_max_triplets=400"])
+    E = job._eval_set()
+    ai, aj, c = E["ai"], E["aj"], E["c"]
+    si, sj = job.store.sids[ai], job.store.sids[aj]
+    assert job.is_eval[ai].all() and job.is_eval[aj].all() and not job.is_train[ai].any()
+    assert job.member.contains(c, si).all() and job.member.contains(c, sj).all() and (si != sj).all()
+    t1 = E["negs"]["type1"]
+    v = t1 >= 0
+    assert v.mean() > 0.9 and job.is_eval[t1[v]].all() and not job.member.contains(c[v], job.store.sids[t1[v]]).any()
+    text = pq_text(job.ct)
+    words = job._caption_words(si)
+    for kind in ("type2_random", "type2_hard", "type2_binding"):
+        d = E["negs"][kind]
+        v = np.nonzero(d >= 0)[0]
+        assert len(v) >= 10, kind
+        dk = d[v]
+        assert (dk != v).all()
+        assert not job.member.contains(c[v], si[dk]).any() and not job.member.contains(c[v], sj[dk]).any(), kind
+        if kind == "type2_hard":
+            hard = job.hard_of(c[dk])
+            assert (hard == c[v][:, None]).any(1).all()
+        if kind == "type2_binding":
+            for t, k in zip(v, dk):
+                ws = text[int(c[t])].split()
+                assert len(ws) >= 2 and set(ws) <= words[int(si[k])], (text[int(c[t])], words[int(si[k])])
+    # a scorer of the concept alone: every negative type at chance exactly
+    job._triplet_scores = lambda model, a, j, cc: (np.sin(1.7 * cc.astype(np.float64)), np.zeros(len(cc)))
+    rows = job.job_metrics(job.build_model(), tmp_path)
+    aucs = {r.subset: r.value for r in rows if r.benchmark == "c3_mcp" and r.metric == "auc"}
+    assert set(aucs) == {"type1", "type2_random", "type2_hard", "type2_binding"}
+    assert all(a == pytest.approx(0.5, abs=1e-9) for a in aucs.values()), aucs
+
+
 def test_score_pairs(data):
     out, pl_ = data
     job = _job(out)
@@ -157,9 +198,9 @@ def test_bad_inputs(data, tmp_path):
     from pipeline.concepts import mining as M
 
     empty = tmp_path / "empty"
-    with pytest.raises(ValueError, match="empty"):
-        write_c3_planted(empty, n_images=100, seed=1, mining=M.MiningParams(n_max=1, k1=5, k2=80, stopwords=tuple(
-            "there is with a and red green blue yellow purple orange circle square triangle star ring cross".split())))
+    write_c3_planted(empty, n_images=100, seed=1, mining=M.MiningParams(n_max=1, k1=5, k2=80, stopwords=tuple(
+        "there is with a and red green blue yellow purple orange circle square triangle star ring cross".split())))
+    with pytest.raises(ValueError, match="empty vocabulary"):
         _job(empty)
 
 
