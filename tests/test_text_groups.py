@@ -154,6 +154,30 @@ def test_straight_through_gradient():
     assert got.abs().sum() > 0
 
 
+def test_gumbel_off_trains_on_the_noiseless_argmax():
+    """``gumbel: false``: the training forward is the evaluation forward (hard argmax of the noiseless
+    softmax), with the straight-through gradient still reaching the assignment logits."""
+    from train.jobs.text_groups.model import AssignAttention
+
+    torch.manual_seed(4)
+    B, K, L, D = 2, 3, 6, 8
+    blk = AssignAttention(D, gumbel=False).double()
+    g, t = torch.randn(B, K, D, dtype=torch.float64), torch.randn(B, L, D, dtype=torch.float64)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[0, 4:] = False
+    out_tr, attn, soft = blk.train()(g, t, mask)
+    out_ev, _, _ = blk.eval()(g, t, mask)
+    np.testing.assert_allclose(out_tr.detach().numpy(), out_ev.detach().numpy(), rtol=1e-12, atol=1e-12)
+    assert (attn.argmax(1)[mask] == soft.argmax(1)[mask]).all()
+    out_tr.sum().backward()
+    assert blk.q.weight.grad.abs().sum() > 0
+    noisy = AssignAttention(D).double().train()
+    noisy.load_state_dict(blk.state_dict())
+    big = 50 * -torch.empty(B, K, L, dtype=torch.float64).exponential_().log()
+    _, a2, s2 = noisy(g, t, mask, noise=big)  # with (large) Gumbel noise the training assignment differs
+    assert (a2.argmax(1)[mask] != s2.argmax(1)[mask]).any()
+
+
 def test_encoder_ignores_padding():
     """Groups (and the hard assignment over real tokens) do not depend on padding."""
     from train.jobs.text_groups.model import TextGroupTransformer
