@@ -490,18 +490,9 @@ class C3Job(Job):
         square"). -1 where no d qualifies (counted as skipped)."""
         n = len(c)
         si, sj = self.store.sids[ai], self.store.sids[aj]
-        ok = ~self.member.contains(c[:, None], si[None, :]) & ~self.member.contains(c[:, None], sj[None, :])
-        np.fill_diagonal(ok, False)
+        hard = need = lack = None
         if kind == "hard":
             hard = self.hard_of(c)  # hard[d]: the nearest concepts of d's concept
-            of_concept: dict[int, list[int]] = {}
-            for t, x in enumerate(c.tolist()):
-                of_concept.setdefault(x, []).append(t)
-            near = np.zeros((n, n), bool)
-            for d in range(n):
-                for x in hard[d][hard[d] >= 0].tolist():
-                    near[of_concept.get(x, []), d] = True
-            ok &= near
         elif kind == "binding":
             cap_words = self._caption_words(si)
             if cap_words is None:
@@ -513,13 +504,24 @@ class C3Job(Job):
             for t, ws in enumerate(cw):
                 if len(ws) >= 2:
                     need[t, [vocab[w] for w in ws]] = 1
-            have = np.zeros((n, len(vocab)), np.float32)
-            for d, s in enumerate(si.tolist()):
-                have[d, [vocab[w] for w in cap_words.get(int(s), ()) if w in vocab]] = 1
-            ok &= (need.sum(1) > 0)[:, None] & (need @ (1 - have).T == 0)
-        score = np.where(ok, rng.random((n, n)), -1.0)
-        d = np.argmax(score, axis=1)
-        return np.where(ok[np.arange(n), d], d, -1)
+            lack = np.ones((n, len(vocab)), np.float32)  # lack[d, w]: word w is in none of I_k's captions
+            for d, sid in enumerate(si.tolist()):
+                lack[d, [vocab[w] for w in cap_words.get(int(sid), ()) if w in vocab]] = 0
+        out = np.full(n, -1, np.int64)
+        step = max(1, 4_000_000 // max(1, n * (hard.shape[1] if hard is not None else 1)))  # bounded memory
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            rows = np.arange(s, e)
+            ok = ~self.member.contains(c[s:e, None], si[None, :]) & ~self.member.contains(c[s:e, None], sj[None, :])
+            ok[rows - s, rows] = False
+            if hard is not None:
+                ok &= (hard[None, :, :] == c[s:e, None, None]).any(-1)
+            elif need is not None:
+                ok &= (need[s:e].sum(1) > 0)[:, None] & (need[s:e] @ lack.T == 0)
+            score = np.where(ok, rng.random((e - s, n)), -1.0)
+            d = np.argmax(score, axis=1)
+            out[s:e] = np.where(ok[rows - s, d], d, -1)
+        return out
 
     def _caption_words(self, sids) -> dict[int, set] | None:
         """Normalised words (the miner's normalisation) of the captions of ``sids``; None when the
