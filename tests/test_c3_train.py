@@ -204,6 +204,32 @@ def test_bad_inputs(data, tmp_path):
         _job(empty)
 
 
+def test_encodings_of_another_clip_or_concepts_are_refused(data, tmp_path):
+    """concept_tokens must come from the clip_tokens' CLIP (weights hash) and from this concepts
+    artifact (input fingerprint): otherwise one clear error naming the stage to rerun."""
+    out, _ = data
+
+    def edit(dst, artifact, fn):
+        p = dst / artifact / "_manifest.json"
+        m = json.loads(p.read_text())
+        fn(m)
+        p.write_text(json.dumps(m))
+
+    other = tmp_path / "other_concepts"
+    shutil.copytree(out, other, ignore=shutil.ignore_patterns("train"))
+    edit(other, "concept_tokens", lambda m: m["input_fingerprints"].update(concepts="0" * 32))
+    with pytest.raises(ValueError, match="another concepts artifact.*encode-concepts"):
+        _job(other)
+    other_clip = tmp_path / "other_clip"
+    shutil.copytree(out, other_clip, ignore=shutil.ignore_patterns("train"))
+    edit(other_clip, "concept_tokens", lambda m: m["models"].update(clip={"weights_sha256": "a" * 64}))
+    edit(other_clip, "clip_tokens", lambda m: m.setdefault("models", {}).update(clip={"weights_sha256": "b" * 64}))
+    with pytest.raises(ValueError, match="CLIP weights aaaaaaaaaaaa but clip_tokens from bbbbbbbbbbbb"):
+        _job(other_clip)
+    edit(other_clip, "clip_tokens", lambda m: m["models"].update(clip={"weights_sha256": "a" * 64}))
+    assert _job(other_clip).ct.clip_record["weights_sha256"] == "a" * 64  # the same CLIP: accepted
+
+
 def test_pooled_only(tmp_path):
     from train.loop import train
 
