@@ -20,7 +20,8 @@ Calibration (data seed = training seed, one thread, measured 2026-11-24; seeds 0
 * the control's AUCs, type-1 / random / hard / binding: 0.518 0.507 0.524 0.506 /
   0.504 0.499 0.497 0.486 / 0.492 0.499 0.490 0.501 (largest distance from 0.5: 0.024);
 * MCC precision@5 over the rare concepts (in <= 10% of the held-out images) 22.6% against a
-  base rate of 4.6% (x4.9) / 20.1% vs 5.0% (x4.0) / 17.9% vs 5.0% (x3.6). Over all two-word
+  base rate of 4.6% (x4.9) / 20.1% vs 5.0% (x4.0) / 17.9% vs 5.0% (x3.6); the unconditioned
+  frozen-embedding ranking 14.5% / 12.6% / 10.6% (7.2-8.1 points below). Over all two-word
   concepts it is x3.1 / x2.7 / x2.6: two in five of their queries are of "a <colour>", in a
   third of the images, where 3x the base rate would be 100% precision (theirs is 84-91%);
   colour-shape bigrams alone reach x4.0 / x4.1 (seeds 1 / 2).
