@@ -12,21 +12,26 @@ model on the same rows with every training sample reading another training image
 Type-2 negatives of the evaluation are concept-matched (another positive's image pair with this
 positive's concept), so what the control can learn is worth exactly nothing on every type.
 
-Calibration (data seed = training seed, one thread, measured 2026-11-24; seeds 0 / 1 / 2):
+Calibration (data seed = training seed, one thread, measured 2026-11-24; seeds 0 / 1 / 2 / 3):
 
-* type-1 AUC 0.889 / 0.915 / 0.903 (frozen global-cosine baseline 0.636 / 0.660 / 0.636);
-* attribute-binding type-2 AUC 0.786 / 0.838 / 0.816 (baseline 0.589 / 0.613 / 0.605);
-  random type-2 0.903 / 0.928 / 0.919, hard type-2 0.892 / 0.907 / 0.883;
+* type-1 AUC 0.889 / 0.915 / 0.903 / 0.857 (frozen global-cosine baseline 0.636 / 0.660 / 0.636 /
+  0.631);
+* attribute-binding type-2 AUC 0.786 / 0.838 / 0.816 / 0.733 (baseline 0.589 / 0.613 / 0.605 /
+  0.609); random type-2 0.903 / 0.928 / 0.919 / 0.852, hard type-2 0.892 / 0.907 / 0.883 / 0.848
+  (baselines 0.69-0.77);
 * the control's AUCs, type-1 / random / hard / binding: 0.518 0.507 0.524 0.506 /
-  0.504 0.499 0.497 0.486 / 0.492 0.499 0.490 0.501 (largest distance from 0.5: 0.024);
+  0.504 0.499 0.497 0.486 / 0.492 0.499 0.490 0.501 / 0.491 0.499 0.486 0.492 (largest distance
+  from 0.5: 0.024);
 * MCC precision@5 over the rare concepts (in <= 10% of the held-out images) 22.6% against a
-  base rate of 4.6% (x4.9) / 20.1% vs 5.0% (x4.0) / 17.9% vs 5.0% (x3.6); the unconditioned
-  frozen-embedding ranking 14.5% / 12.6% / 10.6% (7.2-8.1 points below). Over all two-word
-  concepts it is x3.1 / x2.7 / x2.6: two in five of their queries are of "a <colour>", in a
-  third of the images, where 3x the base rate would be 100% precision (theirs is 84-91%);
-  colour-shape bigrams alone reach x4.0 / x4.1 (seeds 1 / 2).
+  base rate of 4.6% (x4.9) / 20.1% vs 5.0% (x4.0) / 17.9% vs 5.0% (x3.6) / 18.5% vs 5.0% (x3.7);
+  the unconditioned frozen-embedding ranking 14.5% / 12.6% / 10.6% / 13.1% (5.4-8.1 points
+  below). Over all two-word concepts it is x3.1 / x2.7 / x2.6 / x2.6: two in five of their
+  queries are of "a <colour>", in a third of the images, where 3x the base rate would be 100%
+  precision (theirs is 84-91%); colour-shape bigrams alone reach x4.0 / x4.1 (seeds 1 / 2).
 
-Asserted (seed 0), each with a margin below the worst seed:
+Asserted on seed 0; every bound also holds on the worst of the four seeds, with the thinnest
+margins there on binding over its baseline (0.124 against 0.1, seed 3) and rare precision over
+the frozen ranking (5.4 points against 5, seed 3):
 
 * MCP AUC >= 0.8 against type-1 negatives and >= 0.7 against attribute-binding type-2 negatives
   (the issue: 0.8 and 0.65), each >= 0.1 above the frozen global-cosine baseline of the same
