@@ -246,3 +246,17 @@ def test_compare_merges_evaluations_of_the_newest_step(tmp_path):
     (tmp_path / "j" / "v-34a1d0" / "config.json").write_text("{}")
     head = H.compare([run, tmp_path / "j" / "v-34a1d0"]).splitlines()[0]
     assert head == "| benchmark | subset | metric | chance | j/v (run) | j/v (v-34a1d0) |", head
+
+
+def test_job_label_names_the_variant_as_the_run_folder_does():
+    """infoground's variants are its ``negatives`` option: train eval / train compare label its runs
+    contextual / random / none (they were all "default", told apart only by folder names)."""
+    from train.jobs.infoground import Config as IG
+    from train.jobs.visual_tokens import Config as VT
+
+    for neg in ("contextual", "random", "none"):
+        cfg = IG(negatives=neg)
+        assert H._job_label(SimpleNamespace(NAME="infoground", cfg=cfg)) == ("infoground", neg)
+        assert cfg.run_tag() == neg  # the run folder's name: the same word
+    assert H._job_label(SimpleNamespace(NAME="visual-tokens", cfg=VT(variant="vit"))) == ("visual-tokens", "vit")
+    assert H._job_label(SimpleNamespace(NAME="x", cfg=SimpleNamespace())) == ("x", "default")

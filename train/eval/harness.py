@@ -327,7 +327,14 @@ def _score_retrieval(job, model, spec, data: BenchData, keep: list[Item], sid_of
 
 
 def _job_label(job) -> tuple[str, str]:
-    return getattr(job, "NAME", type(job).__name__), str(getattr(job.cfg, "variant", "default"))
+    """(job name, variant): the variant is named as the run folder names it (the Config's NAMED
+    options, e.g. infoground's ``negatives``: ``contextual`` / ``random`` / ``none``), so runs of
+    one job are told apart in ``train compare``; ``default`` for a job without one."""
+    cfg = job.cfg
+    named = [k for k in getattr(cfg, "NAMED", ("variant",)) if k in getattr(type(cfg), "model_fields", {})]
+    if named:
+        return getattr(job, "NAME", type(job).__name__), "-".join(str(getattr(cfg, k)) for k in named)
+    return getattr(job, "NAME", type(job).__name__), str(getattr(cfg, "variant", "default"))
 
 
 def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", step: int | None = None,
