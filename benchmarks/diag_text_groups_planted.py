@@ -114,6 +114,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--images", type=int, default=600)
     ap.add_argument("--data-seed", type=int, default=0)
+    ap.add_argument("--palette", type=int, nargs=2, default=None, metavar=("COLOURS", "SHAPES"),
+                    help="restricted palette (write_planted's palette), e.g. 3 3 with --objects 2 2")
+    ap.add_argument("--objects", type=int, nargs=2, default=(1, 4), metavar=("MIN", "MAX"))
     ap.add_argument("--set", action="append", default=[], help="a text-groups option, key=value (JSON value)")
     ap.add_argument("--out", default=None, help="folder for the data and the run (default: a temporary folder)")
     a = ap.parse_args()
@@ -129,7 +132,9 @@ def main() -> None:
         opts[k] = _value(v)
     tmp = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="tg_diag_"))
     data = tmp / "data"
-    info = write_planted(data, n_images=a.images, captions_per_image=3, seed=a.data_seed)
+    info = write_planted(data, n_images=a.images, captions_per_image=3, seed=a.data_seed,
+                         palette=tuple(a.palette) if a.palette else None, min_objects=a.objects[0],
+                         max_objects=a.objects[1])
     run = tmp / "run"
     job = make_job(Config(**opts), make_manifest(tmp, [f"output={data}"]), run, torch.device("cpu"))
     t0 = time.time()

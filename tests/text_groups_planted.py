@@ -27,10 +27,14 @@ from pipeline.synthetic.scene import COLOR_NAMES, SHAPES, make_scene, relations
 
 def write_planted(out: Path, n_images: int = 600, captions_per_image: int = 3, k_img: int = 8, d: int = 32,
                   noise: float = 0.3, seed: int = 0, S: int = 48, max_objects: int = 4, shard_size: int = 200,
-                  extra_captions: dict[int, list[tuple[str, list[tuple[int, int]]]]] | None = None) -> dict:
+                  extra_captions: dict[int, list[tuple[str, list[tuple[int, int]]]]] | None = None,
+                  min_objects: int = 1, palette: tuple[int, int] | None = None) -> dict:
     """Write <out>/samples and <out>/image_groups; returns {"negatives": {kind: [(sample_id, pos, neg)]},
     "pair_embedding": [C, S, d], "splits": {sample_id: split}}. ``extra_captions`` {index: [(text, spans)]}
-    adds captions (e.g. bad ones) to image ``index``."""
+    adds captions (e.g. bad ones) to image ``index``. ``palette`` (n_colours, n_shapes): every object
+    gets a distinct colour among the first n_colours and a distinct shape among the first n_shapes, so
+    that scenes sharing their colours and shapes but pairing them differently are frequent (in-batch
+    negatives that only binding separates)."""
     out = Path(out)
     rng0 = np.random.default_rng([seed, 99])
     pair = rng0.normal(size=(len(COLOR_NAMES), len(SHAPES), d)) / np.sqrt(d) * 1.0
@@ -41,8 +45,13 @@ def write_planted(out: Path, n_images: int = 600, captions_per_image: int = 3, k
     for i in range(n_images):
         sid = i + 1
         rng = np.random.default_rng([seed, i])
-        n_obj = int(rng.integers(1, max_objects + 1))
+        n_obj = int(rng.integers(min_objects, max_objects + 1))
         scene = make_scene(rng, S, n_obj, (grid[0], grid[1]))
+        if palette is not None:
+            cols = rng.permutation(palette[0])[:len(scene.objects)]
+            shps = rng.permutation(palette[1])[:len(scene.objects)]
+            for o, c, sh in zip(scene.objects, cols, shps):
+                o.color, o.shape = COLOR_NAMES[int(c)], SHAPES[int(sh)]
         rels = relations(scene)
         caps = make_captions(scene, rels, captions_per_image, rng)
         for kind, (pos, neg) in make_negatives(scene, rels, rng).items():
