@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -183,13 +184,34 @@ def test_artifact_folder_is_a_file_is_one_line(tmp_path):
         ArtifactWriter(tmp_path, "things", "test", {})
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def _unwritable(tmp_path) -> Path:
+    """A folder this process cannot write in: a read-only one, or for root (which permission bits
+    do not stop; CI runs as root) a path under sysfs, where nobody may create anything."""
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        return ro
+    ro = Path("/sys/vlpipe-test-unwritable")
+    try:
+        ro.mkdir()
+    except OSError:
+        return ro
+    ro.rmdir()
+    pytest.skip("sysfs is writable here")
+
+
 def test_output_not_writable(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    with pytest.raises(OutputPathError, match="not writable|cannot create"):
+    ro = _unwritable(tmp_path)
+    with pytest.raises(OutputPathError, match="not writable|cannot create") as e:
         ArtifactWriter(ro / "out", "things", "test", {})
+    assert str(ro / "out") in str(e.value) and "\n" not in str(e.value)
+    # the CLI: one line naming the path, exit code 2
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "ingest", "-m", str(REPO / "manifests" / "demo.yaml"),
+                        "--set", f"output={ro / 'out'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and str(ro / "out") in lines[0], r.stderr[-2000:]
 
 
 # --- manifests ----------------------------------------------------------------------------------
