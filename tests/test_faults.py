@@ -259,3 +259,23 @@ def test_unit_exception_is_contained_as_one_line_naming_the_unit(tmp_path, monke
         run_units(ctx, w, [("00000", 0, {}), ("00001", 1, {})], boom)
     assert str(e.value) == ("extract-regions: unit 00000 of regions failed: RuntimeError: Input and output sizes should be "
                             "greater than 0 (and 1 more units); completed units are kept, a rerun resumes from them")
+
+
+@pytest.mark.slow
+def test_extreme_aspect_images_pass_clip_and_groups_unpoisoned(extremes):
+    """Without an injected fault, the real (tiny-random) CLIP and GroupViT stages take the 1x300 and
+    2000x1 images (their processors resize the short side and crop): stored like the good ones;
+    only the corrupt file is rejected. The regions stage's detector is the one that fails on them
+    (test_regions_extreme_aspect_image_is_rejected_alone)."""
+    from pipeline.stages import extract_clip_tokens as sc
+    from pipeline.stages import extract_image_groups as sg
+
+    tmp, records = extremes
+    corrupt = {r["sample_id"] for r in records if r["source_id"] == "f.jpg"}
+    want = sorted(r["sample_id"] for r in records if r["sample_id"] not in corrupt)
+    for name, worker, art_name, stage in (
+            ("clip", sc.ClipTokenWorker("tiny-random", "cpu", 1, 3, 3, 48, False), "clip_tokens", sc.NAME),
+            ("groups", sg.GroupWorker("tiny-random", "cpu", 1, 3), "image_groups", sg.NAME)):
+        art = _run_worker(worker, tmp / f"{name}-native", art_name, stage, records, shard_size=4)
+        assert sorted(_stored(art)) == want, name
+        assert [(e["sample_id"], e["reason"]) for e in art.errors().to_pylist()] == [(min(corrupt), "unreadable_image")]
