@@ -299,6 +299,23 @@ def test_caption_only_dataset_runs_caption_stages_and_refuses_image_stages(tmp_p
 
 
 @pytest.mark.slow
+def test_caption_only_dataset_mines_concepts(tmp_path, ray_session):
+    """The caption stage after ingest runs on a caption-only dataset (no `images:`): mine-concepts
+    mines its (few: 2-9 concepts, fewer neighbours than k) concepts and finishes."""
+    texts = ["a red cat on a mat", "a dog in the park", "a red cat in the park", "a dog on a mat",
+             "a bird on a tree", "a cat and a dog"]
+    cap = tmp_path / "captions.json"
+    cap.write_text(json.dumps({"annotations": [{"id": 10 + i, "image_id": i, "caption": t} for i, t in enumerate(texts)]}))
+    m = make_manifest(tmp_path, ["dataset.kind=coco", f"dataset.captions={cap}", "models.text_encoder=tiny-random"])
+    run_stage("ingest", RunContext(m))
+    run_stage("mine-concepts", RunContext(m))
+    art = Artifact(tmp_path / "run" / "concepts")
+    n = art.manifest["stats"]["vocab"]
+    assert 2 <= n <= 9 and art.errors().num_rows == 0, art.manifest["stats"]
+    assert art.manifest["tables"]["hard_negatives"]["rows"] > 0
+
+
+@pytest.mark.slow
 def test_wrong_model_id_is_one_line_naming_the_manifest_key(tmp_path, ray_session):
     cap, img_dir = _coco(tmp_path)
     base = ["dataset.kind=coco", f"dataset.captions={cap}", f"dataset.images={img_dir}", "stages.extract_regions.backend=detector"]
