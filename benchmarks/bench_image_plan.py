@@ -68,7 +68,7 @@ def generate(out: Path, n: int, per_file: int) -> None:
             schema=INSTANCES_SCHEMA))
         uw.commit({"rows": len(sid)})
         names.append(f"{u:05d}")
-    w.finalize(names, extra={"image_root": "images"})
+    w.finalize(names, extra={"image_root": "."})  # image refs "images/<id>.jpg", relative to the output folder
     print(f"generated {n:,} samples in {out} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
 
@@ -126,7 +126,7 @@ finally:
 
 def run_stage(out: Path, n: int, env: dict) -> dict:
     """``pipeline run extract-regions`` (annotations backend, tiny-random detector at its smallest
-    input size) on the generated artifact, every sample's image a hard link to one 64x64 JPEG;
+    input size) on the generated artifact, every sample's image a symlink to one 64x64 JPEG;
     the driver process's peak RSS (``ru_maxrss``: Ray's workers are other processes)."""
     import os as _os
 
@@ -139,13 +139,15 @@ def run_stage(out: Path, n: int, env: dict) -> dict:
         for i in range(n):
             p = img / f"{i:09d}.jpg"
             if not p.exists():
-                _os.link(img / "_one.jpg", p)
+                _os.symlink("_one.jpg", p)  # (hard links: ext4 allows 65,000 a file)
     cmd = [sys.executable, "-c", CHILD_STAGE, "run", "extract-regions", "--force", "--manifest", str(REPO / "manifests" / "demo.yaml"),
            "--set", f"output={out}", "--set", "stages.extract_regions.backend=annotations",
            "--set", "stages.extract_regions.min_size=32", "--set", "ray.num_cpus=2"]
+    (out / "regions" / "_manifest.json").unlink(missing_ok=True)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out)
-    if p.returncode != 0:
-        raise RuntimeError(p.stderr[-3000:])
+    man = out / "regions" / "_manifest.json"
+    if p.returncode != 0 or not man.is_file() or json.loads(man.read_text())["errors"]["rows"]:
+        raise RuntimeError(f"extract-regions did not finish cleanly:\n{p.stderr[-3000:]}")
     line = next(x for x in reversed(p.stderr.strip().splitlines()) if x.startswith("{") and "peak_rss_mb" in x)
     return json.loads(line)
 
