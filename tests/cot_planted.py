@@ -184,23 +184,8 @@ def write_planted(out: Path, n_images=240, captions_per_image=2, shard_size=64, 
                     "patch_tokens.npy": patches, "image_embed.npy": iemb, "text_tokens.npy": tok, "text_mask.npy": mask,
                     "text_embed.npy": np.stack([e for _, e in enc]), "caption_ids.npy": np.array(cids, np.int64),
                     "token_ids.npy": np.zeros((len(cids), M), np.int32), "token_offsets.npy": offs})
-                img_rows["sample_id"].append(i)
-                img_rows["embed"].append(iemb)
-                for c, (_, e) in zip(cids, enc):
-                    caps["caption_id"].append(c)
-                    caps["sample_id"].append(i)
-                    caps["n"].append(0)
-                    caps["embed"].append(e)
-        uw.record_shard(uw.shard_path(), shw.count)
-        rel = str(uw.shard_path().relative_to(uw.dir))
-        uw.write_table("images", pa.table({"sample_id": pa.array(img_rows["sample_id"], pa.int64()),
-                                           "shard": [rel] * len(img_rows["sample_id"]),
-                                           "image_embed": [list(map(float, e)) for e in img_rows["embed"]]}))
-        uw.write_table("captions", pa.table({"caption_id": pa.array(caps["caption_id"], pa.int64()),
-                                             "sample_id": pa.array(caps["sample_id"], pa.int64()),
-                                             "n_tokens": pa.array(caps["n"], pa.int32()),
-                                             "text_embed": [list(map(float, e)) for e in caps["embed"]]}))
-        uw.commit()
+                add_rows(img_rows, caps, i, iemb, cids, [e for _, e in enc])
+        commit_unit(uw, shw, img_rows, caps)
     cw.finalize(units, extra={"dims": {"vision_dim": pl_.d_v, "text_dim": pl_.d_t, "projection_dim": pl_.P,
                                        "n_patches": 16}})
     # SugarCrepe-format negatives for the test images (swap_att and replace_att)
@@ -221,3 +206,28 @@ def write_planted(out: Path, n_images=240, captions_per_image=2, shard_size=64, 
     for k, d in sc.items():
         (out / "sugarcrepe" / f"{k}.json").write_text(json.dumps(d, indent=4))
     return pl_
+
+
+def add_rows(img_rows: dict, caps: dict, sample_id: int, image_embed, caption_ids, text_embeds) -> None:
+    """Queue one sample's rows of the clip_tokens ``images`` / ``captions`` tables."""
+    img_rows["sample_id"].append(sample_id)
+    img_rows["embed"].append(image_embed)
+    for c, e in zip(caption_ids, text_embeds):
+        caps["caption_id"].append(c)
+        caps["sample_id"].append(sample_id)
+        caps["n"].append(0)
+        caps["embed"].append(e)
+
+
+def commit_unit(uw, shw, img_rows: dict, caps: dict) -> None:
+    """Record a written clip_tokens shard, write the unit's ``images`` / ``captions`` tables, commit."""
+    uw.record_shard(uw.shard_path(), shw.count)
+    rel = str(uw.shard_path().relative_to(uw.dir))
+    uw.write_table("images", pa.table({"sample_id": pa.array(img_rows["sample_id"], pa.int64()),
+                                       "shard": [rel] * len(img_rows["sample_id"]),
+                                       "image_embed": [list(map(float, e)) for e in img_rows["embed"]]}))
+    uw.write_table("captions", pa.table({"caption_id": pa.array(caps["caption_id"], pa.int64()),
+                                         "sample_id": pa.array(caps["sample_id"], pa.int64()),
+                                         "n_tokens": pa.array(caps["n"], pa.int32()),
+                                         "text_embed": [list(map(float, e)) for e in caps["embed"]]}))
+    uw.commit()

@@ -37,6 +37,7 @@ import pyarrow as pa
 from pipeline.io.artifacts import ArtifactWriter, unit_name
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.synthetic.scene import COLOR_NAMES, PLURALS, SHAPES, SIZE_NAMES
+from tests.cot_planted import add_rows, commit_unit
 
 GRID = 4
 SHAPE_OF = {**{s: s for s in SHAPES}, **{p: s for s, p in PLURALS.items()}}
@@ -179,23 +180,8 @@ def write_generated_planted(out: Path, source: Path, shard_size: int = 64, seed:
                     "text_embed.npy": np.stack([e for _, e in enc]), "caption_ids.npy": np.array(cids, np.int64),
                     "token_ids.npy": np.zeros((len(cids), M), np.int32),
                     "token_offsets.npy": np.zeros((len(cids), M, 2), np.int32)})
-                img_rows["sample_id"].append(i)
-                img_rows["embed"].append(iemb)
-                for c, (_, e) in zip(cids, enc):
-                    cap_rows["caption_id"].append(c)
-                    cap_rows["sample_id"].append(i)
-                    cap_rows["n"].append(0)
-                    cap_rows["embed"].append(e)
-        uw.record_shard(uw.shard_path(), shw.count)
-        rel = str(uw.shard_path().relative_to(uw.dir))
-        uw.write_table("images", pa.table({"sample_id": pa.array(img_rows["sample_id"], pa.int64()),
-                                           "shard": [rel] * len(img_rows["sample_id"]),
-                                           "image_embed": [list(map(float, e)) for e in img_rows["embed"]]}))
-        uw.write_table("captions", pa.table({"caption_id": pa.array(cap_rows["caption_id"], pa.int64()),
-                                             "sample_id": pa.array(cap_rows["sample_id"], pa.int64()),
-                                             "n_tokens": pa.array(cap_rows["n"], pa.int32()),
-                                             "text_embed": [list(map(float, e)) for e in cap_rows["embed"]]}))
-        uw.commit()
+                add_rows(img_rows, cap_rows, i, iemb, cids, [e for _, e in enc])
+        commit_unit(uw, shw, img_rows, cap_rows)
     cw.finalize(units, extra={"dims": {"vision_dim": pl_.d_v, "text_dim": pl_.d_t, "projection_dim": pl_.P,
                                        "n_patches": GRID * GRID}})
     return pl_
