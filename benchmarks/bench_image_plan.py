@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_ingest_stream import CHILD_CLI, last_json  # benchmarks/ is on sys.path when a script here runs
+
 REPO = Path(__file__).resolve().parents[1]
 CATS = ["cube", "sphere", "cone", "cylinder", "torus"]
 
@@ -112,18 +114,6 @@ print(json.dumps({"impl": impl, "rows": rows, "units": len(units), "seconds": dt
 """
 
 
-CHILD_STAGE = r"""
-import json, resource, sys, time
-from pipeline.cli import app
-t0 = time.perf_counter()
-try:
-    app(sys.argv[1:], standalone_mode=False)
-finally:
-    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "seconds": time.perf_counter() - t0}), file=sys.stderr, flush=True)
-"""
-
-
 def run_stage(out: Path, n: int, env: dict) -> dict:
     """``pipeline run extract-regions`` (annotations backend, tiny-random detector at its smallest
     input size) on the generated artifact, every sample's image a symlink to one 64x64 JPEG;
@@ -140,7 +130,7 @@ def run_stage(out: Path, n: int, env: dict) -> dict:
             p = img / f"{i:09d}.jpg"
             if not p.exists():
                 _os.symlink("_one.jpg", p)  # (hard links: ext4 allows 65,000 a file)
-    cmd = [sys.executable, "-c", CHILD_STAGE, "run", "extract-regions", "--force", "--manifest", str(REPO / "manifests" / "demo.yaml"),
+    cmd = [sys.executable, "-c", CHILD_CLI, "run", "extract-regions", "--force", "--manifest", str(REPO / "manifests" / "demo.yaml"),
            "--set", f"output={out}", "--set", "stages.extract_regions.backend=annotations",
            "--set", "stages.extract_regions.min_size=32", "--set", "ray.num_cpus=2"]
     (out / "regions" / "_manifest.json").unlink(missing_ok=True)
@@ -148,8 +138,7 @@ def run_stage(out: Path, n: int, env: dict) -> dict:
     man = out / "regions" / "_manifest.json"
     if p.returncode != 0 or not man.is_file() or json.loads(man.read_text())["errors"]["rows"]:
         raise RuntimeError(f"extract-regions did not finish cleanly:\n{p.stderr[-3000:]}")
-    line = next(x for x in reversed(p.stderr.strip().splitlines()) if x.startswith("{") and "peak_rss_mb" in x)
-    return json.loads(line)
+    return last_json(p.stderr)
 
 
 def main() -> None:

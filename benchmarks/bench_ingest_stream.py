@@ -57,7 +57,9 @@ def generate(root: Path, n: int) -> None:
     print(f"generated {n:,} samples in {root} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
 
-CHILD_INGEST = r"""
+# any `pipeline` command in a fresh process, reporting that process's peak RSS and wall time on
+# stderr (also used by bench_image_plan.py)
+CHILD_CLI = r"""
 import json, resource, sys, time
 from pipeline.cli import app
 t0 = time.perf_counter()
@@ -91,7 +93,7 @@ def last_json(text: str) -> dict:
 
 def run_ingest(root: Path, out: Path, n: int, args) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    cmd = [sys.executable, "-c", CHILD_INGEST, "run", "ingest", "--manifest", str(REPO / "manifests" / "demo.yaml"),
+    cmd = [sys.executable, "-c", CHILD_CLI, "run", "ingest", "--manifest", str(REPO / "manifests" / "demo.yaml"),
            "--limit", str(n), "--force",
            "--set", f"output={out}", "--set", "dataset.kind=webdataset", "--set", f"dataset.path={root}",
            "--set", f"stages.ingest.shard_size={args.shard_size}", "--set", f"stages.ingest.verify_images={args.verify}",
