@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.io import storage
-from pipeline.io.atomic import fingerprint, sha256_file, write_json_atomic, write_parquet_atomic
+from pipeline.io.atomic import fingerprint, sha256_file, write_bytes_atomic, write_json_atomic, write_parquet_atomic
 
 SCHEMA_VERSION = 1
 
@@ -166,9 +166,7 @@ def write_layout_note(artifact_dir: Path, artifact: str, stage: str, tables: lis
             return
     except OSError:
         pass
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, p)
+    write_bytes_atomic(p, text.encode())
 
 
 def remove_stale_tmp(artifact_dir: Path) -> int:
@@ -571,8 +569,6 @@ class Artifact:
             self.__dict__["manifest"] = json.loads(raw)
             dst = self._local / "_manifest.json"
             if not dst.is_file() or dst.read_bytes() != raw:
-                from pipeline.io.atomic import write_bytes_atomic
-
                 write_bytes_atomic(dst, raw)
         elif not (self._local / "_manifest.json").is_file():
             raise ArtifactMissing(

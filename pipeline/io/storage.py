@@ -189,10 +189,6 @@ def filesystem(loc: str):
     return fs
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-
-
 class Remote:
     """A folder on an object store (an artifact, say) and its local mirror.
 
@@ -250,15 +246,11 @@ class Remote:
 
     def get(self, rel: str, local: Path | None = None) -> Path:
         """Download an object into the mirror atomically (temporary name, then rename)."""
+        from pipeline.io.atomic import atomic_path
+
         dst = Path(local) if local is not None else self.local / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(dst)
-        try:
+        with atomic_path(dst) as tmp:
             self.fs.get_file(self._key(rel), str(tmp))
-            os.replace(tmp, dst)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
         return dst
 
     def cat(self, rel: str) -> bytes | None:
