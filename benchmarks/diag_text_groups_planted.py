@@ -95,6 +95,9 @@ def grouping_diagnostics(job, model, n_batches: int = 8) -> dict:
         stable.append(float((enc["assign"].argmax(1) == enc["soft"].argmax(1))[batch["mask"]].float().mean()))
     orig = M.gumbel_noise_like
     M.gumbel_noise_like = lambda x: 1e4 * orig(x)  # noise >> logits: a uniformly random assignment
+    assign = model.grouping.assign
+    flags = assign.gumbel, assign.hard
+    assign.gumbel, assign.hard = True, True  # also under `gumbel: false` / `hard_assignment: false`
     try:
         for batch in batches:
             g = model.encode(batch["ids"], batch["mask"])["groups"]
@@ -102,6 +105,7 @@ def grouping_diagnostics(job, model, n_batches: int = 8) -> dict:
             rec["random_assignment"].append(float(reconstruction(lo, t, m)))
     finally:
         M.gumbel_noise_like = orig
+        assign.gumbel, assign.hard = flags
         model.eval()
     out["assign_stable"] = float(np.mean(stable))
     out["assign_stable_chance"] = 1.0 / K

@@ -242,3 +242,64 @@ def test_gold_captions_counts_bad_input(tok):
     assert g.phrases[0] == [(0, 3), (4, 7)]
     s = score_labels([np.zeros(n, int) for n in g.n_tokens], g)
     assert s["all"]["n"] == 3 and s["ge2_phrases"]["n"] == 1
+
+
+def test_isolated_groups_see_the_caption_only_through_the_assignment():
+    """``isolate_groups`` + ``pre_assign_attn: false``: the caption reaches the groups through Eq. 4's
+    W(A V) term alone. With that term zeroed, two different captions give identical groups; without
+    isolation (or with GroupViT's pre-assign attention) they differ."""
+    from train.jobs.text_groups.model import TextGroupTransformer
+
+    ids = torch.tensor([[5, 17, 33, 8, 2], [9, 41, 12, 60, 3]])
+    mask = torch.ones(2, 5, dtype=torch.bool)
+
+    def groups(isolate, pre_assign):
+        torch.manual_seed(3)
+        m = TextGroupTransformer(vocab=100, d=16, heads=2, n_groups=3, layers_pre=2, layers_post=1, max_len=20,
+                                 d_img=8, isolate_groups=isolate, pre_assign=pre_assign).double().eval()
+        with torch.no_grad():
+            m.grouping.assign.o.weight.zero_()
+            m.grouping.assign.o.bias.zero_()
+        return m.encode(ids, mask)["groups"].detach().numpy()
+
+    g = groups(True, False)
+    np.testing.assert_allclose(g[0], g[1], rtol=1e-12, atol=1e-12)
+    for isolate, pre_assign in ((False, False), (True, True)):
+        g = groups(isolate, pre_assign)
+        assert np.abs(g[0] - g[1]).max() > 1e-3, (isolate, pre_assign)
+
+
+def test_soft_assignment_is_the_masked_softmax_over_groups():
+    """``hard_assignment: false`` (GroupViT's ``hard=False``): the groups take the soft assignment
+    (softmax over the groups, padding zeroed, rows normalised with assign_eps), in training and in
+    evaluation alike, and its argmax is what phrase discovery scores."""
+    from train.jobs.text_groups.model import AssignAttention
+
+    torch.manual_seed(5)
+    B, K, L, D = 2, 3, 6, 8
+    blk = AssignAttention(D, gumbel=False, hard=False).double()
+    g, t = torch.randn(B, K, D, dtype=torch.float64), torch.randn(B, L, D, dtype=torch.float64)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, 3:] = False
+    out, attn, vis = blk.train()(g, t, mask)
+    raw = torch.einsum("bkd,bld->bkl", blk.q(g), blk.k(t)) / D ** 0.5
+    a = torch.softmax(raw, 1) * mask[:, None]
+    a = a / (a.sum(-1, keepdim=True) + blk.assign_eps)
+    np.testing.assert_allclose(attn.detach().numpy(), a.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out.detach().numpy(), blk.o(a @ blk.v(t)).detach().numpy(), rtol=1e-12, atol=1e-12)
+    out_ev, _, _ = blk.eval()(g, t, mask)
+    np.testing.assert_allclose(out_ev.detach().numpy(), out.detach().numpy(), rtol=1e-12, atol=1e-12)
+    assert ((attn > 0) & (attn < 1)).all(dim=1)[mask].all()  # every real token is shared among the groups
+
+
+def test_init_scales_reach_the_model():
+    """``group_init_std`` / ``pos_init_std`` set the init std of the group tokens (GroupViT's 0.02)
+    and of the encoder's positions (CLIP's 0.01); the job builds the model from its config."""
+    from train.jobs.text_groups.model import TextGroupTransformer
+
+    torch.manual_seed(0)
+    d = TextGroupTransformer(vocab=50, d=64, heads=2, n_groups=16, layers_pre=1, layers_post=0, d_img=8)
+    w = TextGroupTransformer(vocab=50, d=64, heads=2, n_groups=16, layers_pre=1, layers_post=0, d_img=8,
+                             group_init_std=1.0, pos_init_std=0.5)
+    assert 0.015 < float(d.group_tokens.std()) < 0.025 and 0.8 < float(w.group_tokens.std()) < 1.2
+    assert 0.008 < float(d.pos.std()) < 0.012 and 0.45 < float(w.pos.std()) < 0.55

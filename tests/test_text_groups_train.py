@@ -141,3 +141,17 @@ def test_clustering_baselines_use_trained_vanilla_run(tmp_path):
     km = [r for r in rows if r.metric == "tIoU[kmeans]" and r.subset == "all"]
     assert len(km) == 1 and "vanilla model's token features" in km[0].note and str(tmp_path / "van") in km[0].note
     assert {"tIoU[spectral]", "tIoU[meanshift]"} <= {r.metric for r in rows}
+
+
+def test_grouping_options_reach_the_model(tmp_path):
+    """The diagnostic options of the grouping (README, text-groups) are built into the job's model."""
+    write_planted(tmp_path / "d", n_images=20, captions_per_image=1)
+    opts = dict(SMALL, batch_size=4, pre_assign_attn=False, isolate_groups=True, hard_assignment=False, gumbel=False,
+                group_init_std=1.0, pos_init_std=0.5)
+    m = _job(tmp_path / "d", tmp_path / "r", **opts).build_model()
+    a = m.grouping.assign
+    assert m.isolate_groups and not m.grouping.pre_assign and not a.hard and not a.gumbel
+    assert float(m.group_tokens.std()) > 0.5 and float(m.pos.std()) > 0.3
+    d = _job(tmp_path / "d", tmp_path / "r2", **dict(SMALL, batch_size=4)).build_model()
+    assert not d.isolate_groups and d.grouping.pre_assign and d.grouping.assign.hard and d.grouping.assign.gumbel
+    assert float(d.group_tokens.std()) < 0.05 and float(d.pos.std()) < 0.05

@@ -80,6 +80,12 @@ class Config(TrainerConfig):
     assign_eps: float = Field(1.0, gt=0, description="assignment normalisation eps (GroupViT's)")
     pre_assign_attn: bool = Field(True, description="GroupViT's cross-attention block (groups attend to tokens) before "
                                   "the assignment; the paper's Eq. 4 does not mention it")
+    hard_assignment: bool = Field(True, description="GroupViT's `hard_assignment`: one-hot + straight-through in "
+                                  "training (Eq. 3); false: train on the soft assignment (evaluation is the argmax)")
+    isolate_groups: bool = Field(False, description="group tokens attend only to group tokens in the layers before the "
+                                 "grouping block, so the caption reaches the groups through the assignment (Eq. 4) only")
+    group_init_std: float = Field(0.02, gt=0, description="std of the learnable group tokens at init (GroupViT's 0.02)")
+    pos_init_std: float = Field(0.01, gt=0, description="std of the encoder's learned positions at init (CLIP's 0.01)")
     max_len: int = Field(77, ge=3, le=77, description="M: SOT + tokens + EOT (longer captions are truncated, counted)")
     full_logits: bool = Field(False, description="decoder logits at every position of B x 77 (the benchmark's reference) "
                               "instead of at the real tokens of a trimmed batch")

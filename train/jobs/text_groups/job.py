@@ -108,7 +108,9 @@ class TextGroupsJob(Job):
             m = TextGroupTransformer(d=c.width, heads=c.heads, n_groups=c.n_groups, layers_pre=c.layers_pre,
                                      layers_post=c.layers_post, max_len=c.max_len, d_img=self.d_img, d_proj=c.d_proj,
                                      decoder=variant != "no-reconstruction", gumbel=c.gumbel, gumbel_tau=c.gumbel_tau,
-                                     assign_eps=c.assign_eps, pre_assign=c.pre_assign_attn)
+                                     assign_eps=c.assign_eps, pre_assign=c.pre_assign_attn,
+                                     hard=c.hard_assignment, isolate_groups=c.isolate_groups,
+                                     group_init_std=c.group_init_std, pos_init_std=c.pos_init_std)
         rec = torch.tensor(list(json.dumps(self.tok_record, sort_keys=True).encode()), dtype=torch.uint8)
         m.register_buffer("tokenizer_record", rec)  # the tokenizer travels with every checkpoint
         if self.cfg.recon_vocab == "corpus" and m.decoder is not None:

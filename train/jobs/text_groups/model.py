@@ -54,7 +54,7 @@ class Attention(nn.Module):
         self.h = heads
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
 
-    def forward(self, x, y=None, key_mask=None, causal: bool = False):
+    def forward(self, x, y=None, key_mask=None, causal: bool = False, attn_mask=None):
         y = x if y is None else y
         B, Lq, D = x.shape
         Lk = y.shape[1]
@@ -63,6 +63,8 @@ class Attention(nn.Module):
         k = self.k(y).view(B, Lk, h, D // h).transpose(1, 2)
         v = self.v(y).view(B, Lk, h, D // h).transpose(1, 2)
         mask = None
+        if attn_mask is not None:  # [B, Lq, Lk] boolean, True = attend
+            return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None]).transpose(1, 2).reshape(B, Lq, D))
         if key_mask is not None:
             mask = key_mask[:, None, None, :]  # True = attend
             if causal:
@@ -80,8 +82,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d), Mlp(d, 4 * d)
 
-    def forward(self, x, key_mask=None, causal: bool = False):
-        x = x + self.attn(self.ln1(x), key_mask=key_mask, causal=causal)
+    def forward(self, x, key_mask=None, causal: bool = False, attn_mask=None):
+        x = x + self.attn(self.ln1(x), key_mask=key_mask, causal=causal, attn_mask=attn_mask)
         return x + self.mlp(self.ln2(x))
 
 
@@ -183,10 +185,11 @@ class Decoder(nn.Module):
 class TextSide(nn.Module):
     """Shared parts: token + position embeddings, decoder, projection heads."""
 
-    def _init_common(self, vocab: int, d: int, max_len: int, d_img: int, d_proj: int, decoder: bool):
+    def _init_common(self, vocab: int, d: int, max_len: int, d_img: int, d_proj: int, decoder: bool,
+                     pos_init_std: float = 0.01):
         self.token_embedding = nn.Embedding(vocab, d)
         nn.init.normal_(self.token_embedding.weight, std=0.02)
-        self.pos = nn.Parameter(torch.randn(max_len, d) * 0.01)
+        self.pos = nn.Parameter(torch.randn(max_len, d) * pos_init_std)
         self.text_proj = nn.Linear(d, d_proj, bias=False)
         self.image_proj = nn.Linear(d_img, d_proj, bias=False)
         self.decoder = Decoder(d, max_len) if decoder else None
@@ -232,12 +235,14 @@ class TextGroupTransformer(TextSide):
     def __init__(self, vocab: int = 49408, d: int = 128, heads: int = 4, n_groups: int = 4, layers_pre: int = 6,
                  layers_post: int = 3, max_len: int = 77, d_img: int = 384, d_proj: int = 256, decoder: bool = True,
                  gumbel: bool = True, hard: bool = True, gumbel_tau: float = 1.0, assign_eps: float = 1.0,
-                 pre_assign: bool = True):
+                 pre_assign: bool = True, isolate_groups: bool = False, group_init_std: float = 0.02,
+                 pos_init_std: float = 0.01):
         super().__init__()
-        self._init_common(vocab, d, max_len, d_img, d_proj, decoder)
+        self._init_common(vocab, d, max_len, d_img, d_proj, decoder, pos_init_std)
         self.n_groups = n_groups
+        self.isolate_groups = isolate_groups
         self.group_tokens = nn.Parameter(torch.empty(1, n_groups, d))
-        nn.init.trunc_normal_(self.group_tokens, std=0.02)
+        nn.init.trunc_normal_(self.group_tokens, std=group_init_std, a=-2 * max(1.0, group_init_std), b=2 * max(1.0, group_init_std))
         self.pre = nn.ModuleList(Block(d, heads) for _ in range(layers_pre))
         self.grouping = GroupingBlock(d, heads, n_groups, gumbel, hard, gumbel_tau, assign_eps, pre_assign)
         self.post = nn.ModuleList(Block(d, heads) for _ in range(layers_post))
@@ -251,8 +256,12 @@ class TextGroupTransformer(TextSide):
         x = self.token_embedding(ids) + self.pos[:L]
         x = torch.cat([x, self.group_tokens.expand(B, -1, -1)], dim=1)
         m = torch.cat([mask, torch.ones(B, K, dtype=torch.bool, device=mask.device)], dim=1)
+        am = None
+        if self.isolate_groups:  # group tokens see only group tokens before the block: the caption
+            am = m[:, None, :].expand(B, L + K, L + K).clone()  # reaches the groups through Eq. 4 alone
+            am[:, L:, :L] = False
         for blk in self.pre:
-            x = blk(x, key_mask=m)
+            x = blk(x, key_mask=m, attn_mask=am)
         tokens, groups = x[:, :L], x[:, L:]
         g, assign, soft = self.grouping(tokens, groups, mask, noise)
         for blk in self.post:
