@@ -62,10 +62,9 @@ class Attention(nn.Module):
         q = self.q(x).view(B, Lq, h, D // h).transpose(1, 2)
         k = self.k(y).view(B, Lk, h, D // h).transpose(1, 2)
         v = self.v(y).view(B, Lk, h, D // h).transpose(1, 2)
-        mask = None
-        if attn_mask is not None:  # [B, Lq, Lk] boolean, True = attend
-            return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None]).transpose(1, 2).reshape(B, Lq, D))
-        if key_mask is not None:
+        if attn_mask is not None:  # [B, Lq, Lk] boolean, True = attend (it holds the key mask too)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None])
+        elif key_mask is not None:
             mask = key_mask[:, None, None, :]  # True = attend
             if causal:
                 mask = mask & torch.ones(Lq, Lk, dtype=torch.bool, device=x.device).tril()
