@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from train.config import TrainerConfig
-from train.loop import Job, load_checkpoint, train
+from train.job import Job
+from train.loop import load_checkpoint, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

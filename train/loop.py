@@ -57,52 +57,7 @@ import torch
 
 from pipeline.io.checkpoint import load_checkpoint as _load_checkpoint
 from pipeline.io.checkpoint import save_checkpoint_file
-
-
-class Job:
-    """Base class of a training job (see the module docstring)."""
-
-    def __init__(self, cfg, manifest, run_dir: Path, device: torch.device):
-        self.cfg, self.manifest, self.run_dir, self.device = cfg, manifest, Path(run_dir), device
-
-    def build_model(self) -> torch.nn.Module:
-        raise NotImplementedError
-
-    def batches_per_epoch(self) -> int:
-        raise NotImplementedError
-
-    def batches(self, epoch: int, start: int) -> Iterable[Any]:
-        raise NotImplementedError
-
-    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        raise NotImplementedError
-
-    def evaluate(self, model: torch.nn.Module, out_dir: Path) -> dict[str, float]:
-        return {}
-
-    # --- the scoring interface of the evaluation harness (train/eval/interface.py) -------------
-    crop_note: str = ""
-
-    def scorable_sample_ids(self):
-        """Sample ids whose image the job's artifacts hold (see train/eval/interface.py)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement the scoring interface")
-
-    def score_pairs(self, model: torch.nn.Module, sample_ids, texts, boxes=None):
-        """float64 [P] image-text compatibility (see train/eval/interface.py)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement the scoring interface")
-
-    def retrieval_scores(self, model: torch.nn.Module, sample_ids, caption_ids, texts) -> dict:
-        """{protocol: [I, T] scores}; default: the full cross product through score_pairs."""
-        sids = np.asarray(sample_ids, dtype=np.int64)
-        I, T = len(sids), len(texts)
-        ii = np.repeat(np.arange(I), T)
-        tt = np.tile(np.arange(T), I)
-        s = np.asarray(self.score_pairs(model, sids[ii], [texts[t] for t in tt]), dtype=np.float64)
-        return {"score": s.reshape(I, T)}
-
-    def job_metrics(self, model: torch.nn.Module, out_dir: Path) -> list:
-        """The job's own evaluations as train.eval.interface.Row (grounding, phrase discovery...)."""
-        return []
+from train.job import Job
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -14,7 +14,7 @@ from pipeline.loaders.concept_tokens import ConceptTokens, open_artifact
 from train.eval.interface import Row
 from train.jobs.c3.data import ImageStore, log, resolve
 from train.jobs.c3.model import C3Model, conditioned_sim, mcc_logits
-from train.loop import Job
+from train.job import Job
 
 TYPE_POS, TYPE1, TYPE2 = 0, 1, 2
 EVAL_TYPES = ("type1", "type2_random", "type2_hard", "type2_binding")

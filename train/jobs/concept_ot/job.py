@@ -23,7 +23,7 @@ from train.eval.retrieval import retrieval_report, two_stage_scores
 from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
 from train.jobs.concept_ot.boxes import box_iou, box_patch_mask, heatmap_boxes, random_patch_boxes
 from train.jobs.concept_ot.index_negatives import IndexNeighbours, IndexNeighbourStream, SampleTable, index_hits, require_index
-from train.loop import Job
+from train.job import Job
 from train.jobs.concept_ot.model import ConceptOTModel, _normalize
 from train.jobs.concept_ot.ot import anchor_diversity
 

@@ -20,7 +20,7 @@ from pipeline.loaders.regions import RegionsReader, collate_regions, iter_shard_
 from train.data import ParquetMultiJoin, ShardStream, loader
 from train.jobs.infoground.losses import infoground_loss
 from train.jobs.infoground.model import InfoGroundModel
-from train.loop import Job
+from train.job import Job
 
 GROUNDING_METRICS = ("r1", "r5", "r10", "pointing_accuracy")
 

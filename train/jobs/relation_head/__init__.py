@@ -200,7 +200,7 @@ def make_job(cfg: Config, manifest, run_dir, device):
     import torch
 
     from pipeline.models.relations import build_relation_head
-    from train.loop import Job
+    from train.job import Job
 
     class RelationHeadJob(Job):
         NAME = NAME

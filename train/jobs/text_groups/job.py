@@ -16,7 +16,8 @@ from train.jobs.text_groups import discovery as D
 from train.jobs.text_groups.losses import info_nce, reconstruction
 from train.jobs.text_groups.model import TextGroupTransformer, VanillaText
 from train.jobs.text_groups.tokenizer import encode, load_tokenizer
-from train.loop import Job, load_checkpoint
+from train.job import Job
+from train.loop import load_checkpoint
 
 CLUSTERINGS = ("kmeans", "spectral", "meanshift")
 SIMPLE_BASELINES = ("random", "one-group", "chunks")

@@ -21,7 +21,7 @@ from train.data import ParquetJoin, ShardIndex, ShardJoin, ShardStream, loader
 from train.eval.interface import Row
 from train.jobs.visual_tokens.losses import clip_loss, similarity_stats
 from train.jobs.visual_tokens.model import VisualTokensModel
-from train.loop import Job
+from train.job import Job
 
 TEXT_FIELDS = ("text_tokens", "text_mask", "text_embed", "caption_ids")
 

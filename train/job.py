@@ -1,0 +1,152 @@
+"""The Job base: what every training job shares, apart from the loop that runs it.
+
+A job (``train/jobs/<job>/job.py``) subclasses :class:`Job` and implements the lifecycle the loop
+(``train/loop.py``) calls: ``build_model``, ``batches_per_epoch``, ``batches``, ``loss``, ``evaluate``,
+and the evaluation harness's scoring interface (``train/eval/interface.py``). The helpers below are
+the pieces every job needs and that exist once:
+
+- :func:`resolve_artifact` / :func:`open_artifact`: an artifact path under the manifest's output
+  (absolute paths and object-storage URLs pass through), opened with one error naming the stage
+  that writes it;
+- :class:`Splits`: the train/val/test rule (the samples artifact's ``split`` column; without one a
+  stable hash split, ``sample_id % 20``: 18 -> val, 19 -> test, as the generated dataset does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# artifact -> the stage that writes it (for "run this first" errors)
+WRITER = {
+    "samples": "ingest", "concepts": "mine-concepts", "negatives": "negative-captions",
+    "visual_tokens": "extract-visual-tokens", "clip_tokens": "extract-clip-tokens",
+    "image_groups": "extract-image-groups", "regions": "extract-regions", "index": "build-index",
+    "concept_tokens": "encode-concepts",
+}
+
+
+def resolve_artifact(manifest, rel: str) -> Path | str:
+    """``rel`` under the manifest's output unless absolute (an object-storage URL stays a str)."""
+    from pipeline.io.storage import resolve_under
+
+    return resolve_under(manifest.output, rel)
+
+
+def open_artifact(manifest, rel: str, expected: str | None = None, job: str = ""):
+    """The artifact at ``rel`` (see :func:`resolve_artifact`); a missing one raises
+    FileNotFoundError naming the stage to run, one of another kind ValueError."""
+    from pipeline.io.artifacts import Artifact
+
+    path = resolve_artifact(manifest, rel)
+    who = f"{job}: " if job else ""
+    try:
+        art = Artifact(path)
+    except FileNotFoundError:
+        stage = WRITER.get(expected or "", "the stage that writes it")
+        raise FileNotFoundError(f"{who}{expected or rel} artifact {path} is missing (no _manifest.json): "
+                                f"run `pipeline run {stage}` first") from None
+    if expected is not None and art.name != expected:
+        raise ValueError(f"{who}{path} holds a {art.name!r} artifact, expected {expected!r}")
+    return art
+
+
+def hash_split(sample_ids) -> np.ndarray:
+    """The stable split of samples without a recorded one: sample_id % 20: 18 -> val, 19 -> test."""
+    r = np.asarray(sample_ids, dtype=np.int64) % 20
+    return np.where(r == 18, "val", np.where(r == 19, "test", "train")).astype(object)
+
+
+class Splits:
+    """sample_id -> split: the samples artifact's ``split`` column where it has one, else :func:`hash_split`.
+
+    Built once from the ``samples`` table (two columns, sorted ids, vectorised lookups)."""
+
+    def __init__(self, samples_artifact=None):
+        self.ids = np.zeros(0, np.int64)
+        self.split = np.zeros(0, object)
+        if samples_artifact is not None and "samples" in samples_artifact.tables():
+            t = samples_artifact.read("samples", ["sample_id", "split"])
+            ids = np.asarray(t["sample_id"].to_numpy(), np.int64)
+            sp = np.asarray(t["split"].to_list(), object)
+            order = np.argsort(ids, kind="stable")
+            self.ids, self.split = ids[order], sp[order]
+
+    @classmethod
+    def of_manifest(cls, manifest, rel: str = "samples") -> "Splits":
+        """From the manifest's samples artifact; the hash rule alone where it is missing."""
+        from pipeline.io.artifacts import Artifact, ArtifactMissing
+
+        try:
+            return cls(Artifact(resolve_artifact(manifest, rel)))
+        except (ArtifactMissing, KeyError):
+            return cls(None)
+
+    def of_many(self, sample_ids) -> np.ndarray:
+        """object array of split names, one per id."""
+        q = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+        out = hash_split(q)
+        if len(self.ids):
+            r = np.clip(np.searchsorted(self.ids, q), 0, len(self.ids) - 1)
+            hit = self.ids[r] == q
+            got = self.split[r]
+            keep = hit & np.array([bool(x) for x in got], dtype=bool)
+            out[keep] = got[keep]
+        return out
+
+    def __call__(self, sample_id: int) -> str:
+        return str(self.of_many([sample_id])[0])
+
+    def mask(self, sample_ids, splits) -> np.ndarray:
+        """bool [len(sample_ids)]: True where the sample's split is one of ``splits``."""
+        return np.isin(self.of_many(sample_ids), list(splits))
+
+
+class Job:
+    """Base class of a training job (see the module docstring)."""
+
+    def __init__(self, cfg, manifest, run_dir: Path, device: torch.device):
+        self.cfg, self.manifest, self.run_dir, self.device = cfg, manifest, Path(run_dir), device
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def batches_per_epoch(self) -> int:
+        raise NotImplementedError
+
+    def batches(self, epoch: int, start: int) -> Iterable[Any]:
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, out_dir: Path) -> dict[str, float]:
+        return {}
+
+    # --- the scoring interface of the evaluation harness (train/eval/interface.py) -------------
+    crop_note: str = ""
+
+    def scorable_sample_ids(self):
+        """Sample ids whose image the job's artifacts hold (see train/eval/interface.py)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement the scoring interface")
+
+    def score_pairs(self, model: torch.nn.Module, sample_ids, texts, boxes=None):
+        """float64 [P] image-text compatibility (see train/eval/interface.py)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement the scoring interface")
+
+    def retrieval_scores(self, model: torch.nn.Module, sample_ids, caption_ids, texts) -> dict:
+        """{protocol: [I, T] scores}; default: the full cross product through score_pairs."""
+        sids = np.asarray(sample_ids, dtype=np.int64)
+        I, T = len(sids), len(texts)
+        ii = np.repeat(np.arange(I), T)
+        tt = np.tile(np.arange(T), I)
+        s = np.asarray(self.score_pairs(model, sids[ii], [texts[t] for t in tt]), dtype=np.float64)
+        return {"score": s.reshape(I, T)}
+
+    def job_metrics(self, model: torch.nn.Module, out_dir: Path) -> list:
+        """The job's own evaluations as train.eval.interface.Row (grounding, phrase discovery...)."""
+        return []
