@@ -150,6 +150,35 @@ class _Matcher:
             self._m = ImageMatcher(self.samples_dir, image_map=self.image_map)
         return self._m.match(key)
 
+    def skip_reason(self, key: str) -> str:
+        """Why ``key`` matched no sample: ``foreign_dataset: <dataset>`` or not in samples."""
+        return self._m.skip_reason(key) if self._m is not None else "skipped_no_image: not in samples"
+
+
+def _boxes_outside(items: list[Item], sid_of: dict[str, int | None], samples_dir: Path) -> set[int]:
+    """Positions of the items with a box wholly outside its image (the samples' width / height): a job
+    would score some other part of the image (concept-ot: the patch nearest to the box)."""
+    boxed = {sid_of[p.image] for it in items for p in it.pairs if p.box is not None and sid_of[p.image] is not None}
+    if not boxed:
+        return set()
+    import polars as pl
+
+    from pipeline.io.artifacts import Artifact
+
+    lf = Artifact(samples_dir).scan("samples")
+    if not {"width", "height"} <= set(lf.collect_schema().names()):
+        return set()
+    t = lf.select("sample_id", "width", "height").filter(pl.col("sample_id").is_in(sorted(boxed))).collect()
+    size = {s: (w, h) for s, w, h in t.iter_rows() if w and h}
+
+    def outside(p: Pair) -> bool:
+        if p.box is None or sid_of[p.image] not in size:
+            return False
+        (x0, y0, x1, y1), (w, h) = p.box, size[sid_of[p.image]]
+        return x1 <= 0 or y1 <= 0 or x0 >= w or y0 >= h
+
+    return {k for k, it in enumerate(items) if any(outside(p) for p in it.pairs)}
+
 
 def _subsample(items: list[Item], k: int | None, seed: int = 0) -> list[Item]:
     if k is None or len(items) <= k:
@@ -219,12 +248,13 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
     keep: list[Item] = []
     skips: Counter = Counter()
     skips_by_subset: dict[str, Counter] = {}
-    for it in items:
-        why = None
+    box_outside = _boxes_outside(items, sid_of, samples_dir)
+    for k, it in enumerate(items):
+        why = "box outside its image" if k in box_outside else None
         for p in it.pairs:
             s = sid_of[p.image]
             if s is None:
-                why = "skipped_no_image: not in samples"
+                why = matcher.skip_reason(p.image)
                 break
             if s not in scorable:
                 why = "skipped_no_image: not in the job's artifacts"
