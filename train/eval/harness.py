@@ -8,10 +8,11 @@ evaluations, :meth:`train.loop.Job.job_metrics`):
    the built-in ``split_retrieval`` format below);
 2. matches each item's images to sample ids through the ``samples`` artifact
    (:class:`train.eval.images.ImageMatcher`: source id, file name, COCO ids across naming schemes,
-   or an explicit ``image_map``); an item whose image is not in ``samples`` or not in the job's
-   artifacts (:meth:`Job.scorable_sample_ids`) is skipped and counted (``skipped``,
-   ``skip_reasons``), never silently dropped; a benchmark with zero scorable items is an error that
-   says why (:class:`train.eval.interface.NoScorableItems`);
+   or an explicit ``image_map``); an item whose image is not in ``samples`` (``foreign_dataset: X``
+   where its name says it is from a dataset X the run holds none of) or not in the job's artifacts
+   (:meth:`Job.scorable_sample_ids`), or whose box lies outside its image, is skipped and counted
+   (``skipped``, ``skip_reasons``), never silently dropped; a benchmark with zero scorable items is
+   an error that says why (:class:`train.eval.interface.NoScorableItems`);
 3. scores the remaining items' (image, text[, box]) pairs with :meth:`Job.score_pairs` (unique
    pairs only, in chunks of ``eval.pairs_chunk``), or, for retrieval benchmarks, asks
    :meth:`Job.retrieval_scores` for the [I, T] matrices and computes R@K both ways with their exact
@@ -155,31 +156,6 @@ class _Matcher:
         return self._m.skip_reason(key) if self._m is not None else "skipped_no_image: not in samples"
 
 
-def _boxes_outside(items: list[Item], sid_of: dict[str, int | None], samples_dir: Path) -> set[int]:
-    """Positions of the items with a box wholly outside its image (the samples' width / height): a job
-    would score some other part of the image (concept-ot: the patch nearest to the box)."""
-    boxed = {sid_of[p.image] for it in items for p in it.pairs if p.box is not None and sid_of[p.image] is not None}
-    if not boxed:
-        return set()
-    import polars as pl
-
-    from pipeline.io.artifacts import Artifact
-
-    lf = Artifact(samples_dir).scan("samples")
-    if not {"width", "height"} <= set(lf.collect_schema().names()):
-        return set()
-    t = lf.select("sample_id", "width", "height").filter(pl.col("sample_id").is_in(sorted(boxed))).collect()
-    size = {s: (w, h) for s, w, h in t.iter_rows() if w and h}
-
-    def outside(p: Pair) -> bool:
-        if p.box is None or sid_of[p.image] not in size:
-            return False
-        (x0, y0, x1, y1), (w, h) = p.box, size[sid_of[p.image]]
-        return x1 <= 0 or y1 <= 0 or x0 >= w or y0 >= h
-
-    return {k for k, it in enumerate(items) if any(outside(p) for p in it.pairs)}
-
-
 def _subsample(items: list[Item], k: int | None, seed: int = 0) -> list[Item]:
     if k is None or len(items) <= k:
         return items
@@ -248,7 +224,9 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
     keep: list[Item] = []
     skips: Counter = Counter()
     skips_by_subset: dict[str, Counter] = {}
-    box_outside = _boxes_outside(items, sid_of, samples_dir)
+    from train.eval.images import boxes_outside
+
+    box_outside = boxes_outside(items, sid_of, samples_dir)
     for k, it in enumerate(items):
         why = "box outside its image" if k in box_outside else None
         for p in it.pairs:

@@ -37,6 +37,8 @@ kind). A key that names a dataset matches only samples of that dataset at rule 5
 sample of another named dataset at rules 2-4); when the run holds no image of that dataset at all
 the key is foreign (:meth:`ImageMatcher.skip_reason`: ``foreign_dataset: Visual Genome``). Rule 1
 (``image_map``) always wins.
+
+:func:`boxes_outside` finds the items whose box lies wholly outside its matched image.
 """
 
 from __future__ import annotations
@@ -372,3 +374,30 @@ class ImageMatcher:
         return MatchSummary(total=len(distinct), matched=matched, by_rule={r: by_rule[r] for r in RULES if by_rule[r]},
                             ambiguous=amb, unmatched_examples=unmatched, map_unresolved=unresolved,
                             foreign=dict(sorted(foreign.items())))
+
+
+def boxes_outside(items: list, sid_of: dict[str, int | None], samples_dir: str | Path) -> set[int]:
+    """Positions of the ``items`` (:class:`train.eval.interface.Item`) with a box wholly outside its
+    image (``sid_of``: image key -> sample id; width / height from the samples artifact): a job would
+    score some other part of the image (concept-ot: the patch nearest to the box). The harness
+    skips them."""
+    boxed = {sid_of[p.image] for it in items for p in it.pairs if p.box is not None and sid_of[p.image] is not None}
+    if not boxed:
+        return set()
+    import polars as pl
+
+    from pipeline.io.artifacts import Artifact
+
+    lf = Artifact(samples_dir).scan("samples")
+    if not {"width", "height"} <= set(lf.collect_schema().names()):
+        return set()
+    t = lf.select("sample_id", "width", "height").filter(pl.col("sample_id").is_in(sorted(boxed))).collect()
+    size = {s: (w, h) for s, w, h in t.iter_rows() if w and h}
+
+    def outside(p) -> bool:
+        if p.box is None or sid_of[p.image] not in size:
+            return False
+        (x0, y0, x1, y1), (w, h) = p.box, size[sid_of[p.image]]
+        return x1 <= 0 or y1 <= 0 or x0 >= w or y0 >= h
+
+    return {k for k, it in enumerate(items) if any(outside(p) for p in it.pairs)}
