@@ -359,6 +359,26 @@ def test_vl_checklist_configs_and_category_averages(tmp_path):
     assert len(one.items) == 2
     (corpus / "Relation/spatial/vg.yaml").write_text('ANNO_PATH: "data/nowhere.json"\nIMG_ROOT: "vg/"\n')
     with pytest.raises(BenchmarkError, match=r"nowhere.json: file not found"):
+        read_benchmark(spec("vl_checklist", corpus / "Relation/spatial/vg.yaml"))
+
+
+def test_vl_checklist_config_without_its_data_file_is_skipped_naming_where_it_belongs(tmp_path, monkeypatch):
+    """One missing data file skips that config (counted, with the path beside the corpus folder, not
+    under the working folder); the others are read."""
+    root = tmp_path / "VL-CheckList"
+    for typ, anno in (("Attribute/color", "data/Attribute/vg/color.json"), ("Relation/spatial", "data/Relation/vg/spatial.json")):
+        y = root / "corpus" / "v1" / typ / "vg.yaml"
+        y.parent.mkdir(parents=True)
+        y.write_text(f'ANNO_PATH: "{anno}"\nIMG_ROOT: "vg/"\nTYPE: "TUPLE_JSON"\n')
+    (root / "data/Attribute/vg").mkdir(parents=True)
+    (root / "data/Attribute/vg/color.json").write_text(json.dumps([["VG_100K/1.jpg", {"POS": ["a red car"], "NEG": ["a blue car"]}]]))
+    monkeypatch.chdir(tmp_path)
+    d = read_benchmark(spec("vl_checklist", root / "corpus"))
+    assert [it.subset for it in d.items] == ["Attribute/color/vg"]
+    assert d.skipped == {f"config skipped, data file not found: {root / 'data/Relation/vg/spatial.json'}": 1}
+    (root / "data/Attribute/vg/color.json").unlink()
+    with pytest.raises(BenchmarkError, match=r"VL-CheckList data .*VL-CheckList/data/Attribute/vg/color.json: file not found "
+                                             r"\(and 1 other configs' data files\)"):
         read_benchmark(spec("vl_checklist", root / "corpus"))
 
 
