@@ -473,3 +473,36 @@ def test_published_sugarcrepe_counts(sugarcrepe_dir):
         "replace_obj": 1652, "replace_att": 788, "replace_rel": 1406, "swap_obj": 245, "swap_att": 666,
         "add_obj": 2062, "add_att": 692}
     assert all(it.pairs[0].image.endswith(".jpg") and it.pairs[0].text != it.pairs[1].text for it in d.items)
+
+
+LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a2146b6bd1a8e3a4ffc7a0f6a8e6c3f0b5d7e9a1c2b3d4e5f60718293a4b5\nsize 1234567\n"
+
+
+@pytest.mark.parametrize("fmt, rel", [
+    ("sugarcrepe", "replace_obj.json"), ("sugarcrepe", "SugarCrepe_replace_obj/data/test-00000.parquet"),
+    ("valse", "existence.json"), ("vl_checklist", "corpus/Attribute/color/vg.yaml"), ("winoground", "examples.jsonl"),
+    ("svo_probes", "svo_probes.csv"), ("foil", "foilv1.0_test_2017.json"), ("retrieval", "dataset_coco.json"),
+    ("aro_vg_relation", "visual_genome_relation.json")])
+def test_a_git_lfs_pointer_is_named_as_one(tmp_path, fmt, rel):
+    """A clone without `git lfs pull` holds pointers: the error says so, not 'not valid JSON'."""
+    f = tmp_path / rel
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(LFS)
+    with pytest.raises(BenchmarkError, match=rf"{f.name}: a Git LFS pointer, not the file \(1,234,567 bytes\): fetch it"):
+        read_benchmark(spec(fmt, f))
+
+
+def test_vl_checklist_data_file_and_image_map_as_lfs_pointers(tmp_path):
+    y = tmp_path / "corpus" / "Attribute" / "color" / "vg.yaml"
+    y.parent.mkdir(parents=True)
+    y.write_text('ANNO_PATH: "data/color.json"\nIMG_ROOT: "vg/"\n')
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "color.json").write_text(LFS)
+    with pytest.raises(BenchmarkError, match=r"color.json: a Git LFS pointer"):
+        read_benchmark(spec("vl_checklist", tmp_path / "corpus"))
+    from train.eval.images import read_image_map
+
+    for name in ("map.json", "map.csv"):
+        (tmp_path / name).write_text(LFS)
+        with pytest.raises(ValueError, match=rf"image_map .*{name}: a Git LFS pointer"):
+            read_image_map(tmp_path / name)

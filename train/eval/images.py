@@ -196,6 +196,9 @@ def read_image_map(path: str | Path) -> dict[str, str]:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"image_map {p}: cannot read ({e.strerror or e})") from None
+    from train.eval.benchmarks._common import not_lfs_pointer
+
+    not_lfs_pointer(p, "image_map", text[:256].encode())
     out: dict[str, str] = {}
     if p.suffix.lower() == ".json":
         try:

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, files_in, group_rows, load_json,
-                                           macro_row, pooled_row)
+                                           macro_row, not_lfs_pointer, pooled_row)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 CATEGORIES = ("Attribute", "Object", "Relation")
@@ -35,6 +35,7 @@ CATEGORIES = ("Attribute", "Object", "Relation")
 def _yaml(path: Path) -> dict:
     import yaml
 
+    not_lfs_pointer(path, "VL-CheckList config")
     try:
         cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as e:
