@@ -134,6 +134,10 @@ def test_flickr_and_generated_runs_match_their_own_names():
         assert gen.match(key) == 0, key
     assert gen.match("COCO_val2014_000000000001.jpg") is None and gen.match("vg/VG_100K/2.jpg") is None
     assert gen.skip_reason("vg/VG_100K/2.jpg") == "foreign_dataset: Visual Genome"
+    # and the other way: SugarCrepe's COCO 2017 names do not reach a Visual Genome run's image 2; a bare id does
+    vg = ImageMatcher(pa.table({"sample_id": [0], "source_id": ["2"], "image": ["VG_100K/2.jpg"]}))
+    assert vg.match("000000000002.jpg") is None and vg.skip_reason("000000000002.jpg") == "foreign_dataset: COCO"
+    assert vg.match("2.jpg") == 0 and vg.match("2") == 0
 
 
 def test_the_samples_artifact_says_its_dataset(tmp_path):

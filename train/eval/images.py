@@ -28,8 +28,9 @@ Datasets. Many datasets number their images, so a number alone says little: VL-C
 ``COCO_val2014_000000391895.jpg`` are three different images. :func:`dataset_of` reads the dataset a
 name says it is from (the ``<PREFIX>_<split><year>_`` stem: COCO, VisDial, HICO; else the nearest
 folder that names one: ``val2014`` COCO, ``VG_100K`` / ``vg`` Visual Genome, ``swig`` SWiG, ``hake``
-HAKE, ``flickr30k-images`` Flickr30k, ...); a bare id or file name (SugarCrepe ``000000391895.jpg``,
-``391895``) names none. Each sample's dataset is the one its image path names, else the run's
+HAKE, ``flickr30k-images`` Flickr30k, ...), else COCO for a zero-padded 12-digit stem (COCO 2017's
+naming, SugarCrepe's ``000000391895.jpg``, which the generated dataset shares: its samples take such
+keys too); a bare id or other name (``391895``, ``2358789.jpg``) names none and matches any sample. Each sample's dataset is the one its image path names, else the run's
 (``dataset_kind`` in the samples artifact's ``_manifest.json``: coco, flickr30k_entities, synthetic,
 karpathy by its captions file; or ``ImageMatcher(..., dataset=...)``), else COCO for a
 zero-padded 12-digit stem (COCO 2017's naming, which the generated dataset shares under its own
@@ -56,6 +57,7 @@ import numpy as np
 RULES = ("map", "source_id", "file_name", "stem", "numeric_id")
 _AMBIGUOUS = -2
 _COCO_STEM = re.compile(r"^([A-Za-z]+)_[A-Za-z]+\d{4}_(\d+)$")
+_COCO2017_STEM = re.compile(r"^\d{12}$")
 NOT_IN_SAMPLES = "skipped_no_image: not in samples"
 
 # the dataset a <PREFIX>_<split><year>_<digits> stem's prefix names (other prefixes name themselves)
@@ -78,6 +80,10 @@ KIND_DATASETS = {"coco": "COCO", "flickr30k_entities": "Flickr30k", "synthetic":
 def _name(key: str) -> str:
     key = key.split("::", 1)[-1]
     return key.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+
+
+def _folders(key: str) -> list[str]:
+    return str(key).strip().split("::", 1)[-1].replace("\\", "/").strip("/").split("/")[:-1]
 
 
 def _stem(name: str) -> str:
@@ -105,9 +111,18 @@ def _dataset_from(folders: Iterable[str], prefix: str | None) -> str | None:
 
 def dataset_of(key: str) -> str | None:
     """The dataset an image key's name says it is from, or None (a bare id or name); see the module doc."""
-    parts = str(key).strip().split("::", 1)[-1].replace("\\", "/").strip("/").split("/")
-    m = _COCO_STEM.match(_stem(parts[-1]))
-    return _dataset_from(parts[:-1], m.group(1) if m else None)
+    stem = _stem(_name(str(key).strip()))
+    m = _COCO_STEM.match(stem)
+    return _dataset_from(_folders(key), m.group(1) if m else None) or ("COCO" if _COCO2017_STEM.match(stem) else None)
+
+
+def _takers(key: str) -> tuple[str | None, tuple[str, ...]]:
+    """(the dataset ``key`` names, the datasets whose samples may take it): a bare 12-digit name
+    (SugarCrepe's ``000000391895.jpg``) is COCO 2017's naming, which the generated dataset shares."""
+    ds = dataset_of(key)
+    if ds == "COCO" and _COCO2017_STEM.match(_stem(_name(key))) and _dataset_from(_folders(key), None) is None:
+        return ds, ("COCO", "synthetic")
+    return ds, (ds,) if ds else ()
 
 
 def run_dataset(manifest: dict) -> str | None:
@@ -304,13 +319,13 @@ class ImageMatcher:
         name = _name(key)
         stem = _stem(name)
         nid = numeric_id(key)
-        ds = dataset_of(key)
+        ds, takers = _takers(key)
         for level, k in (("source_id", key), ("source_id", name) if name != key else (None, None),
                          ("file_name", name), ("stem", stem), ("numeric_id", nid)):
             if level is None or k is None:
                 continue
             if level == "numeric_id" and ds is not None:
-                s = self._by_dataset.get((ds, k))
+                s = next((self._by_dataset[d, k] for d in takers if (d, k) in self._by_dataset), None)
             else:
                 s = self._levels[level].get(k)
             if s is None:
@@ -318,15 +333,15 @@ class ImageMatcher:
             if s == _AMBIGUOUS:
                 amb = True
                 continue
-            if ds is not None and self._family.get(s, ds) != ds:
+            if ds is not None and self._family.get(s, ds) not in takers:
                 continue
             return s, level, amb
         return -1, "", amb
 
     def foreign_dataset(self, key) -> str | None:
         """The dataset ``key`` names when the run holds no image of it (and every sample's dataset is known)."""
-        ds = dataset_of(str(key))
-        return ds if ds is not None and ds not in self.datasets and None not in self.datasets else None
+        ds, takers = _takers(str(key))
+        return ds if ds is not None and not self.datasets & set(takers) and None not in self.datasets else None
 
     def skip_reason(self, key) -> str:
         """Why an unmatched key is skipped: ``foreign_dataset: <dataset>`` or ``skipped_no_image: not in samples``."""
