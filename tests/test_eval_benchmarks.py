@@ -473,6 +473,24 @@ def test_published_sugarcrepe_counts(sugarcrepe_dir):
         "replace_obj": 1652, "replace_att": 788, "replace_rel": 1406, "swap_obj": 245, "swap_att": 666,
         "add_obj": 2062, "add_att": 692}
     assert all(it.pairs[0].image.endswith(".jpg") and it.pairs[0].text != it.pairs[1].text for it in d.items)
+    # 7,511 items on 1,560 COCO val2017 images (the README's error example counts these)
+    images = sorted({p.image for it in d.items for p in it.pairs})
+    assert len(d.items) == d.total == 7511 and len(images) == 1560
+
+
+def test_published_sugarcrepe_images_match_coco_runs_only(sugarcrepe_dir):
+    """The real file names reach a COCO run's samples (Karpathy val2014 names) through the COCO id;
+    against a Visual Genome run holding the same numbers they are foreign, not matched."""
+    d = read_benchmark(spec("sugarcrepe", sugarcrepe_dir))
+    images = sorted({p.image for it in d.items for p in it.pairs})
+    ids = [int(Path(k).stem) for k in images]
+    coco = ImageMatcher({"sample_id": list(range(len(ids))), "source_id": [str(i) for i in ids],
+                         "image": [f"val2014/COCO_val2014_{i:012d}.jpg" for i in ids]})
+    assert (coco.match_many(images) == np.arange(len(ids))).all()
+    vg = ImageMatcher({"sample_id": list(range(len(ids))), "source_id": [str(i) for i in ids],
+                       "image": [f"VG_100K/{i}.jpg" for i in ids]})
+    s = vg.summary(images)
+    assert s.matched == 0 and s.foreign == {"COCO": 1560}
 
 
 LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a2146b6bd1a8e3a4ffc7a0f6a8e6c3f0b5d7e9a1c2b3d4e5f60718293a4b5\nsize 1234567\n"
