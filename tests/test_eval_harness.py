@@ -293,3 +293,7 @@ def test_foreign_dataset_images_and_boxes_outside_their_image_are_counted(tmp_pa
     assert by["all"].n == 2 and by["all"].skipped == 3
     assert by["all"].skip_reasons == {"box outside its image": 1, "foreign_dataset: Visual Genome": 1,
                                       "foreign_dataset: VisDial": 1}
+    # nothing scorable: the error says why, by reason
+    with pytest.raises(NoScorableItems, match=r"toy: 0 of 5 items are scorable: .* \(skipped: foreign_dataset: VisDial 1, "
+                       r"foreign_dataset: Visual Genome 1, skipped_no_image: not in the job's artifacts 3\); run the stage"):
+        H.evaluate_benchmark(job, None, spec, tmp_path / "samples", set(), log=lambda s: None)

@@ -260,7 +260,8 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
             fix = f"ingest {where} into this run or give eval.benchmarks[{spec.name}].image_map"
         raise NoScorableItems(
             f"{spec.name}: 0 of {total:,} items are scorable: {n_in:,} of {n_imgs:,} benchmark images are in "
-            f"{samples_dir} and {n_art:,} in the job's artifacts; {fix}")
+            f"{samples_dir} and {n_art:,} in the job's artifacts (skipped: "
+            f"{', '.join(f'{k} {v:,}' for k, v in _fmt_skips(skips).items())}); {fix}")
     t0 = time.perf_counter()
     if data.kind == "retrieval":
         rows = _score_retrieval(job, model, spec, data, keep, sid_of)
