@@ -60,6 +60,12 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
     if checkpoint is not None:
         cfg, run_dir = _config_of_checkpoint(name, cfg, checkpoint, overrides or [])
         setattr(m.train, key, cfg)
+    from pipeline.status import StaleArtifact, require_fresh
+
+    try:  # an input redone since the artifacts made from it were written: stop before reading it
+        require_fresh(m, getattr(mod, "READS", []), name)
+    except StaleArtifact as e:
+        _fail(str(e))
     try:
         job = mod.make_job(cfg, m, run_dir, resolve_device(cfg.device))
     except (FileNotFoundError, ValueError) as e:
