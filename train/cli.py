@@ -123,8 +123,8 @@ def run(
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        _fail(f"{e.filename or j.run_dir}: {e.strerror}; free space and run again (it resumes from the last "
-              "checkpoint written)")
+        _fail(f"{e.filename or j.run_dir}: {e.strerror}; free space and run again (it resumes from the last complete "
+              "checkpoint, if any)")
     # rounded for people (4 decimals: 40.00000059604645 -> 40.0); metrics.jsonl keeps full precision
     typer.echo(json.dumps({"job": job, "run_dir": str(j.run_dir), **{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}}))
 

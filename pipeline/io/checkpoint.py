@@ -96,7 +96,8 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
             f"({detail[:160]}); re-save it as tensors + plain metadata"
         ) from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"checkpoint {path}: not a readable torch checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        first = str(e).strip().splitlines()[0].split(". ")[0][:160] if str(e).strip() else ""  # torch adds advice after
+        raise CheckpointError(f"checkpoint {path}: not a readable torch checkpoint ({type(e).__name__}: {first})") from None
     if not isinstance(ck, dict):
         raise CheckpointError(f"checkpoint {path}: expected a dict of tensors and metadata, got {type(ck).__name__}")
     return ck
