@@ -26,7 +26,7 @@ from train.job import Job, Splits, open_artifact
 from train.jobs.infoground import NAME
 from train.jobs.infoground.batches import Collate, FilterCaption, read_captions, regions_reader
 from train.jobs.infoground.losses import infoground_loss
-from train.jobs.infoground.metrics import GROUNDING_METRICS, EvalSet, ground, load_eval_set
+from train.jobs.infoground.metrics import EvalSet, ground, grounding_rows, load_eval_set, split_figures
 from train.jobs.infoground.model import InfoGroundModel
 from train.jobs.infoground.scoring import TextWords, score_word_features
 
@@ -192,13 +192,7 @@ class InfoGroundJob(Job):
             report[name] = {"splits": splits, **g}
             if g["phrases"] == 0:
                 print(f"infoground: no scorable phrase in splits {splits} (skipped: {g['skip_reasons']})", file=sys.stderr)
-            for key in (*GROUNDING_METRICS, "noun_vs_negatives"):
-                if key in g:
-                    res[f"{name}_{key}"] = g[key]
-                    res[f"{name}_{key}_chance"] = g[f"{key}_chance"]
-            res[f"{name}_phrases"] = g["phrases"]
-            res[f"{name}_nouns"] = g["nouns"]
-            res[f"{name}_skipped"] = g["skipped"]
+            res.update(split_figures(name, g))
         (out_dir / "grounding.json").write_text(json.dumps(report, indent=1))
         return res
 
@@ -221,7 +215,7 @@ class InfoGroundJob(Job):
         return self.score_word_features(model, sample_ids, self.text_words.encode(list(texts)), boxes)
 
     def job_metrics(self, model, out_dir: Path) -> list:
-        from train.eval.interface import NoScorableItems, Row
+        from train.eval.interface import NoScorableItems
 
         es = self.eval_set(self.cfg.test_splits)
         g = self.ground(model, es, Path(out_dir))
@@ -229,15 +223,4 @@ class InfoGroundJob(Job):
         if g["phrases"] == 0:
             raise NoScorableItems(f"{bench}: no scorable phrase in splits {self.cfg.test_splits} "
                                   f"(skipped by reason: {g['skip_reasons']})")
-        names = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "pointing_accuracy": "pointing accuracy"}
-        subset = "+".join(self.cfg.test_splits)
-        rows = [Row(bench, subset, names[k], g[k], g["phrases"], g[f"{k}_chance"],
-                    skipped=g["skipped"], skip_reasons=g["skip_reasons"], unit="%",
-                    note="phrase score = max attention over its noun/adjective words; chance: random region ranking")
-                for k in GROUNDING_METRICS]
-        if g.get("nouns"):
-            rows.append(Row(bench, subset, "noun vs its negatives", g["noun_vs_negatives"], g["nouns"],
-                            g["noun_vs_negatives_chance"], unit="%",
-                            note="phi of the true noun above all its stored negatives in context (held-out L_lang); "
-                                 "chance 1/(1+negatives) per noun"))
-        return rows
+        return grounding_rows(g, bench, "+".join(self.cfg.test_splits))

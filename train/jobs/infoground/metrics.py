@@ -22,6 +22,7 @@ import torch
 from pipeline.loaders.negatives import NegativesReader
 from train.boxes import box_iou
 from train.data import ParquetMultiJoin
+from train.eval.interface import Row
 
 GROUNDING_METRICS = ("r1", "r5", "r10", "pointing_accuracy")
 
@@ -190,6 +191,34 @@ def ground(model, es: EvalSet, device, cfg, heat_dir: Path | None = None) -> dic
     out["skipped"] = int(sum(es.skipped.values()))
     out["skip_reasons"] = dict(es.skipped)
     return out
+
+
+def split_figures(name: str, g: dict) -> dict:
+    """:func:`ground`'s figures of one split as flat ``<name>_<metric>`` (and ``_chance``) entries."""
+    res = {}
+    for key in (*GROUNDING_METRICS, "noun_vs_negatives"):
+        if key in g:
+            res[f"{name}_{key}"] = g[key]
+            res[f"{name}_{key}_chance"] = g[f"{key}_chance"]
+    res[f"{name}_phrases"] = g["phrases"]
+    res[f"{name}_nouns"] = g["nouns"]
+    res[f"{name}_skipped"] = g["skipped"]
+    return res
+
+
+def grounding_rows(g: dict, bench: str, subset: str) -> list:
+    """:func:`ground`'s figures as harness rows of benchmark ``bench``."""
+    names = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "pointing_accuracy": "pointing accuracy"}
+    rows = [Row(bench, subset, names[k], g[k], g["phrases"], g[f"{k}_chance"],
+                skipped=g["skipped"], skip_reasons=g["skip_reasons"], unit="%",
+                note="phrase score = max attention over its noun/adjective words; chance: random region ranking")
+            for k in GROUNDING_METRICS]
+    if g.get("nouns"):
+        rows.append(Row(bench, subset, "noun vs its negatives", g["noun_vs_negatives"], g["nouns"],
+                        g["noun_vs_negatives_chance"], unit="%",
+                        note="phi of the true noun above all its stored negatives in context (held-out L_lang); "
+                             "chance 1/(1+negatives) per noun"))
+    return rows
 
 
 def save_heatmap(path: Path, im: dict, cap: dict, att: np.ndarray, boxes: np.ndarray) -> None:
