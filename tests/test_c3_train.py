@@ -89,7 +89,7 @@ def test_concept_without_train_partner_is_counted(data):
     job = _job(out)
     assert job.skips["no_partner_in_train_split"] > 0  # test-split partners only
     assert job.skips["anchor_not_in_train_split"] > 0
-    assert job.p_rows.size and job.is_train[job.p_rows].all()
+    assert job.data.p_rows.size and job.is_train[job.data.p_rows].all()
 
 
 def test_exact_resume_and_variants(data, tmp_path):
@@ -131,11 +131,11 @@ def test_eval_negatives_are_concept_matched(data, tmp_path):
     pair of another positive with this positive's concept (lacking it, near it for hard, its words
     in the caption for binding), so a scorer that sees only the concept is at AUC 0.5 exactly on
     every negative type (the chance control's premise; independent C' gave it 0.69-0.81)."""
-    from train.jobs.c3.job import pq_text
+    from train.jobs.c3.metrics import pq_text
 
     out, _ = data
     job = _job(out, ["train.c3.eval_max_triplets=400"])
-    E = job._eval_set()
+    E = job.heldout.eval_set()
     ai, aj, c = E["ai"], E["aj"], E["c"]
     si, sj = job.store.sids[ai], job.store.sids[aj]
     assert job.is_eval[ai].all() and job.is_eval[aj].all() and not job.is_train[ai].any()
@@ -144,7 +144,7 @@ def test_eval_negatives_are_concept_matched(data, tmp_path):
     v = t1 >= 0
     assert v.mean() > 0.9 and job.is_eval[t1[v]].all() and not job.member.contains(c[v], job.store.sids[t1[v]]).any()
     text = pq_text(job.ct)
-    words = job._caption_words(si)
+    words = job.heldout.caption_words(si)
     for kind in ("type2_random", "type2_hard", "type2_binding"):
         d = E["negs"][kind]
         v = np.nonzero(d >= 0)[0]
@@ -153,14 +153,14 @@ def test_eval_negatives_are_concept_matched(data, tmp_path):
         assert (dk != v).all()
         assert not job.member.contains(c[v], si[dk]).any() and not job.member.contains(c[v], sj[dk]).any(), kind
         if kind == "type2_hard":
-            hard = job.hard_of(c[dk])
+            hard = job.data.hard_of(c[dk])
             assert (hard == c[v][:, None]).any(1).all()
         if kind == "type2_binding":
             for t, k in zip(v, dk):
                 ws = text[int(c[t])].split()
                 assert len(ws) >= 2 and set(ws) <= words[int(si[k])], (text[int(c[t])], words[int(si[k])])
     # a scorer of the concept alone: every negative type at chance exactly
-    job._triplet_scores = lambda model, a, j, cc: (np.sin(1.7 * cc.astype(np.float64)), np.zeros(len(cc)))
+    job.heldout.triplet_scores = lambda model, a, j, cc: (np.sin(1.7 * cc.astype(np.float64)), np.zeros(len(cc)))
     rows = job.job_metrics(job.build_model(), tmp_path)
     aucs = {r.subset: r.value for r in rows if r.benchmark == "c3_mcp" and r.metric == "auc"}
     assert set(aucs) == {"type1", "type2_random", "type2_hard", "type2_binding"}
@@ -193,7 +193,7 @@ def test_bad_inputs(data, tmp_path):
     write_c3_planted(part, n_images=100, seed=1, drop_encoded=40)
     job = _job(part)
     assert job.skips["concept_not_encoded"] > 0
-    assert (job.ct.rows(job.r_cid) >= 0).all()
+    assert (job.ct.rows(job.data.r_cid) >= 0).all()
     # an empty concept database: one clear error
     from pipeline.concepts import mining as M
 

@@ -123,7 +123,7 @@ def test_attention_ignores_padded_regions():
 
 # ------------------------------------------------------------------------------ grounding metrics
 def test_recall_chance_is_exact():
-    from train.jobs.infoground.job import recall_chance
+    from train.jobs.infoground.metrics import recall_chance
 
     for n in range(1, 8):
         for h in range(0, n + 1):
@@ -134,7 +134,7 @@ def test_recall_chance_is_exact():
 
 
 def test_phrase_outcome():
-    from train.jobs.infoground.job import phrase_outcome
+    from train.jobs.infoground.metrics import phrase_outcome
 
     boxes = np.array([[0, 0, 10, 10], [20, 20, 40, 40], [0, 0, 100, 100], [22, 22, 38, 38]], float)
     gt = np.array([[20, 20, 40, 40]], float)
@@ -173,7 +173,7 @@ def test_propn_nouns_get_features_and_negatives():
 
 # ---------------------------------------------------------------------------------- collate
 def test_collate_contextual_random_and_masks():
-    from train.jobs.infoground.job import Collate
+    from train.jobs.infoground.batches import Collate
 
     class FakeReader:
         def get(self, sid, fields):
@@ -317,7 +317,7 @@ def test_text_words_match_the_stage_features():
     from pipeline.models.mlm import load_mlm
     from pipeline.models.spacy_tagger import Tagger
     from pipeline.negatives.core import MinerOptions, NegativeMiner
-    from train.jobs.infoground.job import TextWords
+    from train.jobs.infoground.scoring import TextWords
 
     m = load_manifest(None, ["models.mlm=tiny-random", "models.word_encoder=tiny-random"])
     texts = ["A man is walking on a beach with his skateboard.", "Two dogs chase a red frisbee across the park.",
@@ -337,7 +337,7 @@ def test_score_word_features_batched_equals_per_pair(tmp_path):
     a direct per-pair computation; texts without words score NaN."""
     from infoground_planted import write_planted_grounding
     from train.jobs.infoground import make_job
-    from train.jobs.infoground.job import centre_in
+    from train.jobs.infoground.metrics import centre_in
 
     write_planted_grounding(tmp_path, n_images=20)
     m = _manifest(tmp_path)
@@ -394,3 +394,20 @@ def test_eval_on_another_runs_artifacts(tmp_path, monkeypatch):
     job = make_job(m.train.infoground, m, tmp_path / "r2", torch.device("cpu"))
     with pytest.raises(ValueError, match="widths 16/24 differ .* 32/24"):
         job.evaluate(job.build_model(), tmp_path / "ev3")
+
+
+def test_feature_encoder_is_the_mlm_body_when_shared():
+    """pipeline.models.mlm.load_feature_encoder: the word-feature encoder of the negatives stage,
+    the masked LM's body when models.word_encoder == models.mlm, else the word encoder."""
+    from pipeline.models.mlm import load_feature_encoder, load_mlm, load_word_encoder
+
+    shared = load_feature_encoder("tiny-random", "tiny-random")
+    lm = load_mlm("tiny-random")
+    assert type(shared.model) is type(lm.encoder) and shared.record["role"] == "mlm"
+    apart = load_feature_encoder("random-bert-base", "tiny-random")
+    assert apart.record == load_word_encoder("tiny-random").record
+    ids = torch.tensor([[101, 2000, 2001, 102]])
+    with torch.no_grad():
+        a = shared.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        b = lm.encoder(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    assert torch.equal(a, b)

@@ -72,7 +72,7 @@ class Splits:
         if samples_artifact is not None and "samples" in samples_artifact.tables():
             t = samples_artifact.read("samples", ["sample_id", "split"])
             ids = np.asarray(t["sample_id"].to_numpy(), np.int64)
-            sp = np.asarray(t["split"].to_list(), object)
+            sp = np.asarray(t["split"].to_pylist(), object)
             order = np.argsort(ids, kind="stable")
             self.ids, self.split = ids[order], sp[order]
 

@@ -1,6 +1,6 @@
 """Masked language models and contextual word encoders (Hugging Face), with offline random builds.
 
-Specs understood by :func:`load_mlm` and :func:`load_word_encoder`:
+Specs understood by :func:`load_mlm`, :func:`load_word_encoder` and :func:`load_feature_encoder`:
 
 * a Hugging Face id or a local folder (``AutoModelForMaskedLM`` / ``AutoModel`` +
   ``AutoTokenizer.from_pretrained``); a hub id only resolves from the local cache when offline;
@@ -186,6 +186,17 @@ def load_word_encoder(spec: str, role: str = "word_encoder") -> WordEncoder:
     rec = model_record(role, spec, random_weights=False, weights_sha256=_files_hash(path),
                        architecture=type(model).__name__, path=path)
     return WordEncoder(model, tok, rec)
+
+
+def load_feature_encoder(mlm: str, word_encoder: str) -> WordEncoder:
+    """The encoder whose last hidden states are the negatives stage's word features: the masked
+    LM's own body when ``word_encoder`` is the same spec as ``mlm`` (the stage then shares one pass
+    between the LM and the features, see ``NegativeMiner``), else :func:`load_word_encoder`.
+    Both may be ``tiny-random``."""
+    if word_encoder == mlm:
+        lm = load_mlm(mlm)
+        return WordEncoder(lm.encoder, lm.tokenizer, lm.record)
+    return load_word_encoder(word_encoder)
 
 
 def provenance(spec: str, role: str) -> dict:

@@ -108,8 +108,13 @@ class CaptionResult:
     problems: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _segment_pool(rows: torch.Tensor, seg: torch.Tensor, n: int, mode: str) -> torch.Tensor:
-    """Pool ``rows`` [P, H] into ``n`` segments given each row's segment id (rows are in order)."""
+def segment_pool(rows: torch.Tensor, seg: torch.Tensor, n: int, mode: str) -> torch.Tensor:
+    """Pool ``rows`` [P, H] into ``n`` segments given each row's segment id (rows are in order):
+    ``mean`` of a segment's rows or its ``first`` row -> [n, H].
+
+    This is how word pieces become one word feature (``word_pool``) and how a noun's per-piece q
+    distributions become one (``q_pool``); the infoground job's harness scoring pools the word
+    pieces of arbitrary texts with it too, so its word features are the stage's."""
     if mode == "first":
         first = torch.ones(len(seg), dtype=torch.bool)
         first[1:] = seg[1:] != seg[:-1]
@@ -339,7 +344,7 @@ class NegativeMiner:
                 we_ids = [list(x) for x in we_enc["input_ids"]]
                 hf = gather_forward(self.we_model, we_ids, feat_pos, self.we_pad, o.batch_tokens, o.max_batch, self.stats)
         if o.positive_features and n_feat:
-            feats = _segment_pool(hf.float(), torch.tensor(feat_seg), n_feat, o.word_pool).numpy()
+            feats = segment_pool(hf.float(), torch.tensor(feat_seg), n_feat, o.word_pool).numpy()
             f0 = 0
             for r in live:
                 r.features = feats[f0 : f0 + len(r.words)]
@@ -356,9 +361,9 @@ class NegativeMiner:
         seg = torch.tensor([n for n, (k, j) in enumerate(nouns) for _ in range(spans[k][j][1] - spans[k][j][0])])
         # order of q rows: caption by caption, nouns in word order == order of `nouns`
         if o.q_pool == "mean":
-            logq = torch.log(_segment_pool(logq_pos.exp(), seg, len(nouns), "mean"))
+            logq = torch.log(segment_pool(logq_pos.exp(), seg, len(nouns), "mean"))
         elif o.q_pool == "first":
-            logq = _segment_pool(logq_pos, seg, len(nouns), "first")
+            logq = segment_pool(logq_pos, seg, len(nouns), "first")
         elif o.q_pool == "max":
             logq = torch.full((len(nouns), logq_pos.shape[1]), -torch.inf).index_reduce_(0, seg, logq_pos, "amax")
         else:
@@ -450,7 +455,7 @@ class NegativeMiner:
         feats = np.zeros((len(texts), H), np.float32)
         if n_ok:
             h = gather_forward(self.we_model, seqs, pos, self.we_pad, o.batch_tokens, o.max_batch, self.stats)
-            feats[ok] = _segment_pool(h.float(), torch.tensor(seg), n_ok, o.word_pool).numpy()
+            feats[ok] = segment_pool(h.float(), torch.tensor(seg), n_ok, o.word_pool).numpy()
         i = 0
         while i < len(owner):
             nr = owner[i]

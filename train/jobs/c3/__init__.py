@@ -70,6 +70,11 @@ Defaults: the paper gives no lr, batch or widths for the continual setting (1 ep
 CLIP trainable); METER's cross-modal layers are 6 x 768 wide. Lean choices, all options: 2
 co-attention layers of 256, 4 heads, adapters of rank 16, psi rank 64, AdamW 1e-4, batch 64,
 1 epoch, MCC temperature 0.07.
+
+This module stays importable without torch. The method by role: ``model.py`` (adapters, fusion,
+heads), ``batches.py`` (training triplets, negatives, batch layout), ``losses.py`` (MCP, MCC,
+ITM), ``metrics.py`` (held-out evaluation), ``scoring.py`` (the harness interface), ``data.py``
+(the image store); ``job.py`` the lifecycle.
 """
 
 from __future__ import annotations

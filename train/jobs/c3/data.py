@@ -1,15 +1,11 @@
-"""Data side of the C3 job: the image store (random access to any sample's cached CLIP image
-features) and the training concept rows with their partners, negatives and exact-resume batches.
-
-Everything a batch holds is a pure function of (seed, epoch, batch index): the epoch's order is a
-permutation of the training rows drawn from ``np.random.default_rng([seed, epoch])``, and each
-batch draws its partners and negatives from ``default_rng([seed, epoch, batch, 1])``.
+"""Image side of the C3 job: the image store, random access to any sample's cached CLIP image
+features (patch tokens, pooled embedding, a caption's text states for ITM). The training triplets
+built on it are in :mod:`train.jobs.c3.batches`.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -110,10 +106,3 @@ class ImageStore:
 
 def log(msg: str) -> None:
     print(f"c3: {msg}", file=sys.stderr)
-
-
-def resolve(manifest, p: str) -> Path | str:
-    """``p`` under the manifest's output unless absolute (an object-storage URL stays a str)."""
-    from pipeline.io.storage import resolve_under
-
-    return resolve_under(manifest.output, p)

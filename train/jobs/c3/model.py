@@ -147,3 +147,27 @@ def mcc_logits(psi: torch.Tensor, h_i: torch.Tensor, h_j: torch.Tensor) -> torch
 def conditioned_sim(psi: torch.Tensor, h_q: torch.Tensor, h_k: torch.Tensor) -> torch.Tensor:
     """[Q, K] cos(psi^T h_q, psi^T h_k) for one concept's psi [P, r]."""
     return F.normalize(h_q @ psi, dim=-1) @ F.normalize(h_k @ psi, dim=-1).t()
+
+
+def encode_batch(model: C3Model, batch: dict, device) -> tuple:
+    """(patches, adapted image cls hI, text tokens, text mask, adapted concept/text cls hT) of a
+    batch's distinct images and texts (the layout of :mod:`train.jobs.c3.batches`), on ``device``."""
+    patches = batch["patches"].to(device)
+    hI = model.image_cls(batch["embed"].to(device), patches)
+    tok = batch.get("txt_tokens")
+    mask = batch.get("txt_mask")
+    tok = tok.to(device) if tok is not None else None
+    mask = mask.to(device) if mask is not None else None
+    hT = model.concept_cls(batch["txt_pooled"].to(device), tok, mask)
+    return patches, hI, tok, mask, hT
+
+
+def fuse_pairs(model: C3Model, patches, hI, tok, mask, hT, pi, pt, chunk: int | None = None) -> torch.Tensor:
+    """z(I, T) [len(pi), 2D] of the (image ``pi``, text ``pt``) index pairs into :func:`encode_batch`'s
+    output, ``chunk`` pairs per forward."""
+    pi, pt = pi.to(patches.device), pt.to(patches.device)
+    if chunk is None or len(pi) <= chunk:
+        return model.fuse(hI[pi], patches[pi], hT[pt], None if tok is None else tok[pt],
+                          None if mask is None else mask[pt])
+    return torch.cat([fuse_pairs(model, patches, hI, tok, mask, hT, pi[s:s + chunk], pt[s:s + chunk])
+                      for s in range(0, len(pi), chunk)])

@@ -37,10 +37,11 @@ COCO, evaluate on Flickr30k Entities).
 
 Harness scoring (train/eval/interface.py): s(I, text) = mean over the text's noun/adjective words
 of phi(R_I, w). Texts are encoded like the negatives stage does (spaCy tags, ``models.word_encoder``
-word pieces mean-pooled per word), see ``job.TextWords``.
+word pieces mean-pooled per word), see ``scoring.TextWords``.
 
-This module stays importable without torch; the implementation is in
-:mod:`train.jobs.infoground.job`.
+This module stays importable without torch. The method by role: ``model.py`` (phi),
+``losses.py`` (L_img, L_lang), ``batches.py`` (caption items -> batches), ``metrics.py``
+(grounding), ``scoring.py`` (the harness interface); ``job.py`` the lifecycle.
 """
 
 from __future__ import annotations

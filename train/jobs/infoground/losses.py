@@ -1,6 +1,6 @@
 """InfoGround's losses (Sec. 2.3-2.4, Eq. 8-9), vectorised, and a per-word loop reference.
 
-Batch layout (``train.jobs.infoground.job`` builds it; B captions, U distinct images)::
+Batch layout (``train.jobs.infoground.batches`` builds it; B captions, U distinct images)::
 
     region_features float [U, R, d_r]   region_mask bool [U, R]   image_of int64 [B] (caption -> image)
     words           float [B, T, d_w]   word_mask   bool [B, T]   (noun/adjective words of each caption)
