@@ -14,7 +14,8 @@ import numpy as np
 from pipeline.loaders.clip_tokens import collate as ct_collate
 from pipeline.loaders.clip_tokens import read_sample, read_shard
 from train.data import ShardStream, loader
-from train.jobs.concept_ot.index_negatives import IndexNeighbours, IndexNeighbourStream, SampleTable
+from train.jobs.concept_ot.index_negatives import (IndexMissing, IndexNeighbours, IndexNeighbourStream, SampleTable,
+                                                   require_index)
 
 
 class _CaptionPass:
@@ -45,8 +46,6 @@ def _collate_random(samples, rng: random.Random, attach=None, caption_pass=None)
 
 
 def _index_there(index_dir) -> bool:
-    from train.jobs.concept_ot.index_negatives import IndexMissing, require_index
-
     try:
         require_index(index_dir)
         return True
