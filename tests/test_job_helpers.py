@@ -111,3 +111,25 @@ def test_in_job_swaps_are_the_harness_scores(tmp_path, monkeypatch):
     assert not errors and ref["swap_att"]["n"] == 12 - 3  # samples 3, 5, 11 skipped (8 has no captions: scorable)
     assert res["generated_swaps/swap_att/pairwise_acc"] == ref["swap_att"]["value"]
     assert np.isnan(res["generated_swaps/replace_rel/pairwise_acc"]) and "replace_rel" not in ref
+
+
+def test_score_folders_counts_matched_and_available_items(tmp_path):
+    """``matched``: items whose image is in the samples artifact, scored or not (the concept-ot
+    ``sugarcrepe/triples`` figure); ``available``: every item read, before max_per_kind."""
+    from types import SimpleNamespace
+
+    from train.eval.in_job import score_folders
+
+    out = tmp_path / "out"
+    write_vt_artifacts(out)  # samples 1..40
+    d = tmp_path / "sc"
+    _write_kind(d, "swap_att", 6, image=lambda k: f"{[1, 2, 3, 4, 999, 6][k]:012d}.jpg")  # 999: not in samples
+    _write_kind(d, "replace_obj", 3)  # images 0 (not in samples), 1, 2
+    job = SimpleNamespace(scorable_sample_ids=lambda: [1, 2, 4, 6],  # 3: in samples, not scorable
+                          score_pairs=lambda model, s, t, b=None: np.array([float("pos" in x) for x in t]))
+    got = score_folders(job, None, "sc", [d], out / "samples")
+    assert got.available == 9 and got.matched == 5 + 2 and got.kinds == ["replace_obj", "swap_att"]
+    by = {r.subset: r for r in got.rows}
+    assert by["swap_att"].n == 4 and by["swap_att"].value == 100.0 and by["replace_obj"].n == 2
+    capped = score_folders(job, None, "sc", [d], out / "samples", max_per_kind=2)
+    assert capped.available == 9 and capped.matched == 2 + 1

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from train.eval.interface import BenchData, NoScorableItems, Row
 
-NOT_IN_SAMPLES = "skipped_no_image: not in samples"
+NOT_IN_ARTIFACTS = "skipped_no_image: not in the job's artifacts"
 
 
 def generated_sugarcrepe_dirs(manifest, configured: list[str] | None) -> list[Path]:
@@ -91,6 +91,8 @@ def score_folders(job, model, name: str, dirs, samples_dir, max_per_kind: int | 
         rows = evaluate_benchmark(job, model, spec, samples_dir, scorable, pairs_chunk, log=lambda m: None, data=data)
     except NoScorableItems:
         return FolderResult([], available, 0, kinds)
+    # matched = scored + those whose image is in samples but not in the job's artifacts (the "all"
+    # row carries every skip reason; other reasons are images outside the samples)
     every = next((r for r in rows if r.subset == "all"), None)
-    not_matched = (every.skip_reasons or {}).get(NOT_IN_SAMPLES, 0) if every is not None else 0
-    return FolderResult(rows, available, len(data.items) - not_matched, kinds)
+    unscorable = (every.skip_reasons or {}).get(NOT_IN_ARTIFACTS, 0) if every is not None else 0
+    return FolderResult(rows, available, sum(r.n for r in rows if r.subset in kinds) + unscorable, kinds)
