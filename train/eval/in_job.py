@@ -77,7 +77,7 @@ class FolderResult:
 def score_folders(job, model, name: str, dirs, samples_dir, max_per_kind: int | None = None,
                   pairs_chunk: int = 2048) -> FolderResult | None:
     """The harness's rows for the SugarCrepe-format ``dirs`` scored by ``job.score_pairs`` (None
-    when no folder exists). Zero scorable items give no rows (the counts say why)."""
+    when no folder holds a ``<kind>.json``). Zero scorable items: no rows, ``matched`` 0."""
     from pipeline.config import BenchmarkSpec
     from train.eval.harness import evaluate_benchmark
 
