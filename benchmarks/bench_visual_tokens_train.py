@@ -42,7 +42,7 @@ from pipeline.loaders.visual_tokens import read_shard as vt_read  # noqa: E402
 from pipeline.visual_tokens.graph import build_graph  # noqa: E402
 from train.data import ShardJoin, ShardStream  # noqa: E402
 from train.jobs.visual_tokens import Config  # noqa: E402
-from train.jobs.visual_tokens.job import TEXT_FIELDS, collate_batch  # noqa: E402
+from train.jobs.visual_tokens.batches import TEXT_FIELDS, collate_batch  # noqa: E402
 from train.jobs.visual_tokens.losses import clip_loss  # noqa: E402
 from train.jobs.visual_tokens.model import VisualTokensModel  # noqa: E402
 

@@ -60,18 +60,18 @@ _run.jobs = {}
 def _swap_accuracy_through_score_pairs(out: Path, name: str) -> tuple[float, int]:
     """Strict pairwise accuracy (ties wrong, as the harness scores) of the trained run ``name`` on the
     generated swap_att triples, through the harness interface (score_pairs)."""
-    from train.eval.sugarcrepe import read_sugarcrepe
+    from train.eval.in_job import read_folders
     from train.loop import load_checkpoint
 
     job = _run.jobs[name]
     model = job.build_model()
     model.load_state_dict(load_checkpoint(out / "train" / name / "checkpoints" / "final.pt")["model"])
     model.eval()
-    rows = read_sugarcrepe([out / "sugarcrepe"])["swap_att"]
-    sids = [int(Path(r["filename"]).stem) for r in rows]
+    rows = [it for it in read_folders("sugarcrepe", [out / "sugarcrepe"])[0].items if it.subset == "swap_att"]
+    sids = [int(Path(r.pairs[0].image).stem) for r in rows]
     with torch.no_grad():
-        p = job.score_pairs(model, sids, [r["caption"] for r in rows])
-        n = job.score_pairs(model, sids, [r["negative_caption"] for r in rows])
+        p = job.score_pairs(model, sids, [r.pairs[0].text for r in rows])
+        n = job.score_pairs(model, sids, [r.pairs[1].text for r in rows])
     return 100 * float((p > n).mean()), len(rows)
 
 

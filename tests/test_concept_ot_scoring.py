@@ -60,11 +60,15 @@ def make(out, pl_, variant, **over):
 
 
 def triples(out):
-    from train.eval.sugarcrepe import read_sugarcrepe
+    from train.eval.in_job import read_folders
 
-    data = read_sugarcrepe([out / "sugarcrepe"])
-    rows = data["swap_att"] + data["replace_att"]
-    return [int(Path(r["filename"]).stem) for r in rows], [r["caption"] for r in rows], [r["negative_caption"] for r in rows]
+    data, _ = read_folders("sugarcrepe", [out / "sugarcrepe"])
+    rows = [it for it in data.items if it.subset == "swap_att"] + [it for it in data.items if it.subset == "replace_att"]
+    return [int(Path(r.pairs[0].image).stem) for r in rows], [r.pairs[0].text for r in rows], [r.pairs[1].text for r in rows]
+
+
+def pairwise_accuracy(pos, neg) -> float:
+    return 100 * float((np.asarray(pos) > np.asarray(neg)).mean())  # strict: a tie is wrong
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -96,10 +100,10 @@ def test_score_pairs_agrees_with_the_in_job_sugarcrepe_scoring(planted, variant)
             assert got.dtype == np.float64 and got.shape == (len(sids),)
             np.testing.assert_allclose(got, ref.numpy(), rtol=1e-5, atol=1e-6)
         res = job._sugarcrepe(model)
-    from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
-
     assert res["sugarcrepe/triples"] == len(sids)  # every triple's image is in the artifact
-    k = len(read_sugarcrepe([out / "sugarcrepe"])["swap_att"])
+    from train.eval.in_job import read_folders
+
+    k = sum(it.subset == "swap_att" for it in read_folders("sugarcrepe", [out / "sugarcrepe"])[0].items)
     assert pairwise_accuracy(got_p[:k], got_n[:k]) == pytest.approx(res["sugarcrepe/swap_att"])
     assert pairwise_accuracy(got_p[k:], got_n[k:]) == pytest.approx(res["sugarcrepe/replace_att"])
 
@@ -135,7 +139,8 @@ def test_score_pairs_boxes_restrict_the_local_score(planted):
 
 
 def test_box_patch_mask_and_heatmap_box_by_hand():
-    from train.jobs.concept_ot.boxes import box_iou, box_patch_mask, heatmap_boxes, patch_edges
+    from train.boxes import box_iou_rows as box_iou
+    from train.jobs.concept_ot.boxes import box_patch_mask, heatmap_boxes, patch_edges
 
     # a 200 x 100 image: the grid covers the centre square x in [50, 150], 4 x 4 patches of 25 px
     xs, ys = patch_edges([200], [100], 4)
@@ -205,7 +210,7 @@ def test_in_job_sugarcrepe_matches_images_across_coco_naming_schemes(planted, tm
 
 def test_phrase_groups_follow_the_dataset_spans():
     """Heatmap phrases: the dataset's spans (tokens overlapping [start, end)), not whitespace words."""
-    from train.jobs.concept_ot.job import _span_groups, _word_groups
+    from train.jobs.concept_ot.grounding import _span_groups, _word_groups
 
     text = "a red circle and blue star"
     # BOS, a, red, cir+cle (two tokens), and, blue, star, EOS

@@ -14,7 +14,7 @@ from pipeline.loaders.visual_tokens import iter_samples
 from pipeline.models.relations import box_features, load_relation_checkpoint
 from pipeline.stage import RunContext, run_stage
 from tests.conftest import make_manifest
-from train.jobs.relation_head import recall_at_k
+from train.jobs.relation_head.metrics import recall_at_k
 
 
 def test_recall_at_k_matches_definition():

@@ -18,7 +18,9 @@ from cot_planted import write_planted  # noqa: E402
 
 from train.data import ParquetJoin, ShardStream, buffer_shuffle, loader  # noqa: E402
 from train.eval.retrieval import recall_at_k, retrieval_report  # noqa: E402
-from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe  # noqa: E402
+from train.eval.benchmarks.sugarcrepe import score as sugarcrepe_score  # noqa: E402
+from train.eval.in_job import read_folders  # noqa: E402
+from train.eval.interface import Item, Pair  # noqa: E402
 from train.loop import lr_factor  # noqa: E402
 
 SHARED_SC = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
@@ -123,6 +125,13 @@ def test_two_stage_rerank_only_within_topk():
     assert small["rerank/i2t_R@1"] == small["global/i2t_R@1"]
 
 
+def pairwise_accuracy(pos, neg) -> float:
+    """SugarCrepe accuracy of (pos, neg) score pairs as the harness scores them (one kind)."""
+    items = [Item([Pair("i", "a"), Pair("i", "b")], subset="swap_att") for _ in pos]
+    rows = sugarcrepe_score("sc", items, [np.array([p, n], float) for p, n in zip(pos, neg)])
+    return next(r.value for r in rows if r.subset == "swap_att")
+
+
 def test_pairwise_accuracy():
     assert pairwise_accuracy([1, 2, 3, 4], [0, 3, 3, 1]) == pytest.approx(100 * 2 / 4)  # the tie (3, 3) is wrong
     assert pairwise_accuracy([1.0, 1.0], [1.0, 1.0]) == 0.0  # a constant scorer
@@ -130,10 +139,19 @@ def test_pairwise_accuracy():
 
 @pytest.mark.skipif(not SHARED_SC.is_dir(), reason="shared SugarCrepe data not present")
 def test_read_shared_sugarcrepe_as_is():
-    data = read_sugarcrepe([SHARED_SC])
+    data, available = read_folders("sugarcrepe", [SHARED_SC])
+    n = 0
     for f in SHARED_SC.glob("*.json"):
-        assert len(data[f.stem]) == len(json.loads(f.read_text()))
-        assert {"filename", "caption", "negative_caption"} <= set(data[f.stem][0])
+        if f.stem == "LICENSE":
+            continue
+        rows = json.loads(f.read_text())
+        mine = [it for it in data.items if it.subset == f.stem]
+        assert len(mine) == len(rows)
+        first = next(iter(rows.values()))
+        assert [(p.image, p.text) for p in mine[0].pairs] == [(first["filename"], first["caption"].strip()),
+                                                               (first["filename"], first["negative_caption"].strip())]
+        n += len(rows)
+    assert available == n
 
 
 def _job(out: Path, run: str, **over):
@@ -192,7 +210,7 @@ def test_every_variant_trains_a_step(planted, variant):
 
 
 def test_mine_pairs_bruteforce():
-    from train.jobs.concept_ot.job import mine_pairs
+    from train.jobs.concept_ot.losses import mine_pairs
 
     g = torch.randn(7, 7, generator=torch.Generator().manual_seed(0))
     bad = torch.eye(7, dtype=torch.bool)

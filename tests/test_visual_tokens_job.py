@@ -70,7 +70,7 @@ def test_batches_join_the_right_captions_and_tokens(arts, tmp_path):
 
 
 def test_variant_transforms(arts, tmp_path):
-    from train.jobs.visual_tokens.job import shuffle_ranks
+    from train.jobs.visual_tokens.batches import shuffle_ranks
 
     base = next(iter(_job(arts, tmp_path / "a").batches(0, 0)))
     tang = next(iter(_job(arts, tmp_path / "b", "variant=tangible-only").batches(0, 0)))
@@ -140,15 +140,15 @@ def test_score_pairs_and_retrieval_scores_agree(arts, tmp_path, monkeypatch):
         mask = torch.stack([torch.arange(M) < stored[t][1] for t in texts])
         return {"tokens": tok, "mask": mask, "embed": torch.stack([stored[t][2] for t in texts])}
 
-    import train.clip_text
+    import pipeline.models.clip
 
-    monkeypatch.setattr(train.clip_text, "encode_texts_like_artifact", fake)
+    monkeypatch.setattr(pipeline.models.clip, "encode_texts_like_artifact", fake)
     texts = list(stored)
     with torch.no_grad():
         s = job.score_pairs(model, [10, 10, 15, 15], texts)
         S = job.retrieval_scores(model, [10, 15], None, texts)["score"]
         img = job.encode_images(model, [10, 15])
-        b = next(iter([__import__("train.jobs.visual_tokens.job", fromlist=["collate_batch"]).collate_batch(
+        b = next(iter([__import__("train.jobs.visual_tokens.batches", fromlist=["collate_batch"]).collate_batch(
             job._load([10, 15], captions=True), None, opts=job._opts(), captions="all")]))
         txt = job._encode_text_batch(model, b)
     assert s.dtype == np.float64 and s.shape == (4,)

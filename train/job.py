@@ -86,16 +86,24 @@ class Splits:
         except (ArtifactMissing, KeyError):
             return cls(None)
 
+    def recorded(self, sample_ids) -> np.ndarray:
+        """object array of the samples artifact's split per id, None where it records none."""
+        q = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+        out = np.full(q.shape, None, dtype=object)
+        if len(self.ids):
+            r = np.clip(np.searchsorted(self.ids, q), 0, len(self.ids) - 1)
+            got = self.split[r]
+            keep = (self.ids[r] == q) & np.array([bool(x) for x in got], dtype=bool)
+            out[keep] = got[keep]
+        return out
+
     def of_many(self, sample_ids) -> np.ndarray:
         """object array of split names, one per id."""
         q = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
         out = hash_split(q)
-        if len(self.ids):
-            r = np.clip(np.searchsorted(self.ids, q), 0, len(self.ids) - 1)
-            hit = self.ids[r] == q
-            got = self.split[r]
-            keep = hit & np.array([bool(x) for x in got], dtype=bool)
-            out[keep] = got[keep]
+        rec = self.recorded(q)
+        keep = rec != None  # noqa: E711 (element-wise)
+        out[keep] = rec[keep]
         return out
 
     def __call__(self, sample_id: int) -> str:

@@ -34,6 +34,7 @@ default ``False``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -194,3 +195,37 @@ def encode_texts(
 
 def to_numpy_f16(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().numpy().astype(np.float16)
+
+
+@functools.lru_cache(maxsize=2)
+def cached_clip(spec: str):
+    """``(model, tokenizer)`` of :func:`load_clip`, loaded once per process (CPU)."""
+    model, _, tokenizer, _ = load_clip(spec)
+    return model, tokenizer
+
+
+def encode_texts_like_artifact(spec: str, art_manifest: dict, texts: Sequence[str], chunk: int = 128) -> dict:
+    """Texts that are not in a ``clip_tokens`` artifact (benchmark captions and negatives) encoded
+    exactly as ``extract-clip-tokens`` stored the artifact's captions: the CLIP of ``spec``
+    (``models.clip``), the artifact's ``max_text_tokens`` and ``project_tokens`` (from its
+    ``_manifest.json``, ``art_manifest``) and its float16 rounding. Returns ``{"tokens": float
+    [N, M, d_t], "mask": bool [N, M], "embed": float [N, P]}`` (M = the longest valid length)."""
+    import torch.nn.functional as F
+
+    model, tokenizer = cached_clip(spec)
+    params = art_manifest.get("parameters", {})
+    max_tokens = int(params.get("max_text_tokens", TEXT_MAX_TOKENS))
+    project = bool(params.get("project_tokens", False))
+    toks, masks, embs = [], [], []
+    with torch.no_grad():
+        for s in range(0, len(texts), chunk):
+            o = encode_texts(model, tokenizer, list(texts[s:s + chunk]), max_tokens, project)
+            toks.append(o["text_tokens"].half().float())  # as stored in the artifact (fp16)
+            masks.append(o["text_mask"].bool())
+            embs.append(o["text_embed"].half().float())
+    if not toks:
+        raise ValueError("no texts to encode")
+    M = max(t.shape[1] for t in toks)
+    toks = [F.pad(t, (0, 0, 0, M - t.shape[1])) for t in toks]
+    masks = [F.pad(m, (0, M - m.shape[1])) for m in masks]
+    return {"tokens": torch.cat(toks), "mask": torch.cat(masks), "embed": torch.cat(embs)}

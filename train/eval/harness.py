@@ -201,11 +201,12 @@ IMAGE_SOURCES = {
 
 
 def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], pairs_chunk: int = 2048,
-                       log: Callable[[str], None] = print) -> list[Row]:
-    """Rows of one benchmark (raises NoScorableItems when nothing can be scored)."""
-    if spec.format in BUILTIN:
+                       log: Callable[[str], None] = print, data: BenchData | None = None) -> list[Row]:
+    """Rows of one benchmark (raises NoScorableItems when nothing can be scored). ``data``: the
+    benchmark already read (a job's own evaluation reads its folders itself, train/eval/in_job.py)."""
+    if data is None and spec.format in BUILTIN:
         data = BUILTIN[spec.format](spec, samples_dir)
-    else:
+    elif data is None:
         from train.eval.benchmarks import read_benchmark
 
         data = read_benchmark(spec)

@@ -39,10 +39,11 @@ COCO setting). A configuration whose ``eval_splits`` hold no images is an error 
 
 Evaluation (App. G.4 and Sec. 2.6): retrieval R@1/5/10 both ways, global only and two-stage
 (global top-128, rerank by g + lambda_l * s_local); SugarCrepe-format pairwise accuracy on every
-folder of ``sugarcrepe_dirs`` (default: the generated dataset's ``sugarcrepe/`` and the shared
-``data/sugarcrepe`` when present; images are matched to the ``samples`` artifact by the harness's
-ImageMatcher, texts are encoded with the frozen CLIP text tower of ``models.clip``, since negatives
-are not in the artifact); phrase heatmaps h_i(J) = sum_{j in J} Pi_ij saved as PNG; Sec. 2.6 box
+folder of ``sugarcrepe_dirs`` (default: the generated dataset's ``sugarcrepe/``; the published
+SugarCrepe only where configured), read and scored by the evaluation harness through
+``score_pairs`` (train/eval/in_job.py: images matched to the ``samples`` artifact, texts encoded
+with the frozen CLIP text tower of ``models.clip``, since negatives are not in the artifact;
+``sugarcrepe_global/*``: the same with g alone); phrase heatmaps h_i(J) = sum_{j in J} Pi_ij saved as PNG; Sec. 2.6 box
 prediction (``job_metrics``: threshold ``box_threshold`` x max, patch envelope; accuracy@IoU0.5 and
 mean IoU against the union box of each phrase's instances, for the dataset's phrase spans, chance =
 the whole-image box; see :mod:`train.jobs.concept_ot.boxes`).
@@ -55,7 +56,8 @@ renormalised over them; g stays the whole image's pooled embedding, said in ``cr
 ``rerank/t2i``), with the artifact's stored encodings for its own captions.
 
 This module stays importable without torch (the manifest loader reads ``Config``); the
-implementation is in :mod:`train.jobs.concept_ot.job`.
+lifecycle is :mod:`train.jobs.concept_ot.job`, the pieces beside it are named by role (batches,
+losses, model, scoring, grounding, boxes, index_negatives, ot).
 """
 
 from __future__ import annotations

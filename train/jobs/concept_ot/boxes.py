@@ -64,18 +64,6 @@ def heatmap_boxes(heat: np.ndarray, width: np.ndarray, height: np.ndarray, side:
     return np.stack([xs[i, c0], ys[i, r0], xs[i, c1 + 1], ys[i, r1 + 1]], 1)
 
 
-def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise IoU of boxes a [B, 4] and b [B, 4] (x0, y0, x1, y1)."""
-    a = np.asarray(a, np.float64).reshape(-1, 4)
-    b = np.asarray(b, np.float64).reshape(-1, 4)
-    iw = np.clip(np.minimum(a[:, 2], b[:, 2]) - np.maximum(a[:, 0], b[:, 0]), 0, None)
-    ih = np.clip(np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 1], b[:, 1]), 0, None)
-    inter = iw * ih
-    area = lambda x: np.clip(x[:, 2] - x[:, 0], 0, None) * np.clip(x[:, 3] - x[:, 1], 0, None)  # noqa: E731
-    union = area(a) + area(b) - inter
-    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
-
-
 def random_patch_boxes(n: int, width: np.ndarray, height: np.ndarray, side: int, seed: int = 0) -> np.ndarray:
     """A chance baseline: per item, a patch-aligned box with rows r0 <= r1 and columns c0 <= c1 drawn
     uniformly among all such boxes (seeded)."""

@@ -16,18 +16,11 @@ from train.jobs.text_groups import discovery as D
 from train.jobs.text_groups.losses import info_nce, reconstruction
 from train.jobs.text_groups.model import TextGroupTransformer, VanillaText
 from train.jobs.text_groups.tokenizer import encode, load_tokenizer
-from train.job import Job
+from train.job import Job, open_artifact, resolve_artifact
 from train.loop import load_checkpoint
 
 CLUSTERINGS = ("kmeans", "spectral", "meanshift")
 SIMPLE_BASELINES = ("random", "one-group", "chunks")
-
-
-def _resolve(manifest, p: str) -> Path | str:
-    """``p`` under the manifest's output unless absolute (an object-storage URL stays a str)."""
-    from pipeline.io.storage import resolve_under
-
-    return resolve_under(manifest.output, p)
 
 
 def _log(msg: str) -> None:
@@ -62,9 +55,9 @@ class TextGroupsJob(Job):
     def __init__(self, cfg, manifest, run_dir, device):
         super().__init__(cfg, manifest, run_dir, device)
         self.tok, self.tok_record = load_tokenizer(getattr(getattr(manifest, "models", None), "groupvit", None))
-        self.groups = ImageGroups(_resolve(manifest, cfg.groups_artifact))
+        self.groups = ImageGroups(resolve_artifact(manifest, cfg.groups_artifact))
         self.d_img = int(self.groups.shape["groups"][-1])
-        self.samples = Artifact(_resolve(manifest, cfg.samples_artifact))
+        self.samples = open_artifact(manifest, cfg.samples_artifact, "samples", self.NAME)
         self.crop_note = "image groups are computed on the whole image (boxes are not used)"
         split = self.samples.read("samples", ["sample_id", "split"]).to_pydict()
         self.split_of = dict(zip(split["sample_id"], split["split"]))
@@ -215,7 +208,7 @@ class TextGroupsJob(Job):
     def _sources(self) -> list[tuple[str, Artifact, bool]]:
         out = [("samples", self.samples, False)]
         for p in self.cfg.discovery_artifacts:
-            path = _resolve(self.manifest, p)
+            path = resolve_artifact(self.manifest, p)
             named = Path(str(path).rstrip("/"))  # a URL too: only its last two names are used
             out.append((named.parent.name + "/" + named.name if named.name == "samples" else named.name, Artifact(path), True))
         return out
@@ -261,7 +254,7 @@ class TextGroupsJob(Job):
             if self.cfg.vanilla_run:
                 from pipeline.io.storage import local_path
 
-                run = local_path(_resolve(self.manifest, self.cfg.vanilla_run))  # training runs are local
+                run = local_path(resolve_artifact(self.manifest, self.cfg.vanilla_run))  # training runs are local
                 ck = run / "checkpoints" / "final.pt"
                 if ck.is_file():
                     st = load_checkpoint(ck)

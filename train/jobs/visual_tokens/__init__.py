@@ -62,7 +62,7 @@ matrix (the paper's Fig. 4, plotted over training in ``similarity.png`` when ``e
 set); the learned rank weights w (``rank_weights.png`` and ``w_r`` metrics); pairwise accuracy on
 the generated dataset's relation-swap and attribute-swap files through the harness's scoring
 interface (``score_pairs``: texts not in `clip_tokens` go through the frozen CLIP text tower of
-``models.clip``, :mod:`train.clip_text`). Samples that cannot be used are skipped and counted
+``models.clip``, :func:`pipeline.models.clip.encode_texts_like_artifact`). Samples that cannot be used are skipped and counted
 (``data/skipped_*``): 0 tangible tokens (``min_tangible``), T over ``context_length``, no captions,
 not in `clip_tokens`.
 

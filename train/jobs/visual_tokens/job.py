@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -12,98 +11,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.io.artifacts import Artifact, ArtifactMissing
-from pipeline.loaders.clip_tokens import _fill, fits_in_memory
+from pipeline.io.artifacts import ArtifactMissing
+from pipeline.loaders.clip_tokens import fits_in_memory
 from pipeline.loaders.visual_tokens import TRAIN_FIELDS, n_tokens
-from pipeline.loaders.visual_tokens import collate as vt_collate
 from pipeline.loaders.visual_tokens import read_shard as vt_read_shard
-from train.data import ParquetJoin, ShardIndex, ShardJoin, ShardStream, loader
+from train.data import ShardIndex, ShardJoin, ShardStream, loader
+from train.eval.in_job import generated_sugarcrepe_dirs, score_folders
 from train.eval.interface import Row
+from train.job import Job, Splits, open_artifact
+from train.jobs.visual_tokens.batches import TEXT_FIELDS, collate_batch
+from train.jobs.visual_tokens.figures import similarity_figure
 from train.jobs.visual_tokens.losses import clip_loss, similarity_stats
 from train.jobs.visual_tokens.model import VisualTokensModel
-from train.job import Job
-
-TEXT_FIELDS = ("text_tokens", "text_mask", "text_embed", "caption_ids")
+from train.jobs.visual_tokens.scoring import VisualTokensScoring
 
 
-def _local_output(manifest) -> Path:
-    from pipeline.io.storage import local_path
-
-    return local_path(manifest.output)
-
-
-def _resolve(manifest, p: str) -> Path | str:
-    """``p`` under the manifest's output unless absolute (an object-storage URL stays a str)."""
-    from pipeline.io.storage import resolve_under
-
-    return resolve_under(manifest.output, p)
-
-
-def shuffle_ranks(ranks: np.ndarray, T: int, seed: int, sample_id: int) -> np.ndarray:
-    """The shuffled-ranks control: the [T, T] rank block permuted over its non-image tokens
-    (rows and columns together) by a permutation fixed per (seed, sample_id)."""
-    perm = np.random.default_rng([int(seed), int(sample_id), 7]).permutation(T - 1) + 1
-    idx = np.concatenate([[0], perm])
-    out = ranks.copy()
-    out[:T, :T] = ranks[np.ix_(idx, idx)]
-    return out
-
-
-def collate_batch(samples: list[dict], rng: random.Random | None, *, opts: dict, captions: str = "random") -> dict:
-    """A training / evaluation batch from joined samples (module-level: DataLoader workers pickle
-    it). ``captions``: ``random`` (one per image, drawn with ``rng``), ``first`` or ``all``
-    (``caption_sample`` then maps each caption row to its image row)."""
-    variant = opts["variant"]
-    if variant == "vit":
-        p0 = samples[0]["patch_tokens"]
-        patches = np.empty((len(samples), *p0.shape), p0.dtype)
-        for i, s in enumerate(samples):
-            _fill(patches[i], s["patch_tokens"])
-        batch = {"patch_tokens": torch.from_numpy(patches),
-                 "sample_id": torch.tensor([int(s["sample_id"]) for s in samples], dtype=torch.int64)}
-    else:
-        batch = vt_collate(samples, opts["context_length"], pad_to=opts["pad_to"], intangible=variant != "tangible-only")
-        if variant == "shuffled-ranks":
-            r = batch["ranks"].numpy().copy()
-            for i, s in enumerate(samples):
-                T = int((~batch["pad_mask"][i]).sum())
-                r[i] = shuffle_ranks(r[i], T, opts["seed"], int(s["sample_id"]))
-            batch["ranks"] = torch.from_numpy(r)
-    if "caption_ids" in samples[0]:
-        batch.update(collate_text(samples, rng, captions))
-    return batch
-
-
-def collate_text(samples: list[dict], rng: random.Random | None, captions: str) -> dict:
-    picks = []  # (sample row, caption row, valid tokens)
-    for i, s in enumerate(samples):
-        c = int(s["caption_ids"].shape[0])
-        lengths = np.asarray(s["text_mask"]).sum(axis=1)
-        js = range(c) if captions == "all" else [0 if captions == "first" else (rng or random).randrange(c)]
-        picks.extend((i, j, int(lengths[j])) for j in js)
-    t0 = samples[0]["text_tokens"]
-    m = max((n for _, _, n in picks), default=1)
-    tokens = np.zeros((len(picks), m, t0.shape[-1]), t0.dtype)
-    for r, (i, j, n) in enumerate(picks):
-        if n:
-            _fill(tokens[r, :n], samples[i]["text_tokens"], j, n)
-    lengths = torch.tensor([n for _, _, n in picks], dtype=torch.int64)
-    out = {"text_tokens": torch.from_numpy(tokens), "text_mask": torch.arange(m)[None, :] < lengths[:, None],
-           "text_embed": torch.from_numpy(np.stack([np.asarray(samples[i]["text_embed"][j]) for i, j, _ in picks])),
-           "caption_id": torch.tensor([int(samples[i]["caption_ids"][j]) for i, j, _ in picks], dtype=torch.int64)}
-    if captions == "all":
-        out["caption_sample"] = torch.tensor([i for i, _, _ in picks], dtype=torch.int64)
-    return out
-
-
-class VisualTokensJob(Job):
+class VisualTokensJob(VisualTokensScoring, Job):
     NAME = "visual-tokens"
-    crop_note = "whole-image token set: the visual-token encoder has no box crop (boxes ignored)"
 
     def __init__(self, cfg, manifest, run_dir, device):
         super().__init__(cfg, manifest, run_dir, device)
-        self.vt = Artifact(_resolve(manifest, cfg.artifact))
-        self.ct = Artifact(_resolve(manifest, cfg.clip_artifact))
+        self.vt = open_artifact(manifest, cfg.artifact, "visual_tokens", self.NAME)
+        self.ct = open_artifact(manifest, cfg.clip_artifact, "clip_tokens", self.NAME)
         self.vt_shards = [str(p) for p in self.vt.files("shards")]
         self.ct_shards = [str(p) for p in self.ct.files("shards")]
         if not self.vt_shards:
@@ -116,12 +45,10 @@ class VisualTokensJob(Job):
         self.join = ShardJoin(self.ct_shards, ct_fields, lazy=self.lazy, name=str(self.ct.dir))
         self.vt_index = ShardIndex(self.vt_shards, lazy=self.lazy, name=str(self.vt.dir))
         try:
-            self.samples = Artifact(_resolve(manifest, cfg.samples_artifact))
-        except ArtifactMissing:
+            self.samples = open_artifact(manifest, cfg.samples_artifact)
+        except (ArtifactMissing, FileNotFoundError):
             self.samples = None
-        self._split_join = None
-        if self.samples is not None and "samples" in self.samples.tables():
-            self._split_join = ParquetJoin(self.samples, "samples", ["split"])
+        self.splits = Splits(self.samples)
         self._inventory()
         self._bpe = None
         self._bs = None
@@ -129,13 +56,8 @@ class VisualTokensJob(Job):
 
     # ------------------------------------------------------------------------------------ data
     def split_of(self, sample_id: int) -> str:
-        """The samples artifact's split; without one, sample_id % 20: 18 -> val, 19 -> test."""
-        if self._split_join is not None:
-            row = self._split_join.lookup(int(sample_id))
-            if row is not None and row.get("split"):
-                return str(row["split"])
-        r = int(sample_id) % 20
-        return "val" if r == 18 else "test" if r == 19 else "train"
+        """The samples artifact's split; without one, the stable hash split (train.job.Splits)."""
+        return self.splits(sample_id)
 
     def _inventory(self) -> None:
         """One pass over both artifacts' headers: which samples can be used, and why not (counted)."""
@@ -169,7 +91,7 @@ class VisualTokensJob(Job):
                     continue
                 trainable.append(sid)
         self.usable = set(usable)
-        self.split = {sid: self.split_of(sid) for sid in trainable}
+        self.split = dict(zip(trainable, self.splits.of_many(trainable).tolist()))
         self.train_ids = {s for s, sp in self.split.items() if sp in cfg.train_splits}
         self.skipped = dict(skipped)
         self.n_samples = n
@@ -236,26 +158,6 @@ class VisualTokensJob(Job):
         return clip_loss(img, txt, model.scale())
 
     # ------------------------------------------------------------------------------ evaluation
-    def _load(self, sids, captions: bool) -> list[dict]:
-        """Samples by id (random access through the shard indexes), as the stream yields them."""
-        out = []
-        for sid in sids:
-            s = {"sample_id": int(sid)}
-            if not self.vit:
-                s.update({k: v for k, v in self.vt_index.read(int(sid), TRAIN_FIELDS).items() if k != "__key__"})
-            ct_f = (TEXT_FIELDS if captions else ()) + (("patch_tokens",) if self.vit else ())
-            if ct_f:
-                s.update({k: v for k, v in self.join.index.read(int(sid), ct_f).items() if k not in ("__key__", "sample_id")})
-            out.append(s)
-        return out
-
-    def encode_images(self, model, sids, chunk: int = 128) -> torch.Tensor:
-        outs = []
-        for a in range(0, len(sids), chunk):
-            b = collate_batch(self._load(sids[a:a + chunk], captions=False), None, opts=self._opts())
-            outs.append(model.encode_image(b, self.device).cpu())
-        return torch.cat(outs) if outs else torch.zeros(0, self.cfg.embed_dim)
-
     def eval_ids(self) -> list[int]:
         ids = sorted(s for s, sp in self.split.items() if sp in self.cfg.eval_splits)
         return ids[: self.cfg.eval_max_images]
@@ -321,137 +223,34 @@ class VisualTokensJob(Job):
         if w is not None:
             (out_dir / "rank_weights.json").write_text(json.dumps(w.tolist()))
         try:
-            self._figures(model, out_dir, res)
+            similarity_figure(self, model, out_dir, res)
         except Exception as e:  # a figure must never fail an evaluation
             res["figure_error"] = f"{type(e).__name__}: {e}"[:200]
         return res
 
     # --- the generated dataset's swap files (SugarCrepe format) through score_pairs ----------------
-    def _swap_dirs(self) -> list[Path]:
-        if self.cfg.swap_dirs is not None:
-            return [Path(d) for d in self.cfg.swap_dirs]
-        ds = self.manifest.dataset
-        if ds.kind == "synthetic":
-            root = Path(ds.synthetic.root) if ds.synthetic.root else _local_output(self.manifest) / "source" / "synthetic"
-            return [root / "sugarcrepe"]
-        return []
-
     def _swap_rows(self, model) -> list[Row]:
-        from train.eval.sugarcrepe import pairwise_accuracy, read_sugarcrepe
-
-        data = read_sugarcrepe(self._swap_dirs())
-        if not data or self.samples is None:
+        """Pairwise accuracy per kind on ``swap_dirs`` (default: the generated dataset's
+        ``sugarcrepe/``), scored by the harness through :meth:`score_pairs` (ties count as wrong); a
+        kind with no scorable item is NaN."""
+        if self.samples is None:
             return []
-        from train.eval.images import ImageMatcher
-
-        matcher = ImageMatcher(self.samples)
+        got = score_folders(self, model, "generated_swaps", generated_sugarcrepe_dirs(self.manifest, self.cfg.swap_dirs),
+                            self.samples.dir, self.cfg.swap_max_per_kind)
+        if got is None:
+            return []
+        by_kind = {r.subset: r for r in got.rows if r.subset not in ("all", "add")}
         rows = []
-        for kind, items in sorted(data.items()):
-            items = items[: self.cfg.swap_max_per_kind] if self.cfg.swap_max_per_kind else items
-            sids = matcher.match_many([r["filename"] for r in items])
-            ok = [(int(s), r) for s, r in zip(sids, items) if s >= 0 and int(s) in self.usable]
-            reasons = {}
-            if len(items) - len(ok):
-                reasons = {"no_image": int((sids < 0).sum()), "not_scorable": len(items) - len(ok) - int((sids < 0).sum())}
-                reasons = {k: v for k, v in reasons.items() if v}
-            if not ok:
-                rows.append(Row("generated_swaps", kind, "pairwise_acc", float("nan"), 0, 50.0, len(items), reasons,
-                                note="no scorable items"))
-                continue
-            s = np.array([sid for sid, _ in ok], np.int64)
-            sp = self.score_pairs(model, s, [r["caption"] for _, r in ok])
-            sn = self.score_pairs(model, s, [r["negative_caption"] for _, r in ok])
-            rows.append(Row("generated_swaps", kind, "pairwise_acc", pairwise_accuracy(sp, sn), len(ok), 50.0,
-                            len(items) - len(ok), reasons, note="ties count half"))
+        for kind in got.kinds:
+            r = by_kind.get(kind)
+            if r is None:
+                rows.append(Row("generated_swaps", kind, "pairwise_acc", float("nan"), 0, 50.0, note="no scorable items"))
+            else:
+                rows.append(Row("generated_swaps", kind, "pairwise_acc", r.value, r.n, r.chance, r.skipped, r.skip_reasons,
+                                note="ties count as wrong"))
         return rows
-
-    # --- the harness's scoring interface ------------------------------------------------------------
-    def scorable_sample_ids(self):
-        return np.array(sorted(self.usable), dtype=np.int64)
-
-    def _text_embeddings(self, model, texts: list[str]) -> torch.Tensor:
-        """Texts through the frozen CLIP text tower (as the artifact stores captions), then the head."""
-        from train.clip_text import encode_texts_like_artifact
-
-        new = sorted({t for t in texts if t not in self._text_cache})
-        if new:
-            enc = encode_texts_like_artifact(self.manifest.models.clip, self.ct.manifest, new)
-            for i, t in enumerate(new):
-                n = int(enc["mask"][i].sum())
-                self._text_cache[t] = {"tokens": enc["tokens"][i, :n], "embed": enc["embed"][i]}
-        items = [self._text_cache[t] for t in texts]
-        M = max(int(x["tokens"].shape[0]) for x in items)
-        toks = torch.zeros(len(items), M, items[0]["tokens"].shape[-1])
-        mask = torch.zeros(len(items), M, dtype=torch.bool)
-        for i, x in enumerate(items):
-            toks[i, : x["tokens"].shape[0]] = x["tokens"]
-            mask[i, : x["tokens"].shape[0]] = True
-        emb = torch.stack([x["embed"] for x in items])
-        if self.cfg.text == "pooled":
-            return model.encode_text(None, None, emb, self.device).cpu()
-        return model.encode_text(toks, mask, None, self.device).cpu()
-
-    def score_pairs(self, model, sample_ids, texts, boxes=None):
-        sids = np.asarray(sample_ids, dtype=np.int64)
-        if len(sids) != len(texts):
-            raise ValueError(f"score_pairs: {len(sids)} sample ids but {len(texts)} texts")
-        bad = [int(s) for s in np.unique(sids) if int(s) not in self.usable]
-        if bad:
-            raise KeyError(f"sample {bad[0]} is not scorable by visual-tokens (not in both artifacts, or skipped)")
-        uniq, inv = np.unique(sids, return_inverse=True)
-        img = self.encode_images(model, [int(s) for s in uniq])
-        tu, tinv = np.unique(np.asarray(texts, dtype=object), return_inverse=True)
-        txt = self._text_embeddings(model, [str(t) for t in tu])
-        return (img[inv] * txt[tinv]).sum(-1).double().numpy()
-
-    def retrieval_scores(self, model, sample_ids, caption_ids, texts) -> dict:
-        img = self.encode_images(model, [int(s) for s in sample_ids])
-        txt = self._text_embeddings(model, list(texts))
-        return {"score": (img @ txt.t()).double().numpy()}
-
-    # --- figures ------------------------------------------------------------------------------------
-    def _figures(self, model, out_dir: Path, res: dict) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        rows = []
-        mp = self.run_dir / "metrics.jsonl"
-        if mp.exists():
-            rows = [json.loads(x) for x in mp.read_text().splitlines() if x.strip()]
-        ev = [r for r in rows if r.get("kind") == "eval" and "similarity/mean_cos_diag" in r]
-        # this evaluation is logged after it returns: its step is the last train line's
-        now = max([r.get("step", 0) for r in rows if r.get("kind") == "train"], default=0)
-        pts = [(r["step"], r["similarity/mean_cos_diag"], r["similarity/mean_cos_offdiag"]) for r in ev if r["step"] < now]
-        pts.append((now, res.get("similarity/mean_cos_diag", float("nan")), res.get("similarity/mean_cos_offdiag", float("nan"))))
-        fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-        s, d, o = zip(*pts)
-        ax[0].plot(s, d, marker="o", label="diagonal (matching pairs)")
-        ax[0].plot(s, o, marker="o", label="off-diagonal (other pairs)")
-        ax[0].set_xlabel("training step (evaluations; set eval_every for a curve)")
-        ax[0].set_ylabel("mean cosine similarity (eval)")
-        ax[0].set_title(f"{self.cfg.variant}: image-text similarity (Fig. 4)", fontsize=9)
-        ax[0].legend(fontsize=7)
-        w = model.rank_weights()
-        if w is not None:
-            Lw, Hw, _ = w.shape
-            for li in range(Lw):
-                for hi in range(Hw):
-                    ax[1].plot(range(8), w[li, hi].cpu().numpy(), marker=".", alpha=0.7 if Lw * Hw > 1 else 1,
-                               label=f"layer {li} head {hi}" if Lw * Hw > 1 else "learned w")
-            ax[1].plot(range(8), range(8), "k--", lw=0.8, label="init w_r = r")
-            ax[1].set_xlabel("rank r (7 node-node, 6 node-edge, 5 edge-node, 4..1 kNN)")
-            ax[1].set_ylabel("w_r (added to attention logits)")
-            if Lw * Hw <= 8:
-                ax[1].legend(fontsize=6)
-        else:
-            ax[1].text(0.5, 0.5, f"no rank weights ({self.cfg.variant})", ha="center")
-        ax[1].set_title("learned rank weights w", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out_dir / "similarity_and_rank_weights.png", dpi=90)
-        plt.close(fig)
 
 
 def ct_dims_fields(vit: bool) -> tuple[str, ...]:
     return ("text_tokens", "text_embed") + (("patch_tokens",) if vit else ())
+

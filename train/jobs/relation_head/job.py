@@ -1,0 +1,107 @@
+"""The `relation-head` job's lifecycle (see train/jobs/relation_head/__init__.py): BCE over every
+valid (subject, object, predicate) entry, RAM's recall@K, and the export the stage loads."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.models.relations import build_relation_head
+from train.job import Job, Splits, resolve_artifact
+from train.jobs.relation_head import NAME, Config
+from train.jobs.relation_head.batches import collate, load_graphs
+from train.jobs.relation_head.metrics import evaluate_model
+
+
+def _held_out(sample_id: int, frac: float) -> bool:
+    return ((int(sample_id) * 2654435761) % 2**32) % 1000 < int(round(1000 * frac))
+
+
+def split_ids(manifest, cfg: Config, sample_ids: list[int]) -> tuple[set[int], set[int]]:
+    """(train ids, held-out ids): the samples artifact's split column where it puts some of them in
+    ``eval_splits``, else ``val_fraction`` of the ids by hash."""
+    rec = Splits.of_manifest(manifest, cfg.samples_artifact).recorded(sample_ids)
+    if any(r in cfg.eval_splits for r in rec):
+        return ({i for i, r in zip(sample_ids, rec) if r in cfg.train_splits},
+                {i for i, r in zip(sample_ids, rec) if r in cfg.eval_splits})
+    held = {i for i in sample_ids if _held_out(i, cfg.val_fraction)}
+    return set(sample_ids) - held, held
+
+
+def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_man: dict, art_dir: Path, cfg: Config, metrics: dict) -> None:
+    """The file ``models.relation_head`` points at (what the stage's ``learned`` backend loads)."""
+    ck = {
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "config": head_cfg,
+        "predicates": list(vocab),
+        "embedding": art_man.get("embedding", {}),
+        "metrics": metrics,
+        "provenance": {
+            "artifact": str(art_dir),
+            "artifact_fingerprint": art_man.get("fingerprint"),
+            "trained_on_random_features": bool(art_man.get("random_weights")),
+            "job_config": cfg.model_dump(mode="json"),
+        },
+    }
+    from pipeline.io.checkpoint import save_checkpoint_file
+
+    save_checkpoint_file(path, ck)  # tensors + plain data: loads with weights_only=True
+
+
+class RelationHeadJob(Job):
+    NAME = NAME
+
+    def __init__(self, cfg: Config, manifest, run_dir, device):
+        super().__init__(cfg, manifest, run_dir, device)
+        self.art_dir = resolve_artifact(manifest, self.cfg.artifact)
+        items, self.art_man = load_graphs(self.art_dir)
+        self.vocab = self.art_man.get("predicates")
+        if not self.vocab:
+            raise ValueError(f"{self.art_dir}: no predicate vocabulary in _manifest.json (not a visual_tokens artifact?)")
+        rel = self.art_man.get("parameters", {}).get("relations")
+        if rel != "annotations":
+            print(f"warning: {self.art_dir} was extracted with relations={rel!r}, not ground-truth annotations")
+        items = [it for it in items if len(it[1]) > 0]
+        if not items:
+            raise ValueError(f"{self.art_dir}: no image with instances")
+        self.d = items[0][1].shape[1]
+        tr, ev = split_ids(manifest, cfg, [it[0] for it in items])
+        self.train_items = [it for it in items if it[0] in tr]
+        self.eval_items = [it for it in items if it[0] in ev]
+        self.head_cfg = dict(in_dim=self.d, width=self.cfg.width, layers=self.cfg.layers, heads=self.cfg.heads, cls_dim=self.cfg.cls_dim,
+                             n_predicates=len(self.vocab), use_boxes=self.cfg.use_boxes, dropout=self.cfg.dropout)  # fmt: skip
+        self.export_path = Path(run_dir) / "relation_head.pt"
+
+    def build_model(self):
+        return build_relation_head(**self.head_cfg)
+
+    def batches_per_epoch(self):
+        return math.ceil(len(self.train_items) / self.cfg.batch_size)
+
+    def batches(self, epoch, start):
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train_items))
+        for b in range(start, self.batches_per_epoch()):
+            chunk = [self.train_items[i] for i in order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size]]
+            yield tuple(t.to(self.device) for t in collate(chunk, len(self.vocab), self.d))
+
+    def loss(self, model, batch):
+        emb, box, pad, tgt = batch
+        logits = model(emb, box, pad)
+        valid = torch.isfinite(logits)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits[valid], tgt[valid]), {}
+
+    def evaluate(self, model, out_dir):
+        model = model.cpu()
+        res = {f"val_{k}": v for k, v in evaluate_model(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k).items()}
+        res.update({f"train_{k}": v for k, v in evaluate_model(model, self.train_items, len(self.vocab), self.d, self.cfg.recall_k[:1]).items()})
+        model.to(self.device)
+        out_dir = Path(out_dir)
+        if out_dir.name == "final":  # the loop's final evaluation: export the trained model for the stage
+            export_checkpoint(self.export_path, model, self.head_cfg, self.vocab, self.art_man, self.art_dir, self.cfg, res)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "relation_head_metrics.json").write_text(json.dumps(res, indent=1))
+        return res
