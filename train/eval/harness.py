@@ -18,7 +18,8 @@ evaluations, :meth:`train.loop.Job.job_metrics`):
    :meth:`Job.retrieval_scores` for the [I, T] matrices and computes R@K both ways with their exact
    chance levels;
 4. writes ``<run_dir>/eval/<step>/results.parquet`` (job, variant, checkpoint, step, benchmark,
-   subset, metric, value, n, chance, skipped, skip_reasons, unit, note) and ``results.md``.
+   subset, metric, value, n, chance, ci_low, ci_high, skipped, skip_reasons, unit, note) and
+   ``results.md``; a row whose scorer gave no interval gets NaN and a note saying so.
 
 ``train compare RUN_DIR...`` (:func:`compare`) puts the latest results of several runs side by side.
 """
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from train.eval.interface import RESULT_COLUMNS, BenchData, Item, NoScorableItems, Pair, Row
+from train.eval.intervals import mean_boot, percentile_interval
 
 # ------------------------------------------------------------------------------------ chance
 
@@ -68,7 +70,8 @@ def recall_first_hit(scores: np.ndarray, gt: np.ndarray) -> np.ndarray:
 
 def retrieval_rows(name: str, protocol: str, S: np.ndarray, img_of_caption: np.ndarray,
                    ks: Sequence[int] = (1, 5, 10)) -> list[Row]:
-    """R@K image->text and text->image for one score matrix S [I, T] (percent), chance beside.
+    """R@K image->text and text->image for one score matrix S [I, T] (percent), chance beside, with a
+    bootstrap interval over the queries.
 
     A protocol named ``<p>/i2t`` (``<p>/t2i``) is a matrix valid in one direction only, e.g. a
     two-stage rerank that ranks each query's own candidate set (ConceptOT G.4): it is read along
@@ -85,12 +88,12 @@ def retrieval_rows(name: str, protocol: str, S: np.ndarray, img_of_caption: np.n
     f_i2t = recall_first_hit(S, gt) if "i2t" in directions else None
     f_t2i = recall_first_hit(S.T, gt.T) if "t2i" in directions else None
     for k in ks:
-        if f_i2t is not None:
-            rows.append(Row(name, protocol, f"i2t_R@{k}", 100.0 * float((f_i2t < k).mean()), I,
-                            retrieval_chance(caps, T, k)))
-        if f_t2i is not None:
-            rows.append(Row(name, protocol, f"t2i_R@{k}", 100.0 * float((f_t2i < k).mean()), T,
-                            retrieval_chance(np.ones(T, dtype=np.int64), I, k)))
+        for d, first, n, chance in (("i2t", f_i2t, I, lambda: retrieval_chance(caps, T, k)),
+                                    ("t2i", f_t2i, T, lambda: retrieval_chance(np.ones(T, dtype=np.int64), I, k))):
+            if first is not None:
+                boot = mean_boot(first < k)
+                rows.append(Row(name, protocol, f"{d}_R@{k}", 100.0 * float((first < k).mean()), n, chance(),
+                                boot=boot).with_ci(percentile_interval(boot, 100.0)))
     return rows
 
 
@@ -396,6 +399,8 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
     jname, variant = _job_label(job)
     table = []
     for r in rows:
+        if math.isfinite(r.value) and math.isnan(r.ci_low) and "no interval" not in r.note:
+            r.no_interval("its scorer gave no per-item outcomes")
         d = r.as_dict()
         table.append({"job": jname, "variant": variant, "checkpoint": str(checkpoint),
                       "step": -1 if step is None else int(step), **d})
@@ -411,7 +416,7 @@ def write_results(table: list[dict], out_dir: Path, errors: Sequence[str] = ()) 
     cols = {c: [r.get(c) for r in table] for c in RESULT_COLUMNS}
     types = {"job": pa.string(), "variant": pa.string(), "checkpoint": pa.string(), "step": pa.int64(),
              "benchmark": pa.string(), "subset": pa.string(), "metric": pa.string(), "value": pa.float64(),
-             "n": pa.int64(), "chance": pa.float64(), "skipped": pa.int64(), "skip_reasons": pa.string(),
+             "n": pa.int64(), "chance": pa.float64(), "ci_low": pa.float64(), "ci_high": pa.float64(), "skipped": pa.int64(), "skip_reasons": pa.string(),
              "unit": pa.string(), "note": pa.string()}
     t = pa.table({c: pa.array(cols[c], type=types[c]) for c in RESULT_COLUMNS})
     write_parquet_atomic(t, out_dir / "results.parquet")
@@ -443,14 +448,22 @@ def fmt_num(v: Any, unit: str = "") -> str:
     return f"{v:.4g}"
 
 
+def fmt_value(r: dict, unit: str) -> str:
+    """``value [ci_low, ci_high]`` in the row's unit (the interval left out where it is NaN)."""
+    lo, hi = r.get("ci_low"), r.get("ci_high")
+    ci = "" if fmt_num(lo, unit) == "-" else f" [{fmt_num(lo, unit)}, {fmt_num(hi, unit)}]"
+    return f"{fmt_num(r['value'], unit)}{ci}"
+
+
 def markdown_table(table: list[dict]) -> str:
-    head = "| benchmark | subset | metric | value | chance | n | skipped |\n|---|---|---|---:|---:|---:|---:|"
+    head = ("| benchmark | subset | metric | value [95% CI] | chance | n | skipped |\n"
+            "|---|---|---|---:|---:|---:|---:|")
     lines = [head]
     for r in table:
         unit = r.get("unit") or ""
         suffix = " %" if unit == "%" else ""
         chance = fmt_num(r["chance"], unit)
-        lines.append(f"| {r['benchmark']} | {r['subset']} | {r['metric']} | {fmt_num(r['value'], unit)}{suffix} | "
+        lines.append(f"| {r['benchmark']} | {r['subset']} | {r['metric']} | {fmt_value(r, unit)}{suffix} | "
                      f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} |")
     return "\n".join(lines)
 
@@ -513,7 +526,9 @@ def _run_label(res_path: Path, rows: list[dict]) -> str:
 
 
 def compare(paths: Sequence[str | Path]) -> str:
-    """One Markdown table: a row per (benchmark, subset, metric), a column per run, chance beside."""
+    """One Markdown table: a row per (benchmark, subset, metric), a column per run holding
+    ``value [ci_low, ci_high]`` (the 95% interval; results written before intervals existed show
+    the value alone), chance beside."""
     import pyarrow.parquet as pq
 
     runs = []
@@ -557,7 +572,7 @@ def compare(paths: Sequence[str | Path]) -> str:
         vals = []
         for j in range(len(runs)):
             r = rs.get(j)
-            vals.append("-" if r is None else f"{fmt_num(r['value'], unit)}{suffix} (n={int(r['n']):,})")
+            vals.append("-" if r is None else f"{fmt_value(r, unit)}{suffix} (n={int(r['n']):,})")
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {chance} | " + " | ".join(vals) + " |")
     src = "\n".join(f"- {lab}: {f}" for lab, (_, f, _) in zip(labels, runs))
     return "\n".join(lines) + "\n\n" + src

@@ -49,14 +49,16 @@ import numpy as np
 
 # results.parquet columns, in order (DESIGN.md, Evaluation)
 RESULT_COLUMNS = ("job", "variant", "checkpoint", "step", "benchmark", "subset", "metric", "value", "n", "chance",
-                  "skipped", "skip_reasons", "unit", "note")
+                  "ci_low", "ci_high", "skipped", "skip_reasons", "unit", "note")
 
 
 @dataclass
 class Row:
     """One result: a metric of a benchmark subset (``subset='all'`` for the benchmark's overall
     figure), the number of items it was computed on, its chance level (None only where no chance
-    level is defined, e.g. a loss), the number of items skipped and why."""
+    level is defined, e.g. a loss), the number of items skipped and why, and the 95% interval of
+    ``value`` in its unit (:mod:`train.eval.intervals`: Wilson for a proportion, a bootstrap over
+    items otherwise). A row that has no interval says why in its note (:meth:`no_interval`)."""
 
     benchmark: str
     subset: str
@@ -68,12 +70,27 @@ class Row:
     skip_reasons: dict[str, int] = field(default_factory=dict)
     unit: str = "%"  # "%" | "fraction" | "" (a count or a loss)
     note: str = ""
+    ci_low: float = float("nan")
+    ci_high: float = float("nan")
+    # the bootstrap distribution of ``value`` (not a column): a macro average over rows combines them
+    boot: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def with_ci(self, interval: tuple[float, float]) -> Row:
+        self.ci_low, self.ci_high = float(interval[0]), float(interval[1])
+        return self
+
+    def no_interval(self, reason: str) -> Row:
+        """NaN interval, with ``reason`` in the note (never silently)."""
+        self.ci_low = self.ci_high = float("nan")
+        self.note = "; ".join(x for x in (self.note, f"no interval: {reason}") if x)
+        return self
 
     def as_dict(self) -> dict[str, Any]:
         import json
 
         return {"benchmark": self.benchmark, "subset": self.subset, "metric": self.metric, "value": float(self.value),
                 "n": int(self.n), "chance": None if self.chance is None else float(self.chance),
+                "ci_low": float(self.ci_low), "ci_high": float(self.ci_high),
                 "skipped": int(self.skipped), "skip_reasons": json.dumps(self.skip_reasons, sort_keys=True),
                 "unit": self.unit, "note": self.note}
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from train.eval.interface import Item, Row
+from train.eval.intervals import group_means_boot, macro, percentile_interval, wilson_of
 
 
 class BenchmarkError(ValueError):
@@ -132,30 +133,40 @@ def correct_vector(items: Sequence[Item], scores: Sequence[np.ndarray], fn: Call
 
 def group_rows(name: str, groups: Sequence[str], correct: np.ndarray, chance: np.ndarray | float,
                metric: str = "accuracy", order: Sequence[str] | None = None, note: str = "") -> list[Row]:
-    """One accuracy row per group (pooled over its items), in ``order`` (default sorted)."""
+    """One accuracy row per group (pooled over its items), in ``order`` (default sorted), with its
+    Wilson interval and its bootstrap distribution (for macro averages over groups)."""
     by: dict[str, list[int]] = defaultdict(list)
     for k, g in enumerate(groups):
         by[g].append(k)
     ch = np.broadcast_to(np.asarray(chance, dtype=np.float64), correct.shape)
+    boots = group_means_boot(correct, groups)
     out = []
     for g in (order if order is not None else sorted(by)):
         idx = by.get(g)
         if not idx:
             continue
-        out.append(Row(name, g, metric, 100.0 * float(correct[idx].mean()), len(idx), 100.0 * float(ch[idx].mean()), note=note))
+        out.append(Row(name, g, metric, 100.0 * float(correct[idx].mean()), len(idx), 100.0 * float(ch[idx].mean()),
+                       note=note, boot=100.0 * boots[str(g)]).with_ci(wilson_of(correct[idx])))
     return out
 
 
 def pooled_row(name: str, subset: str, correct: np.ndarray, chance: np.ndarray | float, metric: str = "accuracy",
                note: str = "") -> Row:
     ch = np.broadcast_to(np.asarray(chance, dtype=np.float64), correct.shape)
-    return Row(name, subset, metric, 100.0 * float(correct.mean()), int(correct.size), 100.0 * float(ch.mean()), note=note)
+    return Row(name, subset, metric, 100.0 * float(correct.mean()), int(correct.size), 100.0 * float(ch.mean()),
+               note=note).with_ci(wilson_of(correct))
 
 
 def macro_row(name: str, subset: str, rows: Sequence[Row], metric: str = "macro_accuracy", note: str = "") -> Row | None:
-    """Unweighted mean of ``rows``' values (and chances); n = the items under them."""
+    """Unweighted mean of ``rows``' values (and chances); n = the items under them. Its interval is
+    the percentile interval of the same mean over the rows' bootstrap distributions (items
+    resampled within each group), which it keeps for a macro over macros."""
     if not rows:
         return None
     chances = [r.chance for r in rows]
     chance = None if any(c is None for c in chances) else float(np.mean(chances))
-    return Row(name, subset, metric, float(np.mean([r.value for r in rows])), int(sum(r.n for r in rows)), chance, note=note)
+    row = Row(name, subset, metric, float(np.mean([r.value for r in rows])), int(sum(r.n for r in rows)), chance, note=note)
+    if any(r.boot is None for r in rows):
+        return row.no_interval("a row it averages has no bootstrap distribution")
+    row.boot = macro([r.boot for r in rows])
+    return row.with_ci(percentile_interval(row.boot))
