@@ -14,7 +14,9 @@ from pipeline.loaders.visual_tokens import iter_samples
 from pipeline.models.relations import box_features, load_relation_checkpoint
 from pipeline.stage import RunContext, run_stage
 from tests.conftest import make_manifest
-from train.jobs.relation_head.metrics import recall_at_k
+from train.eval.interface import NoScorableItems
+from train.eval.intervals import mean_interval
+from train.jobs.relation_head.metrics import per_image_recall, recall_at_k, recall_rows
 
 
 def test_recall_at_k_matches_definition():
@@ -26,6 +28,26 @@ def test_recall_at_k_matches_definition():
     r, chance = recall_at_k(probs, gt, 1)
     assert r == 0.5 and chance == 1 / 24
     assert recall_at_k(probs, gt, 24)[0] == 1.0 and recall_at_k(probs, np.zeros((0, 3), int), 5) is None
+
+
+def test_recall_rows_have_chance_interval_and_skips():
+    from pipeline.models.relations import build_relation_head
+
+    torch.manual_seed(0)
+    model = build_relation_head(in_dim=8, width=16, layers=1, heads=2, cls_dim=4, n_predicates=3, dropout=0.0)
+    r = np.random.default_rng(0)
+    items = [(i, r.random((4, 8), dtype=np.float32), r.random((4, 8), dtype=np.float32),
+              np.array([[0, 1, i % 3], [2, 3, 0]]) if i % 5 else np.zeros((0, 3), np.int64)) for i in range(30)]
+    rows = recall_rows(model, items, 3, 8, [5, 10])
+    assert [r.metric for r in rows] == ["recall@5", "recall@10"]
+    per, chance = per_image_recall(model, items, 3, 8, [5, 10])
+    for row, k in zip(rows, (5, 10)):
+        assert row.n == 24 and row.skipped == 6 and row.skip_reasons == {"no_ground_truth_relation": 6}
+        assert row.value == pytest.approx(100 * np.mean(per[k])) and row.chance == pytest.approx(100 * k / 36)
+        assert (row.ci_low, row.ci_high) == pytest.approx(mean_interval(per[k], 100.0))
+        assert row.ci_low <= row.value <= row.ci_high and row.ci_low < row.ci_high
+    with pytest.raises(NoScorableItems, match="none of the 2 held-out images"):
+        recall_rows(model, [it for it in items if len(it[3]) == 0][:2], 3, 8, [5])
 
 
 @pytest.mark.slow
@@ -55,6 +77,13 @@ def test_relation_head_learns_scene_graphs(tmp_path, ray_session):
     res = train(job, resume=False, progress=False)
     assert res["val_images"] >= 10
     assert res["val_recall@20"] > 60 and res["val_recall@20"] > 5 * res["val_chance_recall@20"], res
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "rh" / "eval" / "final" / "results.parquet").to_pylist()
+    got = {r["metric"]: r for r in table if r["benchmark"] == "relation-head"}
+    r20 = got["recall@20"]
+    assert r20["value"] == pytest.approx(res["val_recall@20"]) and r20["chance"] == pytest.approx(res["val_chance_recall@20"])
+    assert r20["ci_low"] <= r20["value"] <= r20["ci_high"] < 100.001 and r20["n"] == res["val_images"]
     ck_path = tmp_path / "rh" / "relation_head.pt"
     model, ck = load_relation_checkpoint(ck_path)
     assert ck["predicates"] == Artifact(f"{m.output}/visual_tokens").manifest["predicates"]

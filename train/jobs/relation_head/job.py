@@ -14,7 +14,7 @@ from pipeline.models.relations import build_relation_head
 from train.job import Job, Splits, resolve_artifact
 from train.jobs.relation_head import NAME, Config
 from train.jobs.relation_head.batches import collate, load_graphs
-from train.jobs.relation_head.metrics import evaluate_model
+from train.jobs.relation_head.metrics import evaluate_model, recall_rows
 
 
 def _held_out(sample_id: int, frac: float) -> bool:
@@ -93,6 +93,14 @@ class RelationHeadJob(Job):
         logits = model(emb, box, pad)
         valid = torch.isfinite(logits)
         return torch.nn.functional.binary_cross_entropy_with_logits(logits[valid], tgt[valid]), {}
+
+    def job_metrics(self, model, out_dir) -> list:
+        """Held-out recall@k (``recall_k``) with chance and a bootstrap interval over images."""
+        model = model.cpu()
+        try:
+            return recall_rows(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k)
+        finally:
+            model.to(self.device)
 
     def evaluate(self, model, out_dir):
         model = model.cpu()
