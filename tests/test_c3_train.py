@@ -165,6 +165,12 @@ def test_eval_negatives_are_concept_matched(data, tmp_path):
     aucs = {r.subset: r.value for r in rows if r.benchmark == "c3_mcp" and r.metric == "auc"}
     assert set(aucs) == {"type1", "type2_random", "type2_hard", "type2_binding"}
     assert all(a == pytest.approx(0.5, abs=1e-9) for a in aucs.values()), aucs
+    # every figure has its 95% interval (a bootstrap over triplets / queries) around it
+    scored = [r for r in rows if r.value == r.value]
+    assert {r.metric for r in scored} >= {"auc", "auc_global_cosine", "balanced_accuracy"}
+    assert all(r.ci_low <= r.value <= r.ci_high for r in scored), [(r.metric, r.ci_low, r.value, r.ci_high) for r in scored]
+    # positive and negative share their concept's score: every resample holds the same multiset twice
+    assert all((r.ci_low, r.ci_high) == pytest.approx((0.5, 0.5)) for r in scored if r.metric == "auc")
 
 
 def test_score_pairs(data):

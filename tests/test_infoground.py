@@ -411,3 +411,20 @@ def test_feature_encoder_is_the_mlm_body_when_shared():
         a = shared.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
         b = lm.encoder(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
     assert torch.equal(a, b)
+
+
+def test_grounding_rows_carry_wilson_intervals():
+    from scipy.stats import binomtest
+
+    from train.jobs.infoground.metrics import grounding_rows
+
+    g = {"phrases": 40, "nouns": 9, "skipped": 2, "skip_reasons": {"x": 2},
+         "noun_vs_negatives": 100 * 4 / 9, "noun_vs_negatives_chance": 25.0}
+    for j, k in enumerate(("r1", "r5", "r10", "pointing_accuracy")):
+        g[k], g[f"{k}_chance"] = 100 * (10 + 7 * j) / 40, 10.0
+    rows = grounding_rows(g, "flickr30k-entities", "test")
+    want = [(10 + 7 * j, 40) for j in range(4)] + [(4, 9)]
+    assert len(rows) == len(want)
+    for r, (k, n) in zip(rows, want):
+        ci = binomtest(k, n).proportion_ci(method="wilson")
+        assert (r.ci_low, r.ci_high) == pytest.approx((100 * ci.low, 100 * ci.high)), r.metric

@@ -242,6 +242,11 @@ def test_gold_captions_counts_bad_input(tok):
     assert g.phrases[0] == [(0, 3), (4, 7)]
     s = score_labels([np.zeros(n, int) for n in g.n_tokens], g)
     assert s["all"]["n"] == 3 and s["ge2_phrases"]["n"] == 1
+    for sub in ("all", "ge2_phrases"):  # bootstrap intervals over captions, in each metric's unit
+        for m in ("tIoU", "P", "R", "F1"):
+            lo, hi = s[sub][f"{m}_ci"]
+            assert lo <= s[sub][m] + 1e-9 and s[sub][m] <= hi + 1e-9, (sub, m)
+    assert s["ge2_phrases"]["F1_ci"] == pytest.approx((s["ge2_phrases"]["F1"],) * 2)  # one caption: no spread
 
 
 def test_isolated_groups_see_the_caption_only_through_the_assignment():

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from pipeline.loaders.concept_tokens import ConceptTokens
 from train.eval.interface import Row
+from train.eval.intervals import auc_interval, mean_interval
 from train.jobs.c3.model import conditioned_sim, encode_batch, fuse_pairs
 
 EVAL_TYPES = ("type1", "type2_random", "type2_hard", "type2_binding")
@@ -226,13 +227,17 @@ class HeldOut:
                                     "fraction", "no negative of this type could be drawn"))
                     continue
                 sk = {"no_negative_found": skipped} if skipped else {}
-                rows.append(Row("c3_mcp", name, "auc", auc(sp[v], sn), n, 0.5, skipped, sk, "fraction", note_src))
+                # intervals: a bootstrap over held-out triplets, each resampled with its negative
+                rows.append(Row("c3_mcp", name, "auc", auc(sp[v], sn), n, 0.5, skipped, sk, "fraction", note_src)
+                            .with_ci(auc_interval(sp[v], sn)))
                 rows.append(Row("c3_mcp", name, "auc_global_cosine", auc(bp[v], bn), n, 0.5, skipped, sk, "fraction",
-                                "frozen CLIP: cos(e_i, t_C) + cos(e_j, t_C)"))
+                                "frozen CLIP: cos(e_i, t_C) + cos(e_j, t_C)").with_ci(auc_interval(bp[v], bn)))
                 if self.cfg.objectives != "mcc":
                     acc = 50.0 * (float((sp[v] > 0).mean()) + float((sn <= 0).mean()))
+                    per = 0.5 * ((sp[v] > 0).astype(np.float64) + (sn <= 0))  # per triplet: its mean of the two
                     rows.append(Row("c3_mcp", name, "balanced_accuracy", acc, 2 * n, 50.0, skipped, sk, "%",
-                                    "threshold p = 0.5; mean of positive and negative accuracy"))
+                                    "threshold p = 0.5; mean of positive and negative accuracy")
+                                .with_ci(mean_interval(per, 100.0)))
             rows += self.retrieval_rows(model, E)
         return rows
 
@@ -291,7 +296,9 @@ class HeldOut:
         for key, (pm, pg, br) in sorted(stats.items()):
             pm, pg, br = np.concatenate(pm), np.concatenate(pg), np.concatenate(br)
             rows.append(Row("c3_retrieval", key, f"precision@{k}", 100 * float(pm.mean()), len(pm), 100 * float(br.mean()),
-                            0, {}, "%", ("chance = base rate of images containing C; " + note).strip("; ")))
+                            0, {}, "%", ("chance = base rate of images containing C; " + note).strip("; "))
+                        .with_ci(mean_interval(pm, 100.0)))
             rows.append(Row("c3_retrieval", key, f"precision@{k}_global_cosine", 100 * float(pg.mean()), len(pg),
-                            100 * float(br.mean()), 0, {}, "%", "frozen CLIP image embeddings, unconditioned"))
+                            100 * float(br.mean()), 0, {}, "%", "frozen CLIP image embeddings, unconditioned")
+                        .with_ci(mean_interval(pg, 100.0)))
         return rows

@@ -23,6 +23,7 @@ from pipeline.loaders.negatives import NegativesReader
 from train.boxes import box_iou
 from train.data import ParquetMultiJoin
 from train.eval.interface import Row
+from train.eval.intervals import wilson
 
 GROUNDING_METRICS = ("r1", "r5", "r10", "pointing_accuracy")
 
@@ -207,17 +208,22 @@ def split_figures(name: str, g: dict) -> dict:
 
 
 def grounding_rows(g: dict, bench: str, subset: str) -> list:
-    """:func:`ground`'s figures as harness rows of benchmark ``bench``."""
+    """:func:`ground`'s figures as harness rows of benchmark ``bench``. Every figure is a share of
+    phrases (nouns) with a 0/1 outcome: its interval is Wilson's."""
     names = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "pointing_accuracy": "pointing accuracy"}
+
+    def ci(pct: float, n: int) -> tuple[float, float]:
+        return wilson(round(pct * n / 100.0), n)
+
     rows = [Row(bench, subset, names[k], g[k], g["phrases"], g[f"{k}_chance"],
                 skipped=g["skipped"], skip_reasons=g["skip_reasons"], unit="%",
                 note="phrase score = max attention over its noun/adjective words; chance: random region ranking")
-            for k in GROUNDING_METRICS]
+            .with_ci(ci(g[k], g["phrases"])) for k in GROUNDING_METRICS]
     if g.get("nouns"):
         rows.append(Row(bench, subset, "noun vs its negatives", g["noun_vs_negatives"], g["nouns"],
                         g["noun_vs_negatives_chance"], unit="%",
                         note="phi of the true noun above all its stored negatives in context (held-out L_lang); "
-                             "chance 1/(1+negatives) per noun"))
+                             "chance 1/(1+negatives) per noun").with_ci(ci(g["noun_vs_negatives"], g["nouns"])))
     return rows
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from train.eval.intervals import mean_interval
+
 METRICS = ("tIoU", "P", "R", "F1")
 
 
@@ -160,8 +162,9 @@ def baseline_labels(method: str, n: int, k: int, rng: np.random.Generator, feats
 
 
 def score_labels(all_labels: Sequence[np.ndarray], gold: GoldCaptions) -> dict[str, dict[str, float]]:
-    """{subset: {metric: mean over captions, "n": captions}} for subsets ``all`` and ``ge2_phrases``.
-    Metrics: tIoU as a fraction; P, R, F1 in percent."""
+    """{subset: {metric: mean over captions, "<metric>_ci": its 95% bootstrap interval over captions,
+    "n": captions}} for subsets ``all`` and ``ge2_phrases``. Metrics: tIoU as a fraction; P, R, F1 in
+    percent."""
     per = np.array([caption_scores(lab, ph) for lab, ph in zip(all_labels, gold.phrases)], np.float64).reshape(-1, 4)
     many = np.array([len(ph) >= 2 for ph in gold.phrases], bool)
     out = {}
@@ -172,4 +175,6 @@ def score_labels(all_labels: Sequence[np.ndarray], gold: GoldCaptions) -> dict[s
         m = per[sel].mean(0)
         out[subset] = {"tIoU": float(m[0]), "P": 100 * float(m[1]), "R": 100 * float(m[2]), "F1": 100 * float(m[3]),
                        "n": int(sel.sum())}
+        for j, metric in enumerate(METRICS):
+            out[subset][f"{metric}_ci"] = mean_interval(per[sel, j], 1.0 if metric == "tIoU" else 100.0)
     return out

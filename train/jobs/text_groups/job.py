@@ -324,7 +324,8 @@ class TextGroupsJob(Job):
                             note += "; " + notes[m]
                         rows.append(Row(benchmark=f"phrase-discovery/{name}", subset=subset, metric=label,
                                         value=s[metric], n=s["n"], chance=chance.get(metric), skipped=skipped,
-                                        skip_reasons=reasons, unit="fraction" if metric == "tIoU" else "%", note=note))
+                                        skip_reasons=reasons, unit="fraction" if metric == "tIoU" else "%", note=note)
+                                    .with_ci(s[f"{metric}_ci"]))
             if out_dir is not None and self.cfg.figures and self.cfg.variant != "vanilla":
                 self._figure(model, gold, Path(out_dir) / f"assignments_{name.replace('/', '_')}.png")
         return rows

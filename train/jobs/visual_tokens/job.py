@@ -18,6 +18,7 @@ from pipeline.loaders.visual_tokens import read_shard as vt_read_shard
 from train.data import ShardIndex, ShardJoin, ShardStream, loader
 from train.eval.in_job import generated_sugarcrepe_dirs, score_folders
 from train.eval.interface import Row
+from train.eval.intervals import mean_interval
 from train.job import Job, Splits, open_artifact
 from train.jobs.visual_tokens.batches import TEXT_FIELDS, collate_batch
 from train.jobs.visual_tokens.figures import similarity_figure
@@ -188,9 +189,13 @@ class VisualTokensJob(VisualTokensScoring, Job):
             r.note = note
         st = similarity_stats(I, F1)
         n = len(ids)
-        rows.append(Row("similarity", "all", "mean_cos_diag", st["sim_diag"], n, None, unit="", note="Fig. 4: matching pairs"))
+        Sf = (I.float() @ F1.float().t()).numpy()
+        diag = np.diagonal(Sf).astype(np.float64)
+        off = (Sf.sum(1) - diag) / max(1, n - 1)  # each image's mean over its non-matching texts
+        rows.append(Row("similarity", "all", "mean_cos_diag", st["sim_diag"], n, None, unit="", note="Fig. 4: matching pairs")
+                    .with_ci(mean_interval(diag)))
         rows.append(Row("similarity", "all", "mean_cos_offdiag", st["sim_offdiag"], n * (n - 1), None, unit="",
-                        note="Fig. 4: non-matching pairs"))
+                        note="Fig. 4: non-matching pairs; interval: bootstrap over images").with_ci(mean_interval(off)))
         return rows, st
 
     def job_metrics(self, model, out_dir: Path) -> list:
@@ -202,7 +207,7 @@ class VisualTokensJob(VisualTokensScoring, Job):
             flat = w.mean(dim=(0, 1))
             for r in range(1, 8):
                 rows.append(Row("rank_weights", "mean", f"w_{r}", float(flat[r]), int(w.shape[0] * w.shape[1]), None,
-                                unit="", note="initial value: r"))
+                                unit="", note="initial value: r").no_interval("a learned weight, not an estimate over items"))
         return rows
 
     def evaluate(self, model, out_dir: Path) -> dict:
@@ -247,7 +252,7 @@ class VisualTokensJob(VisualTokensScoring, Job):
                 rows.append(Row("generated_swaps", kind, "pairwise_acc", float("nan"), 0, 50.0, note="no scorable items"))
             else:
                 rows.append(Row("generated_swaps", kind, "pairwise_acc", r.value, r.n, r.chance, r.skipped, r.skip_reasons,
-                                note="ties count as wrong"))
+                                note="ties count as wrong").with_ci((r.ci_low, r.ci_high)))
         return rows
 
 
