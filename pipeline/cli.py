@@ -94,7 +94,7 @@ def run(
     except (StageError, ManifestError) as e:
         _fail(str(e))
     except Exception as e:  # anything unforeseen: one line; the traceback with -v
-        from pipeline.stage import describe_exception
+        from pipeline.errors import describe_exception
 
         log.debug("stage %s failed", name, exc_info=True)
         _fail(f"stage {name} failed: {describe_exception(e)}" + ("" if verbose else " (rerun with -v for the traceback)"))
