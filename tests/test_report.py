@@ -80,7 +80,7 @@ def test_eta_never_negative(caplog):
 
 # --------------------------------------------------------------------------- training curves
 def test_metric_panels_split_families(tmp_path):
-    from train.plots import metric_panels, plot_metrics
+    from pipeline.report.curves import metric_panels, plot_metrics
 
     rows = [{"kind": "train", "step": s, "epoch": 0, "loss": 10.0 / s ** 2, "lr": 1e-4, "grad_norm": 2.0,
              "steps_per_s": 5.0, "samples_per_s": 320.0, "hn_index_hit": 0.5} for s in (1, 2, 3, 4, 5, 6, 7, 8)]
@@ -110,7 +110,7 @@ def test_metric_panels_split_families(tmp_path):
 
 
 def test_no_metrics_no_figure(tmp_path):
-    from train.plots import plot_metrics
+    from pipeline.report.curves import plot_metrics
 
     assert plot_metrics(tmp_path / "absent.jsonl", tmp_path / "m.png") is None
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.report import figures as F
+from pipeline.report.curves import chance_keys, plot_metrics, read_metrics
 
 log = logging.getLogger("pipeline")
 
@@ -466,8 +467,6 @@ def _eval_tables(run_dir: Path) -> list[dict]:
                 res = json.loads(mj.read_text())
             except ValueError:
                 continue
-            from train.plots import chance_keys
-
             chance_of = chance_keys([k for k in res if "chance" not in k], [k for k in res if "chance" in k])
             out_rows = []
             for k, v in res.items():
@@ -485,8 +484,6 @@ def _eval_tables(run_dir: Path) -> list[dict]:
 
 
 def _training_section(output: Path, out: _Out, manifest_path: str | None) -> dict:
-    from train.plots import plot_metrics, read_metrics
-
     root = output / "train"
     runs = []
     run_dirs: set[Path] = set()
