@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.io.artifacts import Artifact, ArtifactMissing
+from pipeline.io.shards import ShardStream, fits_in_memory, loader
 from pipeline.loaders.clip_tokens import collate as ct_collate
-from pipeline.loaders.clip_tokens import fits_in_memory, read_sample, read_shard
-from train.data import ParquetJoin, ShardStream, loader
+from pipeline.loaders.clip_tokens import read_sample, read_shard
+from train.data import ParquetJoin
 from train.eval.benchmarks.sugarcrepe import MAIN as MAIN_KINDS
 from train.eval.benchmarks.sugarcrepe import kind_of
 from train.eval.interface import NoScorableItems

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from pipeline.io.artifacts import Artifact
+from pipeline.io.shards import ShardStream, loader
 from pipeline.io.wds import iter_shard
 from pipeline.loaders.negatives import NegativesReader
 from pipeline.loaders.regions import RegionsReader, collate_regions, iter_shard_mapped
-from train.data import ParquetMultiJoin, ShardStream, loader
+from train.data import ParquetMultiJoin
 from train.jobs.infoground.losses import infoground_loss
 from train.jobs.infoground.model import InfoGroundModel
 from train.job import Job
