@@ -374,6 +374,12 @@ def run_units(
             if result.get("failed"):
                 failed.append((result.get("unit", "?"), result["failed"]))
             progress.update(int(result.get("stats", {}).get("rows", 0)))
+    raise_failed_units(writer, failed)
+    return names
+
+
+def raise_failed_units(writer: ArtifactWriter, failed: list[tuple[str, str]]) -> None:
+    """One :class:`StageError` line naming the first failed unit (and how many more failed)."""
     if failed:
         unit, why = sorted(failed)[0]
         more = f" (and {len(failed) - 1} more units)" if len(failed) > 1 else ""
@@ -381,7 +387,6 @@ def run_units(
             f"{writer.stage}: unit {unit} of {writer.artifact} failed: {why}{more}; "
             "completed units are kept, a rerun resumes from them"
         )
-    return names
 
 
 def run_stage(name: str, ctx: RunContext) -> dict:
