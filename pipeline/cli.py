@@ -104,7 +104,8 @@ def run(
 
 def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bool, location: str | None = None) -> None:
     """The end of `run all`: each stage's rows, errors and time, where the artifacts, the log and the report are."""
-    from pipeline.report.build import fmt_num, fmt_seconds, main_rows
+    from pipeline.report.build import main_rows
+    from pipeline.report.formatting import fmt_num, fmt_seconds
     from pipeline.stage import registry
 
     reg = registry()
