@@ -163,6 +163,7 @@ class FileArray:
 
 
 def materialize(a) -> np.ndarray:
+    """``a`` as an array: a :class:`FileArray` is read, anything else returned as it is."""
     return a.read() if isinstance(a, FileArray) else a
 
 
