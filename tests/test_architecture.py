@@ -5,13 +5,11 @@
    still a dependency; hiding a cycle in a function only moves the failure to run time):
 
    * no module of ``pipeline/`` imports ``train/`` (the library never needs its trainers);
-   * no cycle between modules. The one exemption, and why: a package ``__init__`` that imports one
-     of its own submodules *inside a function* (``train/jobs/<job>/__init__.py``'s ``make_job``
-     loads ``job.py``) while that submodule imports the package at module level (for its
-     ``Config``). The package is fully initialised before any of its functions can run, so that
-     lazy import never sees a half-built module; it exists so that the package (name, Config,
-     description) imports without torch. Any other lazy edge counts: two sibling modules that
-     reach each other lazily are a cycle.
+   * no cycle between modules, whether its imports sit at module level or in functions, package
+     ``__init__`` files included. (The case one might exempt, a package ``__init__`` lazily
+     importing its own submodule that imports the package back for its ``Config``, does not occur:
+     ``train/jobs/<job>/__init__.py`` loads ``job.py`` lazily in ``make_job``, which hands the job its
+     config, so ``job.py`` never imports its package back; no exemption is needed and none is made.)
    ``from a.b import c`` counts as an import of ``a.b.c`` when that is a module, else of ``a.b``;
    the implicit import of parent packages is not counted (Python runs them first, whatever the
    child imports).
@@ -127,14 +125,9 @@ def import_graph() -> dict[str, list[tuple[str, bool, int]]]:
     return {name: imports(name, path, is_pkg, known) for name, (path, is_pkg) in known.items()}
 
 
-def _exempt(src: str, dst: str, lazy: bool, known: dict) -> bool:
-    """A package __init__'s lazy import of its own submodule (see the module docstring)."""
-    return lazy and known[src][1] and dst.startswith(src + ".")
-
-
-def import_cycles(graph: dict, known: dict) -> list[list[str]]:
+def import_cycles(graph: dict) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan, iterative)."""
-    edges = {m: sorted({t for t, lazy, _ in e if t != m and not _exempt(m, t, lazy, known)}) for m, e in graph.items()}
+    edges = {m: sorted({t for t, _lazy, _ in e if t != m}) for m, e in graph.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -181,23 +174,21 @@ def test_pipeline_never_imports_train():
 
 
 def test_no_import_cycles():
-    known = modules()
     graph = import_graph()
-    cycles = import_cycles(graph, known)
+    cycles = import_cycles(graph)
     detail = []
     for comp in cycles:
         detail.append(" <-> ".join(comp))
         detail.extend(f"    {m}:{line} -> {t}{' (in a function)' if lazy else ''}"
-                      for m in comp for t, lazy, line in graph[m] if t in comp and not _exempt(m, t, lazy, known))
+                      for m in comp for t, lazy, line in graph[m] if t in comp)
     assert not cycles, "import cycles:\n" + "\n".join(detail)
 
 
-def test_cycle_finder_finds_lazy_cycles_and_exempts_package_init():
-    known = {"p": (Path("p/__init__.py"), True), "p.a": (Path("p/a.py"), False), "p.b": (Path("p/b.py"), False)}
-    graph = {"p": [("p.a", True, 1)], "p.a": [("p", False, 1), ("p.b", False, 2)], "p.b": [("p.a", True, 3)]}
-    assert import_cycles(graph, known) == [["p.a", "p.b"]]
-    graph["p"] = [("p.a", False, 1)]  # a module-level import of the submodule is a real cycle
-    assert sorted(map(tuple, import_cycles(graph, known))) == [("p", "p.a", "p.b")]
+def test_cycle_finder_finds_lazy_cycles():
+    graph = {"p": [("p.a", True, 1)], "p.a": [("p.b", False, 2)], "p.b": [("p.a", True, 3)], "q": [("p", False, 1)]}
+    assert import_cycles(graph) == [["p.a", "p.b"]]
+    graph["p.a"].append(("p", False, 4))  # a package whose submodule imports it back: one cycle of three
+    assert import_cycles(graph) == [["p", "p.a", "p.b"]]
 
 
 # --------------------------------------------------------------------------- 2. file length
