@@ -253,6 +253,27 @@ def verify(
         raise typer.Exit(1)
 
 
+@app.command()
+def status(
+    manifest: ManifestOpt,
+    set_: SetOpt = None,
+    verify_files: Annotated[bool, typer.Option("--verify", help="also check every shard's size and sha256 (reads every byte)")] = False,
+) -> None:
+    """Each artifact of the manifest's output: complete, stale (an input changed since it was
+    written), incomplete, corrupt or missing, and what to run. Exit 1 when any is not complete."""
+    from pipeline.config import ManifestError, load_manifest
+    from pipeline.status import format_states, output_states
+
+    try:
+        m = load_manifest(manifest, set_ or [])
+    except ManifestError as e:
+        _fail(str(e))
+    states = output_states(m, verify=verify_files)
+    typer.echo(format_states(states))
+    if any(s.state != "complete" for s in states):
+        raise typer.Exit(1)
+
+
 def _is_artifact(path: str) -> bool:
     from pipeline.io import storage
 

@@ -182,3 +182,15 @@ def test_coco_manifest_evaluates_the_karpathy_test_split():
     bench = {b.name: b for b in m.eval.benchmarks}
     assert any(b.format in ("retrieval", "split_retrieval") and (b.split or "test") == "test" for b in bench.values())
     assert any(b.format == "sugarcrepe" for b in bench.values())
+
+
+def test_run_tag_names_the_options_that_differ():
+    from train.jobs.concept_ot import Config
+
+    t = Config(lr=3e-5, batch_size=32).run_tag()
+    assert t.startswith("conceptot-batch_size32-lr3e-5-") and len(t.rsplit("-", 1)[1]) == 6, t
+    assert Config(hard_negatives="index").run_tag().startswith("conceptot-hard_negatives_index-")
+    long = Config(lr=3e-5, batch_size=32, weight_decay=0.5, warmup_frac=0.3, min_lr_frac=0.2, seed=7).run_tag()
+    words = long[len("conceptot-"):].rsplit("-", 1)[0]
+    assert len(words) <= 48 and long != Config(lr=3e-5, batch_size=32, weight_decay=0.5, warmup_frac=0.3,
+                                                min_lr_frac=0.2, seed=8).run_tag()

@@ -359,6 +359,26 @@ def test_vl_checklist_configs_and_category_averages(tmp_path):
     assert len(one.items) == 2
     (corpus / "Relation/spatial/vg.yaml").write_text('ANNO_PATH: "data/nowhere.json"\nIMG_ROOT: "vg/"\n')
     with pytest.raises(BenchmarkError, match=r"nowhere.json: file not found"):
+        read_benchmark(spec("vl_checklist", corpus / "Relation/spatial/vg.yaml"))
+
+
+def test_vl_checklist_config_without_its_data_file_is_skipped_naming_where_it_belongs(tmp_path, monkeypatch):
+    """One missing data file skips that config (counted, with the path beside the corpus folder, not
+    under the working folder); the others are read."""
+    root = tmp_path / "VL-CheckList"
+    for typ, anno in (("Attribute/color", "data/Attribute/vg/color.json"), ("Relation/spatial", "data/Relation/vg/spatial.json")):
+        y = root / "corpus" / "v1" / typ / "vg.yaml"
+        y.parent.mkdir(parents=True)
+        y.write_text(f'ANNO_PATH: "{anno}"\nIMG_ROOT: "vg/"\nTYPE: "TUPLE_JSON"\n')
+    (root / "data/Attribute/vg").mkdir(parents=True)
+    (root / "data/Attribute/vg/color.json").write_text(json.dumps([["VG_100K/1.jpg", {"POS": ["a red car"], "NEG": ["a blue car"]}]]))
+    monkeypatch.chdir(tmp_path)
+    d = read_benchmark(spec("vl_checklist", root / "corpus"))
+    assert [it.subset for it in d.items] == ["Attribute/color/vg"]
+    assert d.skipped == {f"config skipped, data file not found: {root / 'data/Relation/vg/spatial.json'}": 1}
+    (root / "data/Attribute/vg/color.json").unlink()
+    with pytest.raises(BenchmarkError, match=r"VL-CheckList data .*VL-CheckList/data/Attribute/vg/color.json: file not found "
+                                             r"\(and 1 other configs' data files\)"):
         read_benchmark(spec("vl_checklist", root / "corpus"))
 
 
@@ -453,3 +473,54 @@ def test_published_sugarcrepe_counts(sugarcrepe_dir):
         "replace_obj": 1652, "replace_att": 788, "replace_rel": 1406, "swap_obj": 245, "swap_att": 666,
         "add_obj": 2062, "add_att": 692}
     assert all(it.pairs[0].image.endswith(".jpg") and it.pairs[0].text != it.pairs[1].text for it in d.items)
+    # 7,511 items on 1,560 COCO val2017 images (the README's error example counts these)
+    images = sorted({p.image for it in d.items for p in it.pairs})
+    assert len(d.items) == d.total == 7511 and len(images) == 1560
+
+
+def test_published_sugarcrepe_images_match_coco_runs_only(sugarcrepe_dir):
+    """The real file names reach a COCO run's samples (Karpathy val2014 names) through the COCO id;
+    against a Visual Genome run holding the same numbers they are foreign, not matched."""
+    d = read_benchmark(spec("sugarcrepe", sugarcrepe_dir))
+    images = sorted({p.image for it in d.items for p in it.pairs})
+    ids = [int(Path(k).stem) for k in images]
+    coco = ImageMatcher({"sample_id": list(range(len(ids))), "source_id": [str(i) for i in ids],
+                         "image": [f"val2014/COCO_val2014_{i:012d}.jpg" for i in ids]})
+    assert (coco.match_many(images) == np.arange(len(ids))).all()
+    vg = ImageMatcher({"sample_id": list(range(len(ids))), "source_id": [str(i) for i in ids],
+                       "image": [f"VG_100K/{i}.jpg" for i in ids]})
+    s = vg.summary(images)
+    assert s.matched == 0 and s.foreign == {"COCO": 1560}
+
+
+LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a2146b6bd1a8e3a4ffc7a0f6a8e6c3f0b5d7e9a1c2b3d4e5f60718293a4b5\nsize 1234567\n"
+
+
+@pytest.mark.parametrize("fmt, rel", [
+    ("sugarcrepe", "replace_obj.json"), ("sugarcrepe", "SugarCrepe_replace_obj/data/test-00000.parquet"),
+    ("valse", "existence.json"), ("vl_checklist", "corpus/Attribute/color/vg.yaml"), ("winoground", "examples.jsonl"),
+    ("svo_probes", "svo_probes.csv"), ("foil", "foilv1.0_test_2017.json"), ("retrieval", "dataset_coco.json"),
+    ("aro_vg_relation", "visual_genome_relation.json")])
+def test_a_git_lfs_pointer_is_named_as_one(tmp_path, fmt, rel):
+    """A clone without `git lfs pull` holds pointers: the error says so, not 'not valid JSON'."""
+    f = tmp_path / rel
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(LFS)
+    with pytest.raises(BenchmarkError, match=rf"{f.name}: a Git LFS pointer, not the file \(1,234,567 bytes\): fetch it"):
+        read_benchmark(spec(fmt, f))
+
+
+def test_vl_checklist_data_file_and_image_map_as_lfs_pointers(tmp_path):
+    y = tmp_path / "corpus" / "Attribute" / "color" / "vg.yaml"
+    y.parent.mkdir(parents=True)
+    y.write_text('ANNO_PATH: "data/color.json"\nIMG_ROOT: "vg/"\n')
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "color.json").write_text(LFS)
+    with pytest.raises(BenchmarkError, match=r"color.json: a Git LFS pointer"):
+        read_benchmark(spec("vl_checklist", tmp_path / "corpus"))
+    from train.eval.images import read_image_map
+
+    for name in ("map.json", "map.csv"):
+        (tmp_path / name).write_text(LFS)
+        with pytest.raises(ValueError, match=rf"image_map .*{name}: a Git LFS pointer"):
+            read_image_map(tmp_path / name)

@@ -260,3 +260,40 @@ def test_job_label_names_the_variant_as_the_run_folder_does():
         assert cfg.run_tag() == neg  # the run folder's name: the same word
     assert H._job_label(SimpleNamespace(NAME="visual-tokens", cfg=VT(variant="vit"))) == ("visual-tokens", "vit")
     assert H._job_label(SimpleNamespace(NAME="x", cfg=SimpleNamespace())) == ("x", "default")
+
+
+def test_foreign_dataset_images_and_boxes_outside_their_image_are_counted(tmp_path, monkeypatch):
+    """A COCO run (samples/_manifest.json: dataset_kind coco): a VL-CheckList VG key and a VisDial key
+    with a COCO image's number are skipped as foreign_dataset (by dataset), not scored on image
+    391895; a box wholly outside its image is skipped, not scored on the nearest patch."""
+    from pipeline.io.artifacts import ArtifactWriter
+
+    w = ArtifactWriter(tmp_path, "samples", "ingest", {"fake": True})
+    uw = w.unit_writer("00000", "fp")
+    uw.write_table("samples", pa.table({"sample_id": pa.array([0, 1], pa.int64()), "source_id": ["391895", "5"],
+                                        "image": ["000000391895.jpg", "000000000005.jpg"],
+                                        "width": pa.array([640, 640], pa.int32()), "height": pa.array([480, 480], pa.int32()),
+                                        "split": ["test", "test"]}))
+    uw.commit({"rows": 2})
+    w.finalize(["00000"], extra={"dataset_kind": "coco"})
+
+    def reader(spec, samples_dir):
+        its = [Item([Pair("COCO_val2014_000000391895.jpg", "a"), Pair("COCO_val2014_000000391895.jpg", "b")], "coco"),
+               Item([Pair("vg/VG_100K/391895.jpg", "a"), Pair("vg/VG_100K/391895.jpg", "b")], "vg"),
+               Item([Pair("VisualDialog_val2018_000000000005.jpg", "a"), Pair("VisualDialog_val2018_000000000005.jpg", "b")], "vd"),
+               Item([Pair("000000000005.jpg", "a", (700, 10, 800, 90)), Pair("000000000005.jpg", "b", (700, 10, 800, 90))], "box"),
+               Item([Pair("000000000005.jpg", "a", (600, 10, 800, 90)), Pair("000000000005.jpg", "b", (600, 10, 800, 90))], "box")]
+        return BenchData(spec.name, its, score=_pairwise_score, total=5)
+
+    monkeypatch.setitem(H.BUILTIN, "toy", reader)
+    job = FakeJob({(0, "a"): 1.0, (1, "a"): 1.0}, scorable={0, 1})
+    spec = _manifest(tmp_path, [("toy", "toy", None)]).eval.benchmarks[0]
+    rows = H.evaluate_benchmark(job, None, spec, tmp_path / "samples", {0, 1}, log=lambda s: None)
+    by = {r.subset: r for r in rows}
+    assert by["all"].n == 2 and by["all"].skipped == 3
+    assert by["all"].skip_reasons == {"box outside its image": 1, "foreign_dataset: Visual Genome": 1,
+                                      "foreign_dataset: VisDial": 1}
+    # nothing scorable: the error says why, by reason
+    with pytest.raises(NoScorableItems, match=r"toy: 0 of 5 items are scorable: .* \(skipped: foreign_dataset: VisDial 1, "
+                       r"foreign_dataset: Visual Genome 1, skipped_no_image: not in the job's artifacts 3\); run the stage"):
+        H.evaluate_benchmark(job, None, spec, tmp_path / "samples", set(), log=lambda s: None)

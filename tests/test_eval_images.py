@@ -95,3 +95,66 @@ def test_reads_the_samples_artifact(tmp_path):
     assert Artifact(d).read("samples").num_rows == 2
     m = ImageMatcher(d)
     assert m.match("000000000006.jpg") == 1 and m.match("5") == 0
+
+
+COCO_RUN = {"sample_id": [0, 1], "source_id": ["391895", "1"], "image": ["000000391895.jpg", "000000000001.jpg"]}
+FOREIGN = {"vg/VG_100K/391895.jpg": "Visual Genome", "vg/VG_100K/391895": "Visual Genome",
+           "VisualDialog_val2018_000000391895.jpg": "VisDial", "HICO_test2015_00000001.jpg": "HICO",
+           "hake/hico_20160224_det/images/test2015/HICO_test2015_00000001.jpg": "HICO", "swig/1.jpg": "SWiG",
+           "hake/hcvrd/1.jpg": "HAKE"}
+
+
+@pytest.mark.parametrize("dataset", [None, "COCO"])
+def test_a_number_matches_only_where_the_name_says_it_is_that_datasets_image(dataset):
+    """A COCO-numbered run: COCO names and bare ids match; VG / VisDial / HICO / SWiG names with the
+    same numbers are foreign (skipped, counted by dataset), not COCO images 391895 and 1."""
+    m = ImageMatcher(pa.table(COCO_RUN), dataset=dataset)
+    for key in ("COCO_val2014_000000391895.jpg", "val2017/000000391895.jpg", "391895", "000000391895.jpg",
+                "hake/vcoco/val2014/COCO_val2014_000000391895.jpg"):  # HAKE's V-COCO images are COCO's
+        assert m.match(key) == 0, key
+    for key, ds in FOREIGN.items():
+        assert m.match(key) is None and m.skip_reason(key) == f"foreign_dataset: {ds}", key
+    assert m.skip_reason("COCO_val2014_000000000404.jpg") == "skipped_no_image: not in samples"
+    s = m.summary([*FOREIGN, "1"])
+    assert s.matched == 1 and s.foreign == {"HAKE": 1, "HICO": 2, "SWiG": 1, "VisDial": 1, "Visual Genome": 2}
+    assert "foreign (the run holds none of their dataset): HAKE 1, HICO 2" in s.line()
+    # an explicit image_map always wins
+    mapped = ImageMatcher(pa.table(COCO_RUN), image_map={"vg/VG_100K/391895.jpg": "391895"}, dataset=dataset)
+    assert mapped.match("vg/VG_100K/391895.jpg") == 0
+
+
+def test_flickr_and_generated_runs_match_their_own_names():
+    fl = ImageMatcher(pa.table({"sample_id": [0], "source_id": ["0"], "image": ["1000092795.jpg"]}), dataset="Flickr30k")
+    assert fl.match("flickr30k-images/1000092795.jpg") == 0 and fl.match("1000092795") == 0
+    assert fl.match("vg/VG_100K/1000092795.jpg") is None
+    assert fl.skip_reason("COCO_val2014_000000000000.jpg") == "foreign_dataset: COCO"
+    gen = ImageMatcher(pa.table({"sample_id": [0, 1], "source_id": ["1", "2"],
+                                 "image": ["images/000000000001.jpg", "images/000000000002.jpg"]}), dataset="synthetic")
+    for key in ("000000000001.jpg", "images/000000000001.jpg", "000000000001", "1"):
+        assert gen.match(key) == 0, key
+    assert gen.match("COCO_val2014_000000000001.jpg") is None and gen.match("vg/VG_100K/2.jpg") is None
+    assert gen.skip_reason("vg/VG_100K/2.jpg") == "foreign_dataset: Visual Genome"
+    # and the other way: SugarCrepe's COCO 2017 names do not reach a Visual Genome run's image 2; a bare id does
+    vg = ImageMatcher(pa.table({"sample_id": [0], "source_id": ["2"], "image": ["VG_100K/2.jpg"]}))
+    assert vg.match("000000000002.jpg") is None and vg.skip_reason("000000000002.jpg") == "foreign_dataset: COCO"
+    assert vg.match("2.jpg") == 0 and vg.match("2") == 0
+
+
+def test_the_samples_artifact_says_its_dataset(tmp_path):
+    """ingest records dataset_kind (karpathy: by its captions file) in samples/_manifest.json."""
+    from pipeline.io.artifacts import ArtifactWriter
+
+    for kind, captions, want in (("coco", "a.json", "COCO"), ("karpathy", "dataset_flickr30k.json", "Flickr30k"),
+                                 ("synthetic", None, "synthetic"), ("folder", None, None)):
+        w = ArtifactWriter(tmp_path / kind, "samples", "ingest", {"dataset": {"kind": kind, "captions": captions}})
+        uw = w.unit_writer("00000", "fp")
+        uw.write_table("samples", pa.table({"sample_id": pa.array([0], pa.int64()), "source_id": ["7"],
+                                            "image": ["imgs/7.jpg"]}))
+        uw.commit({"rows": 1})
+        w.finalize(["00000"], extra={"dataset_kind": kind})
+        m = ImageMatcher(tmp_path / kind / "samples")
+        assert m.dataset == want, kind
+        assert m.match("7") == 0
+        # a run of unknown dataset takes a named key only by its exact file name, never by number alone
+        assert m.match("vg/VG_100K/7.jpg") == (0 if want is None else None)
+        assert m.match("VisualDialog_val2018_000000000007.jpg") is None

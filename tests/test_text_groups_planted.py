@@ -6,7 +6,7 @@ artifact (tests/text_groups_planted.py: one slot per object holding a fixed rand
 objects of distinct colours and distinct shapes per scene), so that scenes with the same colours and
 shapes paired the other way are frequent in-batch negatives that only binding separates. With the
 full palette (12 colours x 10 shapes, 1-4 objects) two scenes of a batch almost never share their
-colour and shape sets, the contrastive loss never asks for binding and no model binds (README,
+colour and shape sets, the contrastive loss never asks for binding and no model binds (docs/jobs/text-groups.md,
 text-groups).
 
 Measured (``benchmarks/diag_text_groups_planted.py --palette 3 3 --objects 2 2``; reduced encoder:
@@ -25,9 +25,9 @@ standard error of ~5 points near 90%); control within 50 +- 7 (n = 600: standard
 NOT asserted, because it does not hold: the issue's "grouped above vanilla". The paper's grouped
 model (same reduced widths, 2 + 1 layers, K = 4) reaches only 58.9% (train) / 58.3% (held-out) after
 800 steps with Gumbel noise and 59.3% / 71.7% with ``gumbel: false`` (controls 51.7 / 50.7%); the
-token-to-group assignment is not learnt (README, text-groups: a random assignment reconstructs as
+token-to-group assignment is not learnt (docs/jobs/text-groups.md: a random assignment reconstructs as
 well). Planted signal A (phrase discovery above untrained / random / one group) does not emerge
-either, so it has no test; the figures are in the README. What does hold is tested last: with the
+either, so it has no test; the figures are in docs/jobs/text-groups.md. What does hold is tested last: with the
 caption forced through the assignment, reconstruction alone learns an assignment the decoder depends
 on (its groups are word classes, not phrases).
 """

@@ -255,6 +255,10 @@ def test_cli_run_eval_and_bad_manifest(planted, tmp_path):
     res2 = json.loads((where.parent / "metrics.json").read_text())
     assert res2["rerank/i2t_R@1"] == pytest.approx(res["rerank/i2t_R@1"], abs=1e-3)
     assert list((tmp_path / "cli" / "eval" / "final").glob("heatmap_*.png"))
+    # --checkpoint <run folder>: its checkpoints/final.pt (no best.pt without best_metric), saying so
+    r = runner.invoke(app, ["eval", "concept-ot", "--checkpoint", str(tmp_path / "cli"), "--manifest", str(man), *sets])
+    assert r.exit_code == 0, r.output
+    assert f"checkpoint: {ck} " in r.stderr
     r = runner.invoke(app, ["run", "concept-ot", "--manifest", str(man), "--set", "train.concept_ot.varient=x"])
     assert r.exit_code == 2 and "varient" in r.output
 

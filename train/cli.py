@@ -1,13 +1,14 @@
 """The `train` command: cached-feature training and evaluation of the jobs in train/jobs/.
 
     train run <job> --manifest M [--set train.<job>.key=value ...] [--fresh]
-    train eval <job> --checkpoint C --manifest M [--bench NAME ...]
+    train eval <job> --checkpoint C|RUN_DIR --manifest M [--bench NAME ...]
     train compare RUN_DIR [RUN_DIR ...]
     train list
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -60,6 +61,12 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
     if checkpoint is not None:
         cfg, run_dir = _config_of_checkpoint(name, cfg, checkpoint, overrides or [])
         setattr(m.train, key, cfg)
+    from pipeline.status import StaleArtifact, require_fresh
+
+    try:  # an input redone since the artifacts made from it were written: stop before reading it
+        require_fresh(m, getattr(mod, "READS", []), name)
+    except StaleArtifact as e:
+        _fail(str(e))
     try:
         job = mod.make_job(cfg, m, run_dir, resolve_device(cfg.device))
     except (FileNotFoundError, ValueError) as e:
@@ -107,14 +114,23 @@ def run(
 ) -> None:
     """Train a job on the manifest's artifacts (resumes from the run's last checkpoint when it has
     the same training configuration; another configuration's checkpoint is refused)."""
-    from train.loop import RunMismatch, train
+    from pipeline.io.checkpoint import CheckpointError
+    from pipeline.io.lock import FolderBusy
+    from train.loop import RunMismatch, fresh_hint, train
 
     _, cfg, _, j = build_job(job, manifest, set_)
     typer.echo(f"run folder: {j.run_dir}", err=True)
     try:
         res = train(j, resume=not fresh, progress=progress)
-    except RunMismatch as e:
+    except (RunMismatch, FolderBusy) as e:
         _fail(str(e))
+    except CheckpointError as e:  # a truncated, foreign or refused checkpoints/last.pt
+        _fail(f"{e}; the run cannot resume from it: {fresh_hint(job)}")
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _fail(f"{e.filename or j.run_dir}: {e.strerror}; free space and run again (it resumes from the last complete "
+              "checkpoint, if any)")
     # rounded for people (4 decimals: 40.00000059604645 -> 40.0); metrics.jsonl keeps full precision
     typer.echo(json.dumps({"job": job, "run_dir": str(j.run_dir), **{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}}))
 
@@ -122,7 +138,8 @@ def run(
 @app.command("eval")
 def eval_(
     job: Annotated[str, typer.Argument(help="job name")],
-    checkpoint: Annotated[Path, typer.Option("--checkpoint", "-c", help="checkpoint file (.pt)")],
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", "-c", help="checkpoint file (.pt), or a run folder: its "
+                                             "best.pt, else final.pt, else last.pt")],
     manifest: ManifestOpt,
     set_: SetOpt = None,
     bench: Annotated[Optional[list[str]], typer.Option("--bench", help="only this benchmark of eval.benchmarks "
@@ -137,8 +154,7 @@ def eval_(
     from train.eval.harness import markdown_table, run_harness
     from train.loop import load_model_for_eval
 
-    if not checkpoint.is_file():
-        _fail(f"checkpoint {checkpoint} does not exist")
+    checkpoint = _checkpoint_file(checkpoint)
     _, _, m, j = build_job(job, manifest, set_, checkpoint=checkpoint)  # the checkpoint's training options and run folder
     try:
         model, step = load_model_for_eval(j, checkpoint)
@@ -161,6 +177,23 @@ def eval_(
     typer.echo(f"results: {out_dir / 'results.parquet'} ({len(table)} rows; {out_dir / 'results.md'})")
     if not table or errors:
         raise typer.Exit(2)
+
+
+def _checkpoint_file(path: Path) -> Path:
+    """``--checkpoint``: a checkpoint file, or a run folder (or its checkpoints/ folder): there the
+    first of best.pt, final.pt, last.pt, saying which."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        _fail(f"checkpoint {path} does not exist")
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    names = ("best.pt", "final.pt", "last.pt")
+    for name in names:
+        if (folder / name).is_file():
+            typer.echo(f"checkpoint: {folder / name} (the first of {', '.join(names)} in {path})", err=True)
+            return folder / name
+    _fail(f"{path} is a folder without checkpoints (no {', '.join(names)} in {folder}): pass a checkpoint file "
+          "or the folder of a run that has trained")
 
 
 @app.command()

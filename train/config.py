@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -78,10 +79,11 @@ class TrainerConfig(Section):
 
     def run_tag(self) -> str:
         """The default run folder's name: the ``variant`` (``default`` for jobs without one) when
-        every training option is at the job's default (for that variant), else ``<variant>-<hash>``
-        with a 6-hex-digit hash of the options that differ, e.g. ``conceptot-1a2b3c``. So one
-        folder holds one configuration; :func:`train.loop.train` still refuses to resume a
-        checkpoint of another configuration (e.g. after a default changed)."""
+        every training option is at the job's default (for that variant), else the variant followed
+        by the options that differ, readable (``dense-uot-lr1e-4``; at most 48 characters of them),
+        and a 6-hex-digit hash of those options as a suffix (``dense-uot-lr1e-4-1a2b3c``). So one
+        folder holds one configuration and its name says which; :func:`train.loop.train` still
+        refuses to resume a checkpoint of another configuration (e.g. after a default changed)."""
         named = {k: getattr(self, k) for k in self.NAMED if k in type(self).model_fields}
         base = self.default_training_config(named)
         mine = self.training_config()
@@ -90,7 +92,32 @@ class TrainerConfig(Section):
         if not diff:
             return name
         h = hashlib.sha1(json.dumps(diff, sort_keys=True).encode()).hexdigest()[:6]
-        return f"{name}-{h}"
+        words = "-".join(_option_word(k, v) for k, v in sorted(diff.items()))
+        if len(words) > 48:
+            words = words[:48].rstrip("-_.")
+        return f"{name}-{words}-{h}"
+
+
+def _option_word(key: str, value: Any) -> str:
+    """``lr`` 0.0001 -> ``lr1e-4``; ``hard_negatives`` "index" -> ``hard_negatives_index``; a bool ->
+    the key or ``no_<key>``; lists joined by ``+``. Only [A-Za-z0-9_.+-] survive (a folder name)."""
+    if isinstance(value, bool):
+        word = key if value else f"no_{key}"
+    elif isinstance(value, float):
+        word = f"{key}{_short_float(value)}"
+    elif isinstance(value, int) or value is None:
+        word = f"{key}{value}"
+    elif isinstance(value, (list, tuple)):
+        word = f"{key}_" + "+".join(_short_float(x) if isinstance(x, float) else str(x) for x in value)
+    else:
+        word = f"{key}_{value}"
+    return re.sub(r"[^A-Za-z0-9_.+-]", "", word.replace(" ", "_").replace("/", "_"))
+
+
+def _short_float(x: float) -> str:
+    s = f"{x:g}"
+    m = re.fullmatch(r"(-?[0-9.]+)e([+-])0*([0-9]+)", s)
+    return f"{m[1]}e{'-' if m[2] == '-' else ''}{m[3]}" if m else s
 
 
 def config_differences(stored: dict[str, Any], cfg: TrainerConfig) -> dict[str, tuple[Any, Any]]:

@@ -20,7 +20,8 @@ Job interface (subclass :class:`Job`; see train/jobs/concept_ot/__init__.py for 
 (per step), global-norm gradient clipping, autocast (``amp=auto``: fp16 + GradScaler on CUDA,
 bf16 on CPUs with native bf16, off elsewhere), periodic checkpoints written atomically, resume with exact
 continuation (model, optimizer, scheduler, scaler, RNG states and the data position, i.e. epoch
-and batch index, are restored; ``metrics.jsonl`` lines past the checkpoint are dropped; the loss
+and batch index, are restored; ``metrics.jsonl`` lines past the checkpoint, out of step order or
+unreadable are dropped, saying so; temporary files a killed run left are removed; the loss
 curve is bit-identical when the CPU thread count is fixed, e.g. ``threads: 1``: multithreaded
 BLAS reductions are not bitwise reproducible from run to run, resumed or not), metric
 lines as JSON (``metrics.jsonl``) and a plot (``metrics.png``), periodic evaluation and a
@@ -30,6 +31,9 @@ Run folder (``cfg.run_dir`` or ``<output>/train/<job>/<variant>[-<hash>]``, see
 :meth:`train.config.TrainerConfig.run_tag`; one configuration per folder: resuming a checkpoint
 of another training configuration raises :class:`RunMismatch` before anything is written)::
 
+    _lock             held (flock, pipeline/io/lock.py) by the process training in the folder: a
+                      second `train run` of it is refused naming the holder's pid and host; the
+                      lock of a process that died is taken over with a note
     config.json       the resolved job config
     metrics.jsonl     {"kind": "train"|"eval", "step", "epoch", ...} one line each
     metrics.png       losses and eval metrics against steps
@@ -56,7 +60,9 @@ import numpy as np
 import torch
 
 from pipeline.io.checkpoint import load_checkpoint as _load_checkpoint
-from pipeline.io.checkpoint import save_checkpoint_file
+from pipeline.io.atomic import remove_stale_tmp, write_bytes_atomic
+from pipeline.io.checkpoint import CheckpointError, save_checkpoint_file
+from pipeline.io.lock import lock_folder, unlock_folder
 from train.job import Job
 
 
@@ -134,17 +140,46 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     return _load_checkpoint(path, map_location)  # weights_only=True; pickled objects are refused
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
+def _truncate_metrics(path: Path, step: int) -> str:
+    """Keep the lines of ``metrics.jsonl`` that a resume from ``step`` continues: readable, at or
+    before ``step``, in step order and each (kind, step) once. A line whose step goes back, or
+    repeats, is a remnant of another run that wrote into the same file. Returns what was dropped
+    (one phrase; '' when nothing was)."""
     if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except ValueError:
+        return ""
+    keep, past, back, bad = [], [], [], 0
+    seen: set[tuple] = set()
+    last = None
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
             continue
-    path.write_text("".join(k + "\n" for k in keep))
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        s = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(s, (int, float)) or isinstance(s, bool):
+            bad += 1
+        elif s > step:
+            past.append(s)
+        elif (last is not None and s < last) or (row.get("kind"), s) in seen:
+            back.append(s)
+        else:
+            keep.append(line)
+            seen.add((row.get("kind"), s))
+            last = s
+    if not (past or back or bad):
+        return ""
+    write_bytes_atomic(path, "".join(k + "\n" for k in keep).encode())
+
+    def steps(xs: list) -> str:
+        shown = ", ".join(str(x) for x in xs[:6])
+        return f"step {shown}" if len(xs) == 1 else f"steps {shown}{', ...' if len(xs) > 6 else ''}"
+
+    parts = ([f"{len(past)} past the checkpoint's step {step} ({steps(past)})"] if past else []) + \
+            ([f"{len(back)} out of step order or repeated ({steps(back)}; another run wrote into this file)"]
+             if back else []) + ([f"{bad} unreadable"] if bad else [])
+    return f"dropped {len(past) + len(back) + bad} line(s): " + "; ".join(parts)
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
@@ -206,11 +241,16 @@ def check_run_folder(run_dir: Path, cfg, job_name: str = "") -> None:
     if diff:
         shown = list(diff.items())[:4]
         more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
-        key = f"train.{job_name.replace('-', '_')}" if job_name else "train.<job>"
         raise RunMismatch(
             f"{run_dir} holds a run of another configuration ({src.name}: "
             f"{', '.join(f'{k}={a}' for k, (a, _) in shown)}; now: {', '.join(f'{k}={b}' for k, (_, b) in shown)}{more}): "
-            f"pass --fresh to start over in it, or set {key}.run_dir to another folder")
+            f"{fresh_hint(job_name)}")
+
+
+def fresh_hint(job_name: str = "") -> str:
+    """The ways out of a run folder that cannot be resumed."""
+    key = f"train.{job_name.replace('-', '_')}" if job_name else "train.<job>"
+    return f"pass --fresh to start over in it, or set {key}.run_dir to another folder"
 
 
 def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -223,17 +263,29 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
     run_dir = job.run_dir
     ckpt_dir = run_dir / "checkpoints"
     metrics_path = run_dir / "metrics.jsonl"
-    if resume:
-        check_run_folder(run_dir, cfg, getattr(job, "NAME", ""))  # before anything in the folder is touched
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
+    taken = lock_folder(run_dir, doing="trained", note=lambda line: print(line, file=sys.stderr))
+    try:
+        if resume:
+            check_run_folder(run_dir, cfg, getattr(job, "NAME", ""))  # before anything in the folder is written
+        if n := remove_stale_tmp(run_dir):  # e.g. .last.pt.<random>.tmp of a killed run
+            print(f"{run_dir}: removed {n} temporary file(s) left by an interrupted run", file=sys.stderr)
+        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
+        return _train_with_settings(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after)
+    finally:
+        if taken:
+            unlock_folder(run_dir)
+
+
+def _train_with_settings(job, cfg, *args) -> dict:
+    """_train with the run's torch thread count and denormal mode, restored after."""
     prev_threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # torch has no getter for the denormal mode: set it for the run, back to the default (off) after
     flush = bool(cfg.flush_denormal) and torch.set_flush_denormal(True)
     try:
-        return _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after)
+        return _train(job, cfg, *args)
     finally:
         torch.set_num_threads(prev_threads)
         if flush:
@@ -273,17 +325,22 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
     best: dict = {"metric": getattr(cfg, "best_metric", None), "value": None, "step": None}
     if resume and last.exists() and params:
         ck = load_checkpoint(last)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        if scaler is not None and ck.get("scaler"):
-            scaler.load_state_dict(ck["scaler"])
-        step, epoch, pos = ck["step"], ck["epoch"], ck["batch_in_epoch"]
-        _set_rng_state(ck["rng"])
+        try:
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            sched.load_state_dict(ck["scheduler"])
+            if scaler is not None and ck.get("scaler"):
+                scaler.load_state_dict(ck["scaler"])
+            step, epoch, pos = ck["step"], ck["epoch"], ck["batch_in_epoch"]
+            _set_rng_state(ck["rng"])
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            raise CheckpointError(f"checkpoint {last}: does not resume this job's model ({type(e).__name__}: {why})") from None
         if (ck.get("best") or {}).get("metric") == best["metric"]:
             best.update(ck["best"])
-        _truncate_metrics(metrics_path, step)
         print(f"resumed from {last} at step {step} (epoch {epoch}, batch {pos})", file=sys.stderr)
+        if dropped := _truncate_metrics(metrics_path, step):
+            print(f"{metrics_path}: {dropped}", file=sys.stderr)
     elif not resume or not params:
         metrics_path.unlink(missing_ok=True)
         (ckpt_dir / "best.pt").unlink(missing_ok=True)

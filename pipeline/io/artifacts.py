@@ -7,6 +7,7 @@ Layout of ``<output>/<artifact>/``::
                               like every table, so a dataset reader on one folder reads one table
     _lock                     held (flock) by the run writing the artifact; released by the kernel
                               when that process dies, so a kill -9 never leaves a stale lock
+                              (pipeline/io/lock.py)
     <table>/<table>-<unit>.parquet   Parquet tables, one file per unit of work
     shards/<unit>.tar         WebDataset shards
     _state/<unit>.json        completion marker of one unit: fingerprint, files, sha256s, stats
@@ -32,12 +33,10 @@ re-exported here.
 from __future__ import annotations
 
 import datetime as _dt
-import fcntl
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +53,15 @@ from pipeline.io.artifact_reader import (  # noqa: F401 (the read side, re-expor
     ArtifactMissing,
     forget_units_of,
 )
-from pipeline.io.atomic import fingerprint, sha256_file, write_bytes_atomic, write_json_atomic, write_parquet_atomic
+from pipeline.io.atomic import (
+    fingerprint,
+    remove_stale_tmp,
+    sha256_file,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_parquet_atomic,
+)
+from pipeline.io.lock import FolderBusy, lock_folder, unlock_folder
 
 SCHEMA_VERSION = 1
 
@@ -65,8 +72,8 @@ EXECUTION_ONLY = frozenset({"enabled", "num_gpus", "num_cpus", "max_error_rate"}
 LEGACY_ERRORS_PATH = "errors.parquet"
 
 
-class ArtifactBusy(RuntimeError):
-    """Another live run holds the artifact's lock; the message names the holder."""
+# Another live run holds the artifact's lock; the message names the holder (pipeline/io/lock.py)
+ArtifactBusy = FolderBusy
 
 
 class OutputPathError(RuntimeError):
@@ -91,46 +98,11 @@ def ensure_dir(path: Path, what: str = "output") -> None:
         raise OutputPathError(f"{what} folder {path} is not writable")
 
 
-# Locks this process holds, by artifact folder (re-entrant within one process: a stage that
-# failed in a test and is run again in the same process takes its own lock again).
-_HELD: dict[str, int] = {}
-
-
-def acquire_lock(artifact_dir: Path) -> None:
-    """Take ``<artifact_dir>/_lock`` (exclusive ``flock``) or raise :class:`ArtifactBusy`.
-
-    ``flock`` belongs to the open file: the kernel drops it when the holder exits for any reason,
-    kill -9 included, so a lock is never stale; the file's text (pid, host, start time) only
-    serves the message shown to a second run.
-    """
-    key = str(Path(artifact_dir).resolve())
-    if key in _HELD:
-        return
-    path = Path(artifact_dir) / "_lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
-        finally:
-            os.close(fd)
-        raise ArtifactBusy(f"{artifact_dir} is being written by another run ({holder}); wait for it to finish or stop it") from None
-    os.ftruncate(fd, 0)
-    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now}".encode(), 0)
-    _HELD[key] = fd
-
-
 def release_lock(artifact_dir: Path | None = None) -> None:
     """Release the lock on ``artifact_dir`` (or every lock this process holds)."""
-    keys = list(_HELD) if artifact_dir is None else [str(Path(artifact_dir).resolve())]
-    for key in keys:
-        fd = _HELD.pop(key, None)
-        if fd is not None:
-            os.close(fd)  # closing the only descriptor releases the flock
-        if artifact_dir is not None and (url := storage.url_of_local(key)) is not None:
-            storage.release_remote_lock(url)
+    unlock_folder(artifact_dir)
+    if artifact_dir is not None and (url := storage.url_of_local(str(Path(artifact_dir).resolve()))) is not None:
+        storage.release_remote_lock(url)
     if artifact_dir is None:
         storage.release_remote_lock()
 
@@ -158,18 +130,6 @@ def write_layout_note(artifact_dir: Path, artifact: str, stage: str, tables: lis
     except OSError:
         pass
     write_bytes_atomic(p, text.encode())
-
-
-def remove_stale_tmp(artifact_dir: Path) -> int:
-    """Delete ``.<name>.<hex>.tmp`` files (and folders) a killed run left; returns how many."""
-    n = 0
-    for p in Path(artifact_dir).rglob(".*.tmp"):
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-        n += 1
-    return n
 
 
 def code_version() -> str:
@@ -314,7 +274,7 @@ class ArtifactWriter:
         self.base_fingerprint = fingerprint(SCHEMA_VERSION, stage, semantic, self.inputs, self.models)
         ensure_dir(storage.local_path(output))
         ensure_dir(self.dir, "artifact")
-        acquire_lock(self.dir)
+        lock_folder(self.dir)
         if self.remote is not None:
             try:
                 busy = storage.acquire_remote_lock(self.remote)

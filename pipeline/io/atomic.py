@@ -1,7 +1,8 @@
 """Atomic file writes: everything goes to a temporary name in the same folder, then is renamed.
 
 A crash leaves either the old complete file or nothing, never a truncated shard that a rerun
-would mistake for finished work.
+would mistake for finished work; the temporary files it leaves (``.<name>.<random>.tmp``) are
+what :func:`remove_stale_tmp` deletes when the folder's next writer holds its lock.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -35,6 +37,20 @@ def atomic_path(path: str | Path):
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def remove_stale_tmp(folder: str | Path) -> int:
+    """Delete ``.<name>.<random>.tmp`` files (and folders) a killed writer left under ``folder``;
+    returns how many. Only for a folder whose lock (pipeline/io/lock.py) this process holds: the
+    temporary files of a live writer look the same."""
+    n = 0
+    for p in Path(folder).rglob(".*.tmp"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        n += 1
+    return n
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:

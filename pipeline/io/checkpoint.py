@@ -36,17 +36,46 @@ def plain(obj: Any) -> Any:
     return obj
 
 
-def save_checkpoint_file(path: str | Path, payload: dict) -> None:
-    """``torch.save`` of :func:`plain` ``(payload)`` to a temporary name, then renamed."""
-    import os
+class _Writes:
+    """A file object for ``torch.save`` that keeps the error of a failed write: torch turns it
+    into a RuntimeError of its zip writer ("enforce fail at inline_container.cc ... unexpected
+    pos") that never says why, e.g. 'No space left on device'."""
 
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_checkpoint_file(path: str | Path, payload: dict) -> None:
+    """``torch.save`` of :func:`plain` ``(payload)`` to a temporary name, then renamed
+    (:func:`pipeline.io.atomic.atomic_path`: a failed write leaves the previous file and no
+    temporary one). A write the disk refuses raises that OSError (errno, strerror) with ``path``
+    as its filename, e.g. ``[Errno 28] No space left on device: '.../last.pt'``."""
     import torch
 
+    from pipeline.io.atomic import atomic_path
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(plain(payload), tmp)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            out = _Writes(f)
+            try:
+                torch.save(plain(payload), out)
+            except RuntimeError:
+                if out.error is None:
+                    raise
+                raise out.error from None
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
@@ -67,7 +96,8 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
             f"({detail[:160]}); re-save it as tensors + plain metadata"
         ) from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"checkpoint {path}: not a readable torch checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        first = str(e).strip().splitlines()[0].split(". ")[0][:160] if str(e).strip() else ""  # torch adds advice after
+        raise CheckpointError(f"checkpoint {path}: not a readable torch checkpoint ({type(e).__name__}: {first})") from None
     if not isinstance(ck, dict):
         raise CheckpointError(f"checkpoint {path}: expected a dict of tensors and metadata, got {type(ck).__name__}")
     return ck

@@ -54,6 +54,8 @@ import socket
 import uuid
 from pathlib import Path
 
+from pipeline.io.lock import pid_alive
+
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 # Path("s3://b/k") is Path("s3:/b/k"): such a mangled URL (a URL passed through pathlib) is
 # recognised for these schemes and given its second slash back.
@@ -286,16 +288,6 @@ class Remote:
 _REMOTE_HELD: dict[str, str] = {}  # artifact URL -> token of the lock object this process wrote
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def acquire_remote_lock(remote: Remote) -> str | None:
     """Create ``<artifact>/_lock`` on the store, or return the holder's description when another
     live run holds it (see the module docstring)."""
@@ -315,7 +307,7 @@ def acquire_remote_lock(remote: Remote) -> str | None:
             holder = {}
         if raw is None:
             continue  # released in between: try again
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"]):
+        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) and not pid_alive(holder["pid"]):
             remote.rm("_lock")  # left by a killed run on this host
             continue
         return (f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')}; if that run is no "

@@ -8,10 +8,11 @@ evaluations, :meth:`train.loop.Job.job_metrics`):
    the built-in ``split_retrieval`` format below);
 2. matches each item's images to sample ids through the ``samples`` artifact
    (:class:`train.eval.images.ImageMatcher`: source id, file name, COCO ids across naming schemes,
-   or an explicit ``image_map``); an item whose image is not in ``samples`` or not in the job's
-   artifacts (:meth:`Job.scorable_sample_ids`) is skipped and counted (``skipped``,
-   ``skip_reasons``), never silently dropped; a benchmark with zero scorable items is an error that
-   says why (:class:`train.eval.interface.NoScorableItems`);
+   or an explicit ``image_map``); an item whose image is not in ``samples`` (``foreign_dataset: X``
+   where its name says it is from a dataset X the run holds none of) or not in the job's artifacts
+   (:meth:`Job.scorable_sample_ids`), or whose box lies outside its image, is skipped and counted
+   (``skipped``, ``skip_reasons``), never silently dropped; a benchmark with zero scorable items is
+   an error that says why (:class:`train.eval.interface.NoScorableItems`);
 3. scores the remaining items' (image, text[, box]) pairs with :meth:`Job.score_pairs` (unique
    pairs only, in chunks of ``eval.pairs_chunk``), or, for retrieval benchmarks, asks
    :meth:`Job.retrieval_scores` for the [I, T] matrices and computes R@K both ways with their exact
@@ -150,6 +151,10 @@ class _Matcher:
             self._m = ImageMatcher(self.samples_dir, image_map=self.image_map)
         return self._m.match(key)
 
+    def skip_reason(self, key: str) -> str:
+        """Why ``key`` matched no sample: ``foreign_dataset: <dataset>`` or not in samples."""
+        return self._m.skip_reason(key) if self._m is not None else "skipped_no_image: not in samples"
+
 
 def _subsample(items: list[Item], k: int | None, seed: int = 0) -> list[Item]:
     if k is None or len(items) <= k:
@@ -219,12 +224,15 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
     keep: list[Item] = []
     skips: Counter = Counter()
     skips_by_subset: dict[str, Counter] = {}
-    for it in items:
-        why = None
+    from train.eval.images import boxes_outside
+
+    box_outside = boxes_outside(items, sid_of, samples_dir)
+    for k, it in enumerate(items):
+        why = "box outside its image" if k in box_outside else None
         for p in it.pairs:
             s = sid_of[p.image]
             if s is None:
-                why = "skipped_no_image: not in samples"
+                why = matcher.skip_reason(p.image)
                 break
             if s not in scorable:
                 why = "skipped_no_image: not in the job's artifacts"
@@ -252,7 +260,8 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
             fix = f"ingest {where} into this run or give eval.benchmarks[{spec.name}].image_map"
         raise NoScorableItems(
             f"{spec.name}: 0 of {total:,} items are scorable: {n_in:,} of {n_imgs:,} benchmark images are in "
-            f"{samples_dir} and {n_art:,} in the job's artifacts; {fix}")
+            f"{samples_dir} and {n_art:,} in the job's artifacts (skipped: "
+            f"{', '.join(f'{k} {v:,}' for k, v in _fmt_skips(skips).items())}); {fix}")
     t0 = time.perf_counter()
     if data.kind == "retrieval":
         rows = _score_retrieval(job, model, spec, data, keep, sid_of)

@@ -1,9 +1,11 @@
-"""Shared pieces of the benchmark readers: file loading with one-line errors, malformed-row
-bookkeeping, and the accuracy rows every pairwise benchmark reports."""
+"""Shared pieces of the benchmark readers: file loading with one-line errors (a Git LFS pointer in
+place of a file says so), malformed-row bookkeeping, and the accuracy rows every pairwise benchmark
+reports."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -17,6 +19,25 @@ class BenchmarkError(ValueError):
     """A benchmark file that cannot be used at all; the message names the file (and the row)."""
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def not_lfs_pointer(path: Path, what: str, head: bytes | None = None) -> None:
+    """Raise when ``path`` (whose first bytes are ``head``, read here when None) is a Git LFS pointer,
+    what a clone without ``git lfs pull`` holds in place of the file."""
+    if head is None:
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(256)
+        except OSError:
+            return  # the reader reports it
+    if head.startswith(LFS_POINTER):
+        m = re.search(rb"\nsize (\d+)", head)
+        size = f" ({int(m.group(1)):,} bytes)" if m else ""
+        raise BenchmarkError(f"{what} {path}: a Git LFS pointer, not the file{size}: fetch it (`git lfs pull` in its "
+                             "repository, or download the file itself)")
+
+
 def load_json(path: Path, what: str) -> Any:
     try:
         raw = path.read_bytes()
@@ -24,6 +45,7 @@ def load_json(path: Path, what: str) -> Any:
         raise BenchmarkError(f"{what} {path}: file not found") from None
     except OSError as e:
         raise BenchmarkError(f"{what} {path}: cannot read ({e.strerror or e})") from None
+    not_lfs_pointer(path, what, raw[:256])
     try:
         return json.loads(raw.decode("utf-8", errors="replace"))
     except json.JSONDecodeError as e:

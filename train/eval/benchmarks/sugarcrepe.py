@@ -29,7 +29,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from train.eval.benchmarks._common import BenchmarkError, Rows, correct_vector, group_rows, load_json, missing, pooled_row
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, load_json, missing,
+                                           not_lfs_pointer, pooled_row)
 from train.eval.interface import BenchData, Item, Pair
 
 KINDS = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att"]
@@ -80,6 +81,7 @@ def _read_parquet(path: Path, options: dict, rows_out: list[Rows]) -> list[Item]
         raise BenchmarkError(f"SugarCrepe parquet {path}: cannot tell the kind (expected a SugarCrepe_<kind> folder, "
                              "or set options.kind)")
     kind = kind_of(kind)
+    not_lfs_pointer(path, "SugarCrepe parquet")
     try:
         cols = pq.read_schema(path).names
         want = ["tested_labels"] + (["image.path"] if "image" in cols else [])

@@ -13,7 +13,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from train.eval.benchmarks._common import BenchmarkError, Rows, correct_vector, group_rows, pooled_row
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, not_lfs_pointer,
+                                           pooled_row)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 NEG_COLUMNS = {"subj_neg": "subject", "verb_neg": "verb", "obj_neg": "object"}
@@ -29,6 +30,7 @@ def read(spec) -> BenchData:
     if path.is_dir():
         path = path / "svo_probes.csv"
     ext = str((spec.options or {}).get("image_ext", ""))
+    not_lfs_pointer(path, "SVO-Probes file")
     try:
         fh = path.open(newline="", encoding="utf-8", errors="replace")
     except FileNotFoundError:

@@ -8,9 +8,11 @@
 pointing at JSON lists of ``[image_path, {"POS": [texts], "NEG": [texts]}]``. ``spec.path``: the
 ``corpus`` folder (every YAML below it) or one YAML. ``ANNO_PATH`` is resolved as given (absolute),
 else against the YAML's folder and each folder above it, else the current directory (the original
-reads it relative to the working directory). Image key: ``IMG_ROOT/image_path`` (matched by file
-name / stem / id). As the toolkit's ITC evaluation: correct when s(image, POS[0]) > s(image, NEG[0])
-(strict); chance 50 %.
+reads it relative to the working directory, the folder holding ``corpus/`` and ``data/``). A config
+whose data file is not there is skipped and counted under the reason ``config skipped, data file not
+found: <path>``, the path it belongs at (beside the ``corpus`` folder); none there is an error.
+Image key: ``IMG_ROOT/image_path`` (matched by file name / stem / id). As the toolkit's ITC
+evaluation: correct when s(image, POS[0]) > s(image, NEG[0]) (strict); chance 50 %.
 
 Rows: accuracy per config (subset ``<Category>/<type...>/<corpus>``, pooled over its items), per
 type (``<Category>/<type...>``: mean over its corpora), per category (``Attribute``, ``Object``,
@@ -24,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, files_in, group_rows, load_json,
-                                           macro_row, pooled_row)
+                                           macro_row, not_lfs_pointer, pooled_row)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 CATEGORIES = ("Attribute", "Object", "Relation")
@@ -33,6 +35,7 @@ CATEGORIES = ("Attribute", "Object", "Relation")
 def _yaml(path: Path) -> dict:
     import yaml
 
+    not_lfs_pointer(path, "VL-CheckList config")
     try:
         cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as e:
@@ -43,13 +46,16 @@ def _yaml(path: Path) -> dict:
 
 
 def _resolve(anno: str, yaml_path: Path) -> Path:
+    """The data file's path; where none is found, where it belongs: beside the ``corpus`` folder the
+    YAML is in (the toolkit's layout, ``corpus/`` and ``data/`` side by side), else beside the YAML."""
     p = Path(anno)
     if p.is_absolute():
         return p
     for base in [yaml_path.parent, *yaml_path.parent.parents, Path.cwd()]:
         if (base / p).is_file():
             return base / p
-    return Path.cwd() / p
+    corpus = next((d for d in yaml_path.parents if d.name == "corpus"), None)
+    return (corpus.parent if corpus else yaml_path.parent) / p
 
 
 def _leaf(yaml_path: Path, root: Path) -> str:
@@ -72,10 +78,15 @@ def read(spec) -> BenchData:
     items: list[Item] = []
     skipped: Counter = Counter()
     total = 0
+    absent: list[str] = []
     for y in configs:
         cfg = _yaml(y)
         leaf = _leaf(y, root)
         anno = _resolve(str(cfg["ANNO_PATH"]), y)
+        if not anno.exists():
+            skipped[f"config skipped, data file not found: {anno}"] += 1
+            absent.append(str(anno))
+            continue
         data = load_json(anno, f"VL-CheckList data (from {y.name})")
         if not isinstance(data, list):
             raise BenchmarkError(f"VL-CheckList data {anno}: expected a list of [image, {{POS, NEG}}], got {type(data).__name__}")
@@ -99,6 +110,9 @@ def read(spec) -> BenchData:
             rows.items.append(items[-1])
         rows.done()
         skipped.update(rows.skipped)
+    if len(absent) == len(configs):
+        more = f" (and {len(absent) - 1} other configs' data files)" if len(absent) > 1 else ""
+        raise BenchmarkError(f"VL-CheckList data {absent[0]}: file not found{more}; ANNO_PATH is read beside the corpus folder")
     return BenchData(spec.name, items, kind="pairwise", score=lambda it, sc: score(spec.name, it, sc),
                      skipped=dict(skipped), source=f"{len(configs)} configs under {root}", total=total)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.eval.benchmarks._common import BenchmarkError, Rows, text_field
+from train.eval.benchmarks._common import BenchmarkError, Rows, not_lfs_pointer, text_field
 from train.eval.interface import BenchData, Item, Pair, Row
 
 CHANCE = {"text": 25.0, "image": 25.0, "group": 100.0 / 6.0}
@@ -34,6 +34,7 @@ def read(spec) -> BenchData:
     if path.is_dir():
         cand = [path / "examples.jsonl", path / "data" / "examples.jsonl"]
         path = next((c for c in cand if c.is_file()), cand[0])
+    not_lfs_pointer(path, "Winoground file")
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except FileNotFoundError:

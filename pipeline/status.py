@@ -1,0 +1,146 @@
+"""Which artifacts of an output are complete, stale, incomplete, corrupt or missing.
+
+Every artifact's ``_manifest.json`` records the fingerprints of the artifacts it was made from
+(``input_fingerprints``); an artifact's own fingerprint covers its parameters, models and the sha256
+of every shard. So an artifact is **stale** when an input's fingerprint is no longer the one it
+recorded (the input was redone: re-ingested with other options, a shard redone after
+``pipeline verify --fix``), when an input is gone, or when an input is itself stale (the chain
+``samples -> clip_tokens -> index``). ``pipeline status`` prints the table; ``train run`` refuses
+stale inputs with one line (:func:`require_fresh`); a stage rerun redoes what its inputs changed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.io import storage
+from pipeline.io.artifacts import Artifact, ArtifactMissing
+
+STATES = ("complete", "stale", "incomplete", "corrupt", "missing")
+
+
+class StaleArtifact(RuntimeError):
+    """An input artifact is stale or missing (the message is the one-line error)."""
+
+
+@dataclass
+class ArtifactState:
+    name: str
+    stage: str
+    state: str  # one of STATES
+    detail: str = ""
+    rows: int | None = None
+    created: str = ""
+
+
+def writers() -> dict[str, str]:
+    """artifact -> the stage that writes it."""
+    from pipeline.stage import registry
+
+    return {a: s.name for s in registry().values() for a in s.writes}
+
+
+def _units_done(loc) -> int:
+    if storage.is_remote(loc):
+        try:
+            return sum(1 for rel in storage.Remote(storage.normalize(loc)).listing(refresh=True)
+                       if rel.startswith("_state/") and rel.endswith(".json"))
+        except OSError:
+            return 0
+    return len(list((Path(loc) / "_state").glob("*.json"))) if Path(loc, "_state").is_dir() else 0
+
+
+def artifact_state(location, name: str, verify: bool = False, _seen: dict | None = None) -> ArtifactState:
+    """The state of ``<location>/<name>`` (see the module docstring). ``verify``: also check every
+    recorded shard's size and sha256 (reads every byte)."""
+    seen = {} if _seen is None else _seen
+    if name in seen:
+        return seen[name]
+    stage = writers().get(name, "?")
+    loc = storage.join(location, name)
+    try:
+        art = Artifact(loc)
+        man = art.manifest
+    except (ArtifactMissing, OSError, ValueError) as e:
+        n = _units_done(loc)
+        st = (ArtifactState(name, stage, "incomplete", f"{n} units done, not finished: rerun `pipeline run {stage}`")
+              if n else ArtifactState(name, stage, "missing", f"run `pipeline run {stage}`"))
+        if isinstance(e, ValueError):
+            st = ArtifactState(name, stage, "corrupt", f"_manifest.json is not valid JSON ({e}): rerun `pipeline run {stage}`")
+        seen[name] = st
+        return st
+    rows = sum(int(t.get("rows", 0)) for t in man.get("tables", {}).values())
+    created = str(man.get("created", ""))
+    reasons = []
+    for inp, fp in sorted((man.get("input_fingerprints") or {}).items()):
+        up = artifact_state(location, inp, False, seen)
+        if up.state == "missing":
+            reasons.append(f"its input {inp} is missing")
+            continue
+        try:
+            now = Artifact(storage.join(location, inp)).fingerprint
+        except (ArtifactMissing, OSError, ValueError, KeyError):
+            now = None
+        if now != fp:
+            reasons.append(f"{inp} changed since it was written ({created or 'at an earlier run'})")
+        elif up.state in ("stale", "corrupt"):
+            reasons.append(f"its input {inp} is {up.state}")
+    if reasons:
+        st = ArtifactState(name, stage, "stale", "; ".join(reasons) + f": rerun `pipeline run {stage}`", rows, created)
+    else:
+        st = ArtifactState(name, stage, "complete", "", rows, created)
+        if verify:
+            bad = art.problems()
+            if bad:
+                rel, why = bad[0]
+                more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
+                st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: `pipeline verify --fix {loc}`, "
+                                   f"then rerun `pipeline run {stage}`", rows, created)
+    seen[name] = st
+    return st
+
+
+def output_states(manifest, verify: bool = False) -> list[ArtifactState]:
+    """One state per artifact that the manifest's enabled stages write or that is on disk, in
+    dependency order."""
+    from pipeline.stage import dependency_order, registry
+
+    reg = registry()
+    enabled = [s for s in reg if getattr(getattr(manifest.stages, reg[s].key, None), "enabled", True)]
+    names: list[str] = []
+    for s in dependency_order(enabled):
+        names += [a for a in reg[s].writes if a not in names]
+    root = storage.local_path(manifest.output)
+    if not storage.is_remote(manifest.output) and root.is_dir():
+        for d in sorted(root.iterdir()):
+            if (d / "_manifest.json").is_file() and d.name not in names:
+                try:
+                    if json.loads((d / "_manifest.json").read_text()).get("artifact") == d.name:
+                        names.append(d.name)
+                except (OSError, ValueError):
+                    continue
+    seen: dict = {}
+    location = storage.location(manifest.output)
+    return [artifact_state(location, n, verify, seen) for n in names]
+
+
+def require_fresh(manifest, names, who: str) -> None:
+    """Raise :class:`StaleArtifact` naming the first of ``names`` (artifacts under the manifest's
+    output) that is stale; missing ones are left to the caller (some are optional)."""
+    seen: dict = {}
+    location = storage.location(manifest.output)
+    for n in names:
+        st = artifact_state(location, n, False, seen)
+        if st.state in ("stale", "corrupt", "incomplete"):
+            raise StaleArtifact(f"{who}: input artifact {n} is {st.state}: {st.detail}")
+
+
+def format_states(states: list[ArtifactState]) -> str:
+    width = max([len(s.name) for s in states] + [8])
+    lines = [f"{'artifact':{width}}  {'state':10}  {'rows':>10}  {'stage':22}  detail"]
+    for s in states:
+        rows = f"{s.rows:,}" if s.rows is not None else "-"
+        lines.append(f"{s.name:{width}}  {s.state:10}  {rows:>10}  {s.stage:22}  {s.detail}")
+    return "\n".join(lines)

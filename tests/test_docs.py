@@ -1,0 +1,144 @@
+"""The README and docs/ say what runs: every shell block parses, every command is one the CLIs accept,
+every file and link they name exists, and (slow) the README's tour runs as written on the demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def shell_blocks(page: Path) -> list[str]:
+    return [body for lang, body in FENCE.findall(page.read_text()) if lang in ("bash", "sh", "shell")]
+
+
+def commands(block: str) -> list[list[str]]:
+    """Each command of a block as argv (continuation lines joined, comments dropped, `&&` split)."""
+    out = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        cmd: list[str] = []
+        for w in words + ["&&"]:
+            if w in ("&&", "||", ";", "|"):
+                while cmd and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", cmd[0]):
+                    cmd.pop(0)  # environment assignments
+                if cmd:
+                    out.append(cmd)
+                cmd = []
+            else:
+                cmd.append(w)
+    return out
+
+
+def _click(prog: str):
+    import typer
+
+    if prog == "pipeline":
+        from pipeline.cli import app
+    else:
+        from train.cli import app
+    return typer.main.get_command(app)
+
+
+def check_cli(argv: list[str]) -> None:
+    """Parse argv with the CLI's own parser (click), invoking nothing."""
+    prog = Path(argv[0]).name
+    group = _click(prog)
+    ctx = group.make_context(prog, list(argv[1:]), resilient_parsing=False)
+    rest_args = list(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", [])) + list(ctx.args)
+    name, sub, rest = group.resolve_command(ctx, rest_args)
+    assert sub is not None, f"{prog}: unknown command {argv[1:2]}"
+    sub.make_context(name, rest, parent=ctx, resilient_parsing=False)
+
+
+def all_commands():
+    for page in PAGES:
+        for block in shell_blocks(page):
+            for argv in commands(block):
+                yield page, argv
+
+
+def test_docs_have_shell_blocks_and_pages_exist():
+    assert (REPO / "docs" / "ARCHITECTURE.md").is_file()
+    n = sum(len(shell_blocks(p)) for p in PAGES)
+    assert n >= 10, n
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_shell_blocks_parse(page):
+    for block in shell_blocks(page):
+        r = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert r.returncode == 0, f"{page.name}: bash -n fails on\n{block}\n{r.stderr}"
+        assert not re.search(r"<[a-z_]+>", block), f"{page.name}: placeholder in a shell block:\n{block}"
+
+
+def test_cli_commands_parse():
+    seen = 0
+    for page, argv in all_commands():
+        prog = Path(argv[0]).name
+        if argv[0].startswith(".venv/bin/") and prog in ("pipeline", "train"):
+            try:
+                check_cli(argv)
+            except Exception as e:  # click raises UsageError / BadParameter / NoSuchOption
+                pytest.fail(f"{page.relative_to(REPO)}: `{shlex.join(argv)}` is refused by the CLI: {e}")
+            seen += 1
+        elif argv[0] in (".venv/bin/python", "python", "python3") and len(argv) > 1 and argv[1].endswith(".py"):
+            assert (REPO / argv[1]).is_file(), f"{page.name}: {argv[1]} does not exist"
+        for w in argv:
+            if re.fullmatch(r"manifests/[\w.-]+\.yaml", w):
+                assert (REPO / w).is_file(), f"{page.name}: {w} does not exist"
+    assert seen >= 20, seen
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(page):
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        assert (page.parent / target).exists(), f"{page.relative_to(REPO)}: link {target} leads nowhere"
+
+
+def test_readme_has_exactly_two_setup_commands():
+    text = (REPO / "README.md").read_text()
+    setup = text.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for lang, b in FENCE.findall(setup)]
+    assert len(blocks) == 2
+    assert "pipeline run all --manifest manifests/demo.yaml" in blocks[0]
+    assert "pytest" in blocks[1]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert blocks[1].strip() in ci, ".ci/run must run the README's test command verbatim"
+
+
+@pytest.mark.slow
+def test_readme_tour_runs_as_written(tmp_path):
+    """Command 1's pipeline, then the README's tour block, verbatim, in a folder of its own."""
+    for d in ("manifests",):
+        shutil.copytree(REPO / d, tmp_path / d)
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    text = (REPO / "README.md").read_text()
+    setup = text.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    run_all = [c for c in commands(FENCE.findall(setup)[0][1]) if c[0].endswith("pipeline")]
+    tour = text.split("## A five-minute tour", 1)[1].split("\n## ", 1)[0]
+    block = shell_blocks_of(tour)[0]
+    for argv in run_all:
+        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, f"the tour failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    assert (tmp_path / "runs" / "demo" / "report" / "index.html").is_file()
+
+
+def shell_blocks_of(text: str) -> list[str]:
+    return [body for lang, body in FENCE.findall(text) if lang in ("bash", "sh", "shell")]
