@@ -36,11 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.io.shards import ShardStream, epoch_rng  # noqa: E402
+from pipeline.io.shards import read_shard as generic_read  # noqa: E402
 from pipeline.io.wds import ShardWriter, sample_key  # noqa: E402
 from pipeline.loaders.visual_tokens import TRAIN_FIELDS  # noqa: E402
 from pipeline.loaders.visual_tokens import read_shard as vt_read  # noqa: E402
 from pipeline.visual_tokens.graph import build_graph  # noqa: E402
-from train.data import ShardJoin, ShardStream  # noqa: E402
+from train.data import ShardJoin  # noqa: E402
 from train.jobs.visual_tokens import Config  # noqa: E402
 from train.jobs.visual_tokens.batches import TEXT_FIELDS, collate_batch  # noqa: E402
 from train.jobs.visual_tokens.losses import clip_loss  # noqa: E402
@@ -105,13 +107,10 @@ def bench_data(n: int, batch: int, repeats: int, LAZY: bool = False, epochs: int
         first = time.perf_counter() - t0
         # in memory: the same samples (already joined) grouped like the shards, through the same
         # stream (same shuffle, batches and caption draws): only the shard reads and the join differ
-        from pipeline.loaders.clip_tokens import read_shard as generic_read
-
         groups = [[mem[int(s["sample_id"])] for s in generic_read(p, fields=())] for p in vt_paths]
         mem_stream = ShardStream(list(range(len(groups))), lambda k: iter(groups[k]), collate, batch, shuffle=True,
                                  shuffle_buffer=512, seed=0)
         assert [b["sample_id"].tolist() for b in mem_stream.set_position(0, 0)] == order
-        from train.data import epoch_rng
 
         # the three are timed epoch by epoch, interleaved (shards, in memory, collate alone for
         # epoch e, then e + 1...), and each epoch's best over ``repeats`` rounds is kept: a burst

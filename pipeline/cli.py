@@ -94,7 +94,7 @@ def run(
     except (StageError, ManifestError) as e:
         _fail(str(e))
     except Exception as e:  # anything unforeseen: one line; the traceback with -v
-        from pipeline.stage import describe_exception
+        from pipeline.errors import describe_exception
 
         log.debug("stage %s failed", name, exc_info=True)
         _fail(f"stage {name} failed: {describe_exception(e)}" + ("" if verbose else " (rerun with -v for the traceback)"))
@@ -104,7 +104,8 @@ def run(
 
 def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bool, location: str | None = None) -> None:
     """The end of `run all`: each stage's rows, errors and time, where the artifacts, the log and the report are."""
-    from pipeline.report.build import fmt_num, fmt_seconds, main_rows
+    from pipeline.report.build import main_rows
+    from pipeline.report.formatting import fmt_num, fmt_seconds
     from pipeline.stage import registry
 
     reg = registry()

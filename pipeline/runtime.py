@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipeline.errors import RayStartError, describe_exception
+
 log = logging.getLogger("pipeline")
 
 _QUIET_ENV = {
@@ -31,10 +33,6 @@ _STORAGE_ENV = ("VLPIPE_CACHE_DIR", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "
                 "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE")
 # Workers only: model-loading bars (tqdm) from inside actors do not belong in the driver's log.
 _WORKER_ENV = {"TQDM_DISABLE": "1"}
-
-
-class RayStartError(RuntimeError):
-    """Ray cannot start or be joined; the message is one line."""
 
 
 def _init(ray, ray_cfg, runtime_env) -> None:
@@ -125,8 +123,6 @@ def _contained(fn, payload: dict) -> dict:
     try:
         return fn(payload)
     except Exception as e:
-        from pipeline.stage import describe_exception
-
         log.debug("unit %s failed", payload.get("unit"), exc_info=True)
         return {"unit": payload.get("unit"), "failed": describe_exception(e)}
 
@@ -141,8 +137,6 @@ class _ActorEntry:
     that cannot be constructed reports the reason for each unit it is given."""
 
     def __init__(self, cls: type, kwargs: dict):
-        from pipeline.stage import describe_exception
-
         self.impl, self.broken = None, None
         _quiet_worker()
         try:

@@ -16,11 +16,9 @@ every unit's marker. Workers receive a payload with ``artifact_dir``, ``stage``,
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import pkgutil
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,23 +38,10 @@ from pipeline.io.artifacts import (
     UnitWriter,
     release_lock,
 )
-from pipeline.runtime import RayStartError, ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
+from pipeline.errors import RayStartError, StageError, describe_exception, model_key  # noqa: F401 (the stages' API)
+from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
 
 log = logging.getLogger("pipeline")
-
-
-class StageError(RuntimeError):
-    """A stage cannot run (missing input, bad option); the message is shown as the one-line error."""
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def describe_exception(e: BaseException) -> str:
-    """``Type: first line of the message``, without memory addresses (same input, same bytes)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = _ADDRESS.sub("", text)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class StageConfig(Section):
@@ -198,18 +183,6 @@ def unit_writer(payload: dict) -> UnitWriter:
 # 3. Fail loudly: when a stage rejects more than ``max_error_rate`` of its input samples (or all of
 #    them), it writes errors/errors.parquet but no _manifest.json and exits non-zero with a one-line
 #    summary of the top reasons (:func:`check_error_rate`).
-
-
-@contextlib.contextmanager
-def model_key(key: str, spec):
-    """Loading the model named by manifest key ``key`` (e.g. ``models.clip``): any failure becomes
-    the one-line :class:`StageError` ``models.clip: 'x/y' not found or not loadable (...)``."""
-    try:
-        yield
-    except StageError:
-        raise
-    except Exception as e:
-        raise StageError(f"{key}: {spec!r} not found or not loadable ({describe_exception(e)})") from None
 
 
 def _take(inputs, idx: list[int]):
@@ -401,6 +374,12 @@ def run_units(
             if result.get("failed"):
                 failed.append((result.get("unit", "?"), result["failed"]))
             progress.update(int(result.get("stats", {}).get("rows", 0)))
+    raise_failed_units(writer, failed)
+    return names
+
+
+def raise_failed_units(writer: ArtifactWriter, failed: list[tuple[str, str]]) -> None:
+    """One :class:`StageError` line naming the first failed unit (and how many more failed)."""
     if failed:
         unit, why = sorted(failed)[0]
         more = f" (and {len(failed) - 1} more units)" if len(failed) > 1 else ""
@@ -408,7 +387,6 @@ def run_units(
             f"{writer.stage}: unit {unit} of {writer.artifact} failed: {why}{more}; "
             "completed units are kept, a rerun resumes from them"
         )
-    return names
 
 
 def run_stage(name: str, ctx: RunContext) -> dict:

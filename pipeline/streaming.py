@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from pipeline.io.artifacts import ArtifactWriter
+from pipeline.stage import StageError, check_error_rate, format_seconds, raise_failed_units
 
 log = logging.getLogger("pipeline")
 
@@ -47,8 +48,6 @@ def run_units_stream(ctx, writer: ArtifactWriter, units: Iterable[tuple[str, obj
     pruned afterwards). ``input_rows()`` is called once the iterator is exhausted (the stage's
     input count for the error-rate check).
     """
-    from pipeline.stage import StageError, check_error_rate, format_seconds
-
     cfg = ctx.stage_cfg
     names: list[str] = []
     seen: set[str] = set()
@@ -104,11 +103,5 @@ def run_units_stream(ctx, writer: ArtifactWriter, units: Iterable[tuple[str, obj
     writer.error_check = lambda errors, out_rows, where: check_error_rate(
         writer.artifact, writer.stage, errors, writer.input_rows, out_rows, getattr(cfg, "max_error_rate", 0.5), where
     )
-    if failed:
-        unit, why = sorted(failed)[0]
-        more = f" (and {len(failed) - 1} more units)" if len(failed) > 1 else ""
-        raise StageError(
-            f"{writer.stage}: unit {unit} of {writer.artifact} failed: {why}{more}; "
-            "completed units are kept, a rerun resumes from them"
-        )
+    raise_failed_units(writer, failed)
     return names

@@ -217,7 +217,8 @@ def test_rerun_skips_and_deleted_shard_is_redone(clip_run):
 
 
 def test_loader_batches_match_shards(direct):
-    from pipeline.loaders.clip_tokens import ClipTokenBatches, read_shard
+    from pipeline.io.shards import ShardStream, loader
+    from pipeline.loaders.clip_tokens import collate, read_shard, shard_reader
 
     _, art = direct
     stored = _stored(art)
@@ -238,14 +239,21 @@ def test_loader_batches_match_shards(direct):
                     got = np.asarray(s[k[:-4]])
                     np.testing.assert_array_equal(got, v)
                     assert got.dtype == v.dtype and got.shape == v.shape
-    threaded = list(ClipTokenBatches(art.dir, batch_size=2, captions="first", threads=2))
+    shards = art.files("shards")
+
+    def stream(captions, batch_size=2, shuffle=False, seed=0):
+        return ShardStream(shards, shard_reader(shards), lambda s, rng: collate(s, captions, rng), batch_size,
+                           shuffle=shuffle, seed=seed, drop_last=False,
+                           keep=lambda s: captions == "all" or s["caption_ids"].shape[0] > 0)
+
+    threaded = list(loader(stream("first"), num_workers=2))  # batches read by two worker processes
     ids = [i for b in threaded for i in b["sample_id"].tolist()]
     assert sorted(ids) == sorted(stored)
     for b in threaded:
         for i, sid in enumerate(b["sample_id"].tolist()):
             np.testing.assert_array_equal(b["patch_tokens"][i].numpy(), stored[sid]["patch_tokens.npy"])
             assert b["caption_id"][i] == stored[sid]["caption_ids.npy"][0]
-    batches = list(ClipTokenBatches(art.dir, batch_size=2, captions="all"))
+    batches = list(stream("all"))
     assert [b["sample_id"].shape[0] for b in batches] == [2, 2, 1]
     for b in batches:
         for i, sid in enumerate(b["sample_id"].tolist()):
@@ -258,7 +266,7 @@ def test_loader_batches_match_shards(direct):
                 assert b["text_mask"][r].sum() == n
                 np.testing.assert_array_equal(b["text_tokens"][r, :n].numpy(), ref["text_tokens.npy"][j, :n])
                 assert not b["text_tokens"][r, n:].any()
-    one = list(ClipTokenBatches(art.dir, batch_size=4, captions="random", shuffle=True, seed=3))
+    one = list(stream("random", batch_size=4, shuffle=True, seed=3))
     ids = torch.cat([b["sample_id"] for b in one]).tolist()
     assert sorted(ids) == sorted(stored)
     for b in one:

@@ -1,4 +1,5 @@
-"""Kept shard maps: same batches as the pread path, and a rewritten shard is never served stale."""
+"""Kept shard maps: same batches as the pread path, and a rewritten shard is never served stale
+(:mod:`pipeline.io.shards` under the clip_tokens loader)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import torch
 
 from pipeline.io.wds import ShardWriter, sample_key
-from pipeline.loaders.clip_tokens import ClipTokenBatches, close_mappings, fits_in_memory, read_shard
+from pipeline.io.shards import ShardStream, close_mappings, fits_in_memory
+from pipeline.loaders.clip_tokens import collate, read_shard, shard_reader
 
 
 def _write(root, seed: int, n: int = 10):
@@ -37,7 +39,9 @@ def _write(root, seed: int, n: int = 10):
 
 
 def _batches(root, mapped):
-    return list(ClipTokenBatches(root, batch_size=4, captions="all", seed=3, mapped=mapped))
+    shards = [root / "shards" / "00000.tar"]
+    return list(ShardStream(shards, shard_reader(shards, mapped), lambda s, rng: collate(s, "all", rng), 4,
+                            shuffle=False, seed=3, drop_last=False))
 
 
 def test_mapped_and_pread_batches_are_identical(tmp_path):

@@ -182,7 +182,7 @@ def test_batch_mode_sequence_unchanged_by_the_index(planted):
     out, _ = planted
     job = _job(out, "b", hard_negatives="batch")
     from pipeline.loaders.clip_tokens import collate, shard_reader
-    from train.data import ShardStream
+    from pipeline.io.shards import ShardStream
 
     plain = ShardStream(job.shards, shard_reader(job.shards), lambda s, r: collate(s, "random", r), 16,
                         shuffle_buffer=job.cfg.shuffle_buffer, seed=0, keep=job._keep_train).set_position(0, 0)

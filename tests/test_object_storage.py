@@ -234,10 +234,16 @@ def test_inspect_and_a_loader_read_the_s3_artifacts(runs, monkeypatch, s3, tmp_p
     assert res.exit_code == 0, res.output
     assert "s3://bucket/run/clip_tokens: ok" in res.output
 
-    from pipeline.loaders.clip_tokens import ClipTokenBatches
+    from pipeline.io.shards import ShardStream
+    from pipeline.loaders.clip_tokens import collate, shard_paths, shard_reader
 
-    got = list(ClipTokenBatches("s3://bucket/run/clip_tokens", batch_size=3, captions="all"))
-    want = list(ClipTokenBatches(Path(local.output) / "clip_tokens", batch_size=3, captions="all"))
+    def batches(artifact):
+        shards = shard_paths(artifact)  # fetched into the cache and checked against the manifest
+        return list(ShardStream(shards, shard_reader(shards), lambda s, rng: collate(s, "all", rng), 3,
+                                shuffle=False, drop_last=False))
+
+    got = batches("s3://bucket/run/clip_tokens")
+    want = batches(Path(local.output) / "clip_tokens")
     assert len(got) == len(want) > 1
     for a, b in zip(got, want):
         assert a.keys() == b.keys()
@@ -252,7 +258,7 @@ def test_inspect_and_a_loader_read_the_s3_artifacts(runs, monkeypatch, s3, tmp_p
     fs.pipe_file(path, bytes(len(good)))
     try:
         with pytest.raises(OSError, match="not the one _manifest.json records"):
-            ClipTokenBatches("s3://bucket/run/clip_tokens")
+            shard_paths("s3://bucket/run/clip_tokens")
         res = CliRunner().invoke(app, ["verify", "s3://bucket/run/clip_tokens"])
         assert res.exit_code == 1 and "sha256 differs" in res.output
     finally:

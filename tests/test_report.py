@@ -50,7 +50,7 @@ def _run(stages, m):
 
 # --------------------------------------------------------------------------- numbers, ETA
 def test_numbers_are_rounded_for_people():
-    from pipeline.report.build import fmt_bytes, fmt_num, fmt_value
+    from pipeline.report.formatting import fmt_bytes, fmt_num, fmt_value
 
     assert fmt_num(40.00000059604645) == "40"
     assert fmt_num(0.123456) == "0.123"
@@ -80,7 +80,7 @@ def test_eta_never_negative(caplog):
 
 # --------------------------------------------------------------------------- training curves
 def test_metric_panels_split_families(tmp_path):
-    from train.plots import metric_panels, plot_metrics
+    from pipeline.report.curves import metric_panels, plot_metrics
 
     rows = [{"kind": "train", "step": s, "epoch": 0, "loss": 10.0 / s ** 2, "lr": 1e-4, "grad_norm": 2.0,
              "steps_per_s": 5.0, "samples_per_s": 320.0, "hn_index_hit": 0.5} for s in (1, 2, 3, 4, 5, 6, 7, 8)]
@@ -110,7 +110,7 @@ def test_metric_panels_split_families(tmp_path):
 
 
 def test_no_metrics_no_figure(tmp_path):
-    from train.plots import plot_metrics
+    from pipeline.report.curves import plot_metrics
 
     assert plot_metrics(tmp_path / "absent.jsonl", tmp_path / "m.png") is None
 
@@ -273,7 +273,7 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
 
 
 def test_eval_table_puts_overall_rows_first_and_folds_subsets(tmp_path):
-    from pipeline.report.build import _eval_tables
+    from pipeline.report.training import eval_tables
     from train.eval.harness import write_results
 
     def row(bench, subset, metric, value, unit="%"):
@@ -285,7 +285,7 @@ def test_eval_table_puts_overall_rows_first_and_folds_subsets(tmp_path):
                    row("retrieval", "global", "i2t_R@1", 30.0), row("grounding", "all", "mean_IoU", 0.07, "fraction"),
                    row("vg-attribution", "black_blue", "accuracy", 0.0), row("vg-attribution", "all", "accuracy", 49.6)],
                   tmp_path / "run" / "eval" / "final")
-    (t,) = _eval_tables(tmp_path / "run")
+    (t,) = eval_tables(tmp_path / "run")
     main = {(r["benchmark"], r["subset"]) for r in t["rows"] if r["main"]}
     assert main == {("vg-relation", "all"), ("retrieval", "global"), ("grounding", "all"), ("vg-attribution", "all")}
     assert t["n_sub"] == 2

@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cot_planted import write_planted  # noqa: E402
 
-from train.data import ParquetJoin, ShardStream, buffer_shuffle, loader  # noqa: E402
+from pipeline.io.shards import ShardStream, buffer_shuffle, loader  # noqa: E402
+from train.data import ParquetJoin  # noqa: E402
 from train.eval.retrieval import recall_at_k, retrieval_report  # noqa: E402
 from train.eval.benchmarks.sugarcrepe import score as sugarcrepe_score  # noqa: E402
 from train.eval.in_job import read_folders  # noqa: E402
@@ -84,6 +85,28 @@ def test_shard_stream_epochs_resume_and_workers():
     # split filter
     odd = [i for b in _toy_stream(keep=lambda s: s["sample_id"] % 2 == 1).set_position(0, 0) for i in b["ids"].tolist()]
     assert odd and all(i % 2 == 1 for i in odd)
+
+
+def test_shard_stream_ranks_partition_the_epoch():
+    """rank/world_size: each rank collates a disjoint share of the epoch's batches; together they are
+    exactly the single-process epoch (same batches, same per-batch rng draws), also when resumed
+    and through DataLoader workers, and count_batches gives each rank's share."""
+    for start in (0, 5):
+        full = [(b["ids"].tolist(), float(b["r"])) for b in _toy_stream().set_position(1, start)]
+        world = 3
+        shares = [[(b["ids"].tolist(), float(b["r"])) for b in _toy_stream(rank=r, world_size=world).set_position(1, start)]
+                  for r in range(world)]
+        assert sorted(len(s) for s in shares)[-1] - sorted(len(s) for s in shares)[0] <= 1
+        merged = [shares[k % world][k // world] for k in range(len(full))]  # batch start + k is rank k % world's
+        assert merged == full
+        ids = [i for share in shares for b, _ in share for i in b]
+        assert len(ids) == len(set(ids)) == sum(len(b) for b, _ in full)  # disjoint samples, none lost
+    assert [_toy_stream(rank=r, world_size=3).count_batches() for r in range(3)] == [8, 8, 7]  # 23 batches
+    one = [b["ids"].tolist() for b in _toy_stream(rank=1, world_size=3).set_position(0, 0)]
+    par = [b["ids"].tolist() for b in loader(_toy_stream(rank=1, world_size=3).set_position(0, 0), num_workers=2)]
+    assert par == one
+    with pytest.raises(ValueError, match="rank 3"):
+        _toy_stream(rank=3, world_size=3)
 
 
 def test_parquet_join(planted):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pipeline.io.wds import ShardWriter, sample_key
+from pipeline.io.shards import ShardStream, loader
 from pipeline.loaders.clip_tokens import read_shard
-from train.data import ShardIndex, ShardJoin, ShardStream, loader
+from train.data import ShardIndex, ShardJoin
 
 
 def _write(dirpath, ids, shard_size, make, order_seed):

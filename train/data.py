@@ -1,39 +1,26 @@
-"""Streaming, deterministic, resumable batches over artifact shards.
+"""Joins: attach other artifacts' data to a stream's samples by ``sample_id``.
 
-:class:`ShardStream` turns a list of shards into batches:
+A :class:`pipeline.io.shards.ShardStream` walks one artifact's shards; its ``joins`` add what other
+artifacts hold for the same sample, reading only what the batch needs (bounded memory, and a pure
+function of the sample_id, so the stream stays deterministic and exactly resumable):
 
-* shard order is shuffled per epoch and samples pass through a seeded shuffle buffer of
-  ``shuffle_buffer`` samples, so memory is bounded by the buffer (plus one shard's headers), not
-  by the dataset; the sequence of batches is a pure function of (seed, epoch);
-* ``start`` skips the first batches of an epoch without collating them (resume at the exact data
-  position: with lazy shard readers such as :func:`pipeline.loaders.clip_tokens.read_shard`, a
-  skipped sample costs a header parse, no array read);
-* with ``num_workers`` DataLoader workers, every worker walks the same cheap sample stream and
-  collates (reads the large arrays of) only the batches ``start + w, start + w + n, ...``, so the
-  DataLoader's round-robin yields exactly the single-process batch sequence, for any number of
-  workers;
-* ``joins`` attach columns of other artifacts by ``sample_id`` (:class:`ParquetJoin`; tables with
-  several rows per sample, e.g. phrases, words, instances: :class:`ParquetMultiJoin`), reading
-  only the Parquet files whose sample_id range covers the batch (bounded memory).
+* :class:`ParquetJoin`: columns of a Parquet table (one row per sample); tables with several rows
+  per sample (phrases, words, instances): :class:`ParquetMultiJoin`;
+* :class:`ShardJoin`: the fields of another *shard* artifact's sample, by random access through
+  :class:`ShardIndex`.
 """
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
-import torch
 
 from pipeline.io.artifacts import Artifact
-from pipeline.loaders import buffer_shuffle
-
-
-def epoch_rng(seed: int, epoch: int, salt: int = 0) -> random.Random:
-    return random.Random((int(seed) * 1_000_003 + int(epoch)) * 1_000_033 + int(salt))
+from pipeline.io.shards import fits_in_memory, parsed_samples, read_sample, read_shard
 
 
 class ParquetJoin:
@@ -102,8 +89,6 @@ class ParquetMultiJoin(ParquetJoin):
         if f in self.cache:
             self.cache.move_to_end(f)
             return self.cache[f]
-        import numpy as np
-
         t = pq.read_table(f, columns=[self.key, *self.columns])
         keys = t.column(self.key).to_numpy(zero_copy_only=False)
         order = np.argsort(keys, kind="stable")
@@ -121,8 +106,6 @@ class ParquetMultiJoin(ParquetJoin):
         return entry
 
     def lookup(self, sample_id: int) -> dict | None:
-        import numpy as np
-
         out: dict | None = None
         for f, (lo, hi) in zip(self.files, self.ranges):
             if lo is not None and lo <= sample_id <= hi:
@@ -142,119 +125,17 @@ class ParquetMultiJoin(ParquetJoin):
         return sample
 
 
-class ShardStream(torch.utils.data.IterableDataset):
-    """Deterministic batches over shards (see the module docstring).
-
-    ``read_shard(shard) -> Iterator[dict]`` yields cheap per-sample dicts with ``sample_id``;
-    ``collate(samples, rng) -> batch`` builds the batch (``rng`` is seeded by (seed, epoch, batch
-    index), e.g. for picking one of several captions). ``keep(sample) -> bool`` filters (a split).
-    """
-
-    def __init__(
-        self,
-        shards: Sequence[Any],
-        read_shard: Callable[[Any], Iterator[dict]],
-        collate: Callable[[list[dict], random.Random], Any],
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        shuffle_buffer: int = 512,
-        seed: int = 0,
-        drop_last: bool = True,
-        keep: Callable[[dict], bool] | None = None,
-        joins: Sequence[Callable[[dict], dict]] = (),
-    ):
-        super().__init__()
-        self.shards = list(shards)
-        self.read_shard, self.collate = read_shard, collate
-        self.batch_size, self.shuffle, self.shuffle_buffer = int(batch_size), shuffle, int(shuffle_buffer)
-        self.seed, self.drop_last, self.keep, self.joins = seed, drop_last, keep, list(joins)
-        self.epoch, self.start = 0, 0
-
-    def set_position(self, epoch: int, start: int = 0) -> "ShardStream":
-        self.epoch, self.start = int(epoch), int(start)
-        return self
-
-    def _samples(self, rng: random.Random) -> Iterator[dict]:
-        shards = list(self.shards)
-        if self.shuffle:
-            rng.shuffle(shards)
-        for sh in shards:
-            for s in self.read_shard(sh):
-                if self.keep is None or self.keep(s):
-                    yield s
-
-    def _stream(self) -> Iterator[dict]:
-        """The epoch's (filtered, shuffled) sample stream."""
-        rng = epoch_rng(self.seed, self.epoch)
-        stream = self._samples(rng)
-        if self.shuffle:
-            stream = buffer_shuffle(stream, self.shuffle_buffer, rng)
-        return stream
-
-    def _batches(self) -> Iterator[tuple[int, Any]]:
-        """(batch index, payload) for the epoch; the payload is turned into samples by :meth:`_load`
-        only for the batches this worker collates (subclasses compose batches differently)."""
-        stream = self._stream()
-        buf: list[dict] = []
-        b = 0
-        for s in stream:
-            buf.append(s)
-            if len(buf) == self.batch_size:
-                yield b, buf
-                b += 1
-                buf = []
-        if buf and not self.drop_last:
-            yield b, buf
-
-    def __iter__(self) -> Iterator[Any]:
-        info = torch.utils.data.get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        for b, payload in self._batches():
-            if b < self.start or (b - self.start) % nw != wid:
-                continue
-            samples = self._load(payload)
-            for j in self.joins:
-                samples = [j(s) for s in samples]
-            yield self._finish(self.collate(samples, epoch_rng(self.seed, self.epoch, salt=b + 1)), payload)
-
-    def _load(self, payload) -> list[dict]:
-        return payload
-
-    def _finish(self, batch, payload):
-        return batch
-
-    def count_batches(self) -> int:
-        """Batches per epoch (walks the cheap sample stream once)."""
-        n = sum(1 for sh in self.shards for s in self.read_shard(sh) if self.keep is None or self.keep(s))
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-
-def loader(stream: ShardStream, num_workers: int = 0) -> Iterable[Any]:
-    """Iterate ``stream`` in-process or through a DataLoader with ``num_workers`` workers (same
-    batch sequence either way)."""
-    if num_workers <= 0:
-        return iter(stream)
-    return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=num_workers, in_order=True,
-                                            persistent_workers=False))
-
-
-# --------------------------------------------------------------------------- shard-to-shard join
 class ShardIndex:
     """``sample_id -> (shard, position)`` over the WebDataset shards of an artifact, and random
-    access to one sample (:func:`pipeline.loaders.clip_tokens.read_sample`, which reads any shard
+    access to one sample (:func:`pipeline.io.shards.read_sample`, which reads any shard
     ShardWriter wrote: ``clip_tokens``, ``visual_tokens``...).
 
     Built once from the shards' tar headers (no array is read); about 100 bytes per sample.
     ``lazy=None``: kept memory maps when the shards fit in memory, else one ``pread`` per member
-    (see :func:`pipeline.loaders.clip_tokens.fits_in_memory`). A sample_id present in two shards
+    (see :func:`pipeline.io.shards.fits_in_memory`). A sample_id present in two shards
     is an error (the artifact is inconsistent)."""
 
     def __init__(self, shards: Sequence[str | Path], lazy: bool | None = None, name: str = ""):
-        import numpy as np
-
-        from pipeline.loaders.clip_tokens import fits_in_memory, read_shard
-
         self.shards = [str(s) for s in shards]
         self.name = name or (str(Path(self.shards[0]).parent) if self.shards else "(no shards)")
         self.lazy = (not fits_in_memory(self.shards)) if lazy is None else bool(lazy)
@@ -296,16 +177,12 @@ class ShardIndex:
         """Kept maps: a shard's parsed samples (views), parsed once and held here."""
         parsed = self._parsed.get(shard)
         if parsed is None:
-            from pipeline.loaders.clip_tokens import _parsed
-
-            parsed = self._parsed[shard] = _parsed(self.shards[shard])
+            parsed = self._parsed[shard] = parsed_samples(self.shards[shard])
         return parsed
 
     def read(self, sample_id: int, fields: Iterable[str] | None = None) -> dict:
         """The sample's fields (names without ``.npy``/``.json``; ``None``: all) as
-        :func:`pipeline.loaders.clip_tokens.read_shard` yields them; KeyError when absent."""
-        from pipeline.loaders.clip_tokens import read_sample
-
+        :func:`pipeline.io.shards.read_shard` yields them; KeyError when absent."""
         shard, pos = self._locate(sample_id)
         if self.lazy:
             return read_sample(self.shards[shard], pos, fields=fields, lazy=True)

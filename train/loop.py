@@ -183,8 +183,8 @@ def _truncate_metrics(path: Path, step: int) -> str:
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
-    """Per-family panels of train and eval metrics against steps (see :mod:`train.plots`)."""
-    from train.plots import plot_metrics as _plot
+    """Per-family panels of train and eval metrics against steps (see :mod:`pipeline.report.curves`)."""
+    from pipeline.report.curves import plot_metrics as _plot
 
     _plot(metrics_path, out_png)
 

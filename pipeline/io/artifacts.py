@@ -25,6 +25,9 @@ written and read through a local mirror in the cache folder, units are uploaded 
 their marker last, ``_manifest.json`` last of all, resume reads markers from the store, readers
 fetch and verify files on first use, and the lock is an object created with a conditional put.
 :mod:`pipeline.io.storage` describes it.
+
+This module writes artifacts; the read side (:class:`Artifact`) is :mod:`pipeline.io.artifact_reader`,
+re-exported here.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import polars as pl
@@ -44,6 +46,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.io import storage
+from pipeline.io.artifact_reader import (  # noqa: F401 (the read side, re-exported: one place to import artifacts from)
+    ERROR_SCHEMA,
+    ERRORS_PATH,
+    Artifact,
+    ArtifactMissing,
+    forget_units_of,
+)
 from pipeline.io.atomic import (
     fingerprint,
     remove_stale_tmp,
@@ -60,25 +69,7 @@ SCHEMA_VERSION = 1
 # _manifest.json but left out of fingerprints, so moving a run onto a GPU cluster redoes nothing.
 EXECUTION_ONLY = frozenset({"enabled", "num_gpus", "num_cpus", "max_error_rate"})
 
-ERROR_SCHEMA = pa.schema(
-    [
-        ("stage", pa.string()),
-        ("unit", pa.string()),
-        ("sample_id", pa.int64()),
-        ("caption_id", pa.int64()),
-        ("source_id", pa.string()),
-        ("reason", pa.string()),
-        ("detail", pa.string()),
-    ]
-)
-
-
-ERRORS_PATH = "errors/errors.parquet"
 LEGACY_ERRORS_PATH = "errors.parquet"
-
-
-class ArtifactMissing(FileNotFoundError):
-    pass
 
 
 # Another live run holds the artifact's lock; the message names the holder (pipeline/io/lock.py)
@@ -503,225 +494,6 @@ class ArtifactWriter:
                 p = Path(rel)
                 if p.parent.as_posix() in names and rel not in live and p.suffix in (".parquet", ".tar") and not p.name.startswith("."):
                     self.remote.rm(rel)
-
-
-class Artifact:
-    """Read side of a finished artifact folder (a local path, or a URL read through the cache).
-
-    For a URL, ``_manifest.json`` is downloaded at construction; :meth:`files`, :meth:`local_file`
-    and :meth:`errors` fetch what they return into the local mirror, verified against the sizes
-    and sha256s the manifest records; ``dir`` fetches the whole artifact first (for code that
-    reads the folder directly), ``local`` is the mirror without fetching anything."""
-
-    def __init__(self, path: str | Path):
-        loc = storage.normalize(path)
-        self.location = storage.location(loc)
-        self.remote = storage.Remote(loc) if storage.is_remote(loc) else None
-        self._local = storage.local_path(loc)
-        self._synced = False
-        self._verified: dict | None = None
-        if self.remote is not None:
-            raw = self.remote.cat("_manifest.json")
-            if raw is None:
-                raise ArtifactMissing(
-                    f"{loc} is not a finished artifact (no _manifest.json): run the stage that writes it first"
-                )
-            self.__dict__["manifest"] = json.loads(raw)
-            dst = self._local / "_manifest.json"
-            if not dst.is_file() or dst.read_bytes() != raw:
-                write_bytes_atomic(dst, raw)
-        elif not (self._local / "_manifest.json").is_file():
-            raise ArtifactMissing(
-                f"{self._local} is not a finished artifact (no _manifest.json): run the stage that writes it first"
-            )
-
-    @property
-    def local(self) -> Path:
-        """The local folder (for a URL: its mirror, holding what has been fetched so far)."""
-        return self._local
-
-    @property
-    def dir(self) -> Path:
-        """The local folder with every file of the artifact in it (a URL's are fetched once)."""
-        if self.remote is not None and not self._synced:
-            self.fetch_all()
-        return self._local
-
-    @cached_property
-    def manifest(self) -> dict:
-        return json.loads((self._local / "_manifest.json").read_text())
-
-    @property
-    def name(self) -> str:
-        return self.manifest["artifact"]
-
-    @property
-    def fingerprint(self) -> str:
-        return self.manifest["fingerprint"]
-
-    def tables(self) -> list[str]:
-        return list(self.manifest["tables"])
-
-    def files(self, table: str) -> list[Path]:
-        if table not in self.manifest["tables"]:
-            raise KeyError(f"artifact {self.name} has no table {table!r}; it has {self.tables()}")
-        entries = [s for s in self.manifest["shards"] if s["table"] == table]
-        out = [self._fetch(s) for s in entries]
-        self._save_verified()
-        return out
-
-    def shard_entries(self, table: str) -> list[dict]:
-        return [s for s in self.manifest["shards"] if s["table"] == table]
-
-    # ---- the cache of a remote artifact ---------------------------------------------------
-    def _load_verified(self) -> dict:
-        if self._verified is None:
-            try:
-                self._verified = json.loads((self._local / "_cache.json").read_text())
-            except (OSError, ValueError):
-                self._verified = {}
-        return self._verified
-
-    def _save_verified(self) -> None:
-        if self.remote is not None and self._verified is not None and self._verified.get("_dirty"):
-            self._verified.pop("_dirty")
-            write_json_atomic(self._local / "_cache.json", self._verified)
-
-    def _fetch(self, entry: dict) -> Path:
-        """The local copy of a manifest entry: downloaded when absent or not the recorded bytes."""
-        p = self._local / entry["path"]
-        if self.remote is None:
-            return p
-        seen = self._load_verified()
-        want = [entry["bytes"], entry["sha256"]]
-        try:
-            st = p.stat()
-            if seen.get(entry["path"]) == [st.st_size, st.st_mtime_ns, entry["sha256"]]:
-                return p
-            ok = st.st_size == entry["bytes"] and sha256_file(p) == entry["sha256"]
-        except OSError:
-            ok = False
-        if not ok:
-            self.remote.get(entry["path"])
-            got = [p.stat().st_size, sha256_file(p)]
-            if got != want:
-                p.unlink(missing_ok=True)
-                raise OSError(f"{self.location}/{entry['path']}: the stored object is not the one _manifest.json records "
-                              f"({got[0]} bytes, sha256 {got[1][:12]}; recorded {want[0]} bytes, {want[1][:12]}); "
-                              "the artifact changed while being read, or is corrupt: `pipeline verify` it")
-        st = p.stat()
-        seen[entry["path"]] = [st.st_size, st.st_mtime_ns, entry["sha256"]]
-        seen["_dirty"] = True
-        return p
-
-    def local_file(self, rel: str) -> Path:
-        """One file of the artifact as a local path (a URL's fetched, and verified when the
-        manifest records it)."""
-        if self.remote is None:
-            return self._local / rel
-        entry = next((s for s in self.manifest["shards"] if s["path"] == rel), None)
-        if entry is not None:
-            p = self._fetch(entry)
-            self._save_verified()
-            return p
-        p = self._local / rel
-        size = self.remote.size(rel)
-        if size is not None and (not p.is_file() or p.stat().st_size != size):
-            self.remote.get(rel)
-        return p
-
-    def fetch_all(self) -> None:
-        """Fetch every file of a remote artifact (its shards, errors and other files) into the mirror."""
-        if self.remote is None:
-            return
-        shards = {s["path"] for s in self.manifest["shards"]}
-        for s in self.manifest["shards"]:
-            self._fetch(s)
-        self._save_verified()
-        for rel, size in self.remote.listing(refresh=True).items():
-            if rel in shards or rel in ("_lock", "_manifest.json") or rel.startswith(("_state/", "_errors/")):
-                continue
-            p = self._local / rel
-            if not p.is_file() or p.stat().st_size != size:
-                self.remote.get(rel)
-        self._synced = True
-
-    def read(self, table: str, columns: list[str] | None = None) -> pa.Table:
-        files = self.files(table)
-        parts = [pq.read_table(f, columns=columns) for f in files]
-        return pa.concat_tables(parts) if parts else pa.table({})
-
-    def scan(self, table: str) -> pl.LazyFrame:
-        return pl.scan_parquet([str(f) for f in self.files(table)])
-
-    def errors(self) -> pa.Table:
-        rel = self.manifest.get("errors", {}).get("path", ERRORS_PATH)
-        path = self.local_file(rel)
-        return pq.read_table(path) if path.exists() else ERROR_SCHEMA.empty_table()
-
-    def problems(self) -> list[tuple[str, str]]:
-        """``(relative path, problem)`` for every recorded file that is missing, of another size
-        or another sha256 (a remote artifact: sizes on the store, sha256 of the fetched copies)."""
-        out = []
-        listing = self.remote.listing(refresh=True) if self.remote is not None else None
-        for s in self.manifest["shards"]:
-            rel = s["path"]
-            if listing is not None:
-                if rel not in listing:
-                    out.append((rel, "missing"))
-                elif listing[rel] != s["bytes"]:
-                    out.append((rel, f"{listing[rel]} bytes, recorded {s['bytes']}"))
-                else:
-                    try:
-                        self._fetch(s)
-                    except OSError:
-                        out.append((rel, "sha256 differs from the one recorded (content changed or corrupt)"))
-                continue
-            p = self._local / rel
-            if not p.is_file():
-                out.append((rel, "missing"))
-            elif p.stat().st_size != s["bytes"]:
-                out.append((rel, f"{p.stat().st_size} bytes, recorded {s['bytes']}"))
-            elif sha256_file(p) != s["sha256"]:
-                out.append((rel, "sha256 differs from the one recorded (content changed or corrupt)"))
-        self._save_verified()
-        return out
-
-    def verify(self) -> list[str]:
-        """Check every recorded file against its size and sha256; one problem line per bad file."""
-        return [f"{storage.join(self.location, rel)}: {why}" for rel, why in self.problems()]
-
-
-def forget_units_of(art: Artifact) -> int:
-    """Remove the completion markers of the units whose files fail :meth:`Artifact.verify`, and the
-    artifact's _manifest.json, so the next run of its stage redoes exactly those units."""
-    bad = {rel for rel, _why in art.problems()}
-    n = 0
-    if art.remote is not None:
-        for rel in art.remote.listing(refresh=True):
-            if not (rel.startswith("_state/") and rel.endswith(".json")):
-                continue
-            try:
-                files = json.loads(art.remote.cat(rel) or b"{}").get("files", [])
-            except ValueError:
-                continue
-            if any(f["path"] in bad for f in files):
-                art.remote.rm(rel)
-                (art.local / rel).unlink(missing_ok=True)
-                n += 1
-        art.remote.rm("_manifest.json")
-        (art.local / "_manifest.json").unlink(missing_ok=True)
-        return n
-    for marker in (art.local / "_state").glob("*.json"):
-        try:
-            files = json.loads(marker.read_text()).get("files", [])
-        except (OSError, ValueError):
-            continue
-        if any(f["path"] in bad for f in files):
-            marker.unlink()
-            n += 1
-    (art.local / "_manifest.json").unlink(missing_ok=True)
-    return n
 
 
 def shard_inputs_fingerprint(entries: list[dict]) -> str:

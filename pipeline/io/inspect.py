@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from pipeline.io.artifacts import Artifact
 from pipeline.io.wds import iter_shard
+from pipeline.stage import registry
 
 
 def _describe_value(v) -> str:
@@ -76,8 +77,6 @@ def describe(art: Artifact, rows: int, fmt) -> str:
             ids = ", ".join(f"{k}={row[k]}" for k in ("sample_id", "caption_id", "source_id") if row[k] is not None)
             out.append(f"  [{row['reason']}] {ids}: {row['detail'][:120]}")
     try:
-        from pipeline.stage import registry
-
         spec = registry().get(m["stage"])
         view = getattr(spec.module, "inspect_view", None) if spec else None
         if view is not None:

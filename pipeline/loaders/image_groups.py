@@ -2,9 +2,9 @@
 
 :class:`ImageGroups` indexes every sample of the artifact's shards once (sample_id -> shard,
 position) and gathers the ``groups`` arrays [K, d] of any set of sample ids into one float32
-batch. The arrays are read-only views into kept memory maps of the shards (the clip_tokens
-reader's :func:`pipeline.loaders.clip_tokens.read_shard`), so a gather copies each byte once and an
-artifact larger than RAM is paged by the OS rather than loaded.
+batch. The arrays are read-only views into kept memory maps of the shards
+(:func:`pipeline.io.shards.read_shard`), so a gather copies each byte once and an artifact larger
+than RAM is paged by the OS rather than loaded.
 
 Usage::
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.io.artifacts import Artifact
-from pipeline.loaders.clip_tokens import read_shard
+from pipeline.io.shards import read_shard
 
 FIELDS = ("groups", "groups_projected", "image_embed", "assign")
 

@@ -12,7 +12,6 @@ whose negatives a caption uses in a given epoch (the paper samples one noun per 
 
 from __future__ import annotations
 
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import polars as pl
 
 from pipeline.io.artifacts import Artifact
+from pipeline.io.shards import shard_map
 from pipeline.io.wds import decode_field, iter_shard, sample_key
 
 
@@ -96,11 +96,9 @@ class NegativesReader:
     def _build_index(self) -> None:
         index: dict[str, dict[str, tuple[Path, int, int]]] = {}
         for shard in self.shards:
-            with tarfile.open(shard, "r") as tar:
-                for m in tar:
-                    if m.isfile():
-                        key, _, name = m.name.partition(".")
-                        index.setdefault(key, {})[name] = (shard, m.offset_data, m.size)
+            for mname, off, size in shard_map(shard)[1]:  # the shard's tar index (kept map)
+                key, _, name = mname.partition(".")
+                index.setdefault(key, {})[name] = (shard, off, size)
         self._index = index
 
     def get(self, sample_id: int) -> SampleFeatures | None:
@@ -111,9 +109,7 @@ class NegativesReader:
             return None
         rec = {}
         for name, (shard, off, size) in members.items():
-            with open(shard, "rb") as fh:
-                fh.seek(off)
-                rec[name] = decode_field(name, fh.read(size))
+            rec[name] = decode_field(name, bytes(shard_map(shard)[0][off : off + size]))
         return _to_features(sample_id, rec)
 
 

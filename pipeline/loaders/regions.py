@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.io.artifacts import Artifact
-from pipeline.loaders.clip_tokens import _mapped, _npy_view
+from pipeline.io.shards import npy_view, shard_map
 
 FIELDS = ("boxes.npy", "features.npy", "scores.npy", "image_size.npy", "instance_ids.npy")
 
@@ -29,7 +29,7 @@ FIELDS = ("boxes.npy", "features.npy", "scores.npy", "image_size.npy", "instance
 def _decode(mm, name: str, off: int, size: int):
     """A field of a mapped shard: .npy as a read-only view of the map, .json parsed, else bytes."""
     if name.endswith(".npy"):
-        return _npy_view(mm, off, size)
+        return npy_view(mm, off, size)
     if name.endswith(".json"):
         return json.loads(bytes(mm[off : off + size]))
     return bytes(mm[off : off + size])
@@ -37,10 +37,10 @@ def _decode(mm, name: str, off: int, size: int):
 
 def iter_shard_mapped(path: str | Path, fields: Iterable[str] | None = None) -> Iterator[dict]:
     """:func:`pipeline.io.wds.iter_shard` through the kept read-only map of the shard and its
-    parsed member table (:func:`pipeline.loaders.clip_tokens._mapped`): no tarfile parsing, arrays
+    parsed member table (:func:`pipeline.io.shards.shard_map`): no tarfile parsing, arrays
     are views of the map (copy before writing)."""
     wanted = set(fields) if fields is not None else None
-    mm, members = _mapped(path)
+    mm, members = shard_map(path)
     cur: dict | None = None
     for name, off, size in members:
         key, _, field = name.partition(".")
@@ -100,13 +100,13 @@ class RegionsReader:
         index: dict[int, dict[str, tuple[str, int, int]]] = {}
         counts: dict[int, int] = {}
         for shard in self.shards:
-            mm, members = _mapped(shard)
+            mm, members = shard_map(shard)
             for name, off, size in members:
                 key, _, field = name.partition(".")
                 sid = int(key)
                 index.setdefault(sid, {})[field] = (shard, off, size)
                 if field == "boxes.npy":
-                    counts[sid] = int(_npy_view(mm, off, size).shape[0])
+                    counts[sid] = int(npy_view(mm, off, size).shape[0])
         self._index, self._counts = index, counts
 
     def sample_ids(self) -> np.ndarray:
@@ -129,7 +129,7 @@ class RegionsReader:
         for name in fields:
             if name in members:
                 shard, off, size = members[name]
-                rec[name] = _decode(_mapped(shard)[0], name, off, size)
+                rec[name] = _decode(shard_map(shard)[0], name, off, size)
         return _to_sample(sample_id, rec)
 
 

@@ -18,7 +18,7 @@ With ``graph=True`` the batch also carries what the relation head trains on:
 
 L = ``context_length`` (default 77, the paper's; shards never hold more than their stage's
 context length). Batches come from the training loop's resumable
-stream (:class:`train.data.ShardStream`): deterministic per (seed, epoch), resumable at a batch index,
+stream (:class:`pipeline.io.shards.ShardStream`): deterministic per (seed, epoch), resumable at a batch index,
 split across DataLoader workers by batch.
 """
 
@@ -29,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.io import shards
 from pipeline.io.artifacts import Artifact
+from pipeline.io.shards import ShardStream, copy_into, fits_in_memory
 from pipeline.io.wds import iter_shard
 from pipeline.visual_tokens.graph import TOKEN_IMAGE, TOKEN_INTANGIBLE, TOKEN_TANGIBLE
 
@@ -51,13 +53,11 @@ TRAIN_FIELDS = ("tangible", "intangible", "image_feature", "ranks")
 
 def read_shard(path: str | Path, fields=TRAIN_FIELDS, lazy: bool = False) -> Iterator[dict]:
     """Cheap per-sample dicts ``{"sample_id", field: array}`` (names without ``.npy``/``.json``)
-    through the shared WebDataset reader of :mod:`pipeline.loaders.clip_tokens` (kept memory maps,
+    through the shared WebDataset reader of :mod:`pipeline.io.shards` (kept memory maps,
     or with ``lazy=True`` one ``pread`` per member and the large arrays read straight into the
     batch). JSON members (``meta``, ``masks``) come only with ``fields=None``; this is what
-    :class:`train.data.ShardStream` iterates."""
-    from pipeline.loaders.clip_tokens import read_shard as _read
-
-    yield from _read(path, fields=fields, lazy=lazy)
+    :class:`pipeline.io.shards.ShardStream` iterates."""
+    yield from shards.read_shard(path, fields=fields, lazy=lazy)
 
 
 def _norm(s: dict) -> dict:
@@ -90,8 +90,6 @@ def collate(samples: list[dict], context_length: int = 77, graph: bool = False, 
     T > ``context_length`` is a ValueError naming it (trainers filter such samples first)."""
     import torch
 
-    from pipeline.loaders.clip_tokens import _fill
-
     samples = [_norm(s) for s in samples]
     B = len(samples)
     sizes = [n_tokens(s, intangible) for s in samples]
@@ -108,9 +106,9 @@ def collate(samples: list[dict], context_length: int = 77, graph: bool = False, 
     feats = np.stack([np.asarray(s["image_feature"]) for s in samples]).astype(np.float16)
     for i, (s, (V, U, T)) in enumerate(zip(samples, sizes)):
         if V:
-            _fill(tokens[i, 1 : 1 + V], s["tangible"])
+            copy_into(tokens[i, 1 : 1 + V], s["tangible"])
         if U:
-            _fill(tokens[i, 1 + V : T], s["intangible"])
+            copy_into(tokens[i, 1 + V : T], s["intangible"])
         types[i, 0] = TOKEN_IMAGE
         types[i, 1 : 1 + V] = TOKEN_TANGIBLE
         types[i, 1 + V : T] = TOKEN_INTANGIBLE
@@ -167,15 +165,12 @@ def _collate_fn(samples, rng, context_length=77, graph=False):
 
 def VisualTokenBatches(artifact, batch_size: int = 64, context_length: int = 77, shuffle: bool = False, seed: int = 0,
                        graph: bool = False, drop_last: bool = False, shuffle_buffer: int = 512, lazy: bool | None = None):
-    """Padded batches through the training loop's resumable stream (:class:`train.data.ShardStream`,
+    """Padded batches through the training loop's resumable stream (:class:`pipeline.io.shards.ShardStream`,
     a ``torch.utils.data.IterableDataset``): the batch sequence is a pure function of (seed, epoch);
     ``.set_position(epoch, start)`` resumes at a batch index; DataLoader workers split batches
     (same sequence for any number of workers). Samples with more than ``context_length`` tokens are
     skipped (trainers count them; the stage never writes any)."""
     import functools
-
-    from pipeline.loaders.clip_tokens import fits_in_memory
-    from train.data import ShardStream
 
     paths = [str(p) for p in shard_paths(artifact)]
     lazy = (not fits_in_memory(paths)) if lazy is None else lazy

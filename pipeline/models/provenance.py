@@ -11,6 +11,7 @@ import hashlib
 import logging
 from pathlib import Path
 
+from pipeline.errors import model_key
 from pipeline.io.atomic import sha256_file
 
 log = logging.getLogger("pipeline")
@@ -146,8 +147,6 @@ def cached_info(output: str | Path | None, role: str, specs: dict, compute, **op
     from pipeline.io.atomic import fingerprint, write_json_atomic
 
     if len(specs) == 1:  # one model: a load failure is the one-line `models.<name>: ...` stage error
-        from pipeline.stage import model_key
-
         (name, spec), plain_compute = next(iter(specs.items())), compute
 
         def compute():

@@ -18,7 +18,7 @@ no network, no script; it opens from the file system. Sections:
 - ``image_groups``: the soft group assignment drawn over the image;
 - ``regions``: top boxes with scores and labels;
 - ``index``: for a few queries, the nearest cross-modal hard negatives (thumbnails, captions);
-- training runs under ``<output>/train/<job>/``: curves (:mod:`train.plots`), evaluation tables
+- training runs under ``<output>/train/<job>/``: curves (:mod:`pipeline.report.curves`), evaluation tables
   with chance (``eval/<step>/results.parquet``, else ``eval/<step>/metrics.json``), the job's own
   figures.
 

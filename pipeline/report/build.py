@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.report import figures as F
+from pipeline.report.formatting import fmt_bytes, fmt_num, fmt_seconds, fmt_value
+from pipeline.report.training import training_section
 
 log = logging.getLogger("pipeline")
 
@@ -22,65 +24,6 @@ ARTIFACT_ORDER = ["samples", "concepts", "negatives", "visual_tokens", "clip_tok
 SECTION_IDS = ["overview", "stages", *ARTIFACT_ORDER, "training"]
 RUNLOG = "_logs/stages.json"
 N_EXAMPLES = 4
-
-
-# --------------------------------------------------------------------------- number formatting
-def fmt_num(v, digits: int = 3) -> str:
-    """A number for people: integers with thousands separators, floats to ``digits`` significant
-    digits (at most 2 decimals above 1), no ``40.00000059604645``."""
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, (int, np.integer)):
-        return f"{int(v):,}"
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return str(v)
-    if math.isnan(x):
-        return "—"
-    if math.isinf(x):
-        return "∞" if x > 0 else "-∞"
-    if x == 0:
-        return "0"
-    if x.is_integer() and abs(x) < 1e15:
-        return f"{int(x):,}"
-    ax = abs(x)
-    if ax >= 1000:
-        return f"{x:,.0f}"
-    if ax >= 1:
-        text = f"{x:.{max(0, min(2, digits - 1 - int(math.floor(math.log10(ax)))))}f}"
-        return text.rstrip("0").rstrip(".") if "." in text else text
-    if ax >= 1e-3:
-        return f"{x:.{digits}g}"
-    return f"{x:.2e}"
-
-
-def fmt_value(v, unit: str = "") -> str:
-    """A metric with its unit: percentages to one decimal with ``%``, fractions to three decimals."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    if unit == "%":
-        return f"{float(v):.1f}%"
-    if unit == "fraction":
-        return f"{float(v):.3f}"
-    return fmt_num(v)
-
-
-def fmt_seconds(s) -> str:
-    from pipeline.stage import format_seconds
-
-    return "—" if s is None else format_seconds(float(s))
-
-
-def fmt_bytes(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 # --------------------------------------------------------------------------- run log
@@ -418,131 +361,6 @@ def _index_section(art, images: _Images, out: _Out, captions: dict[int, str], ca
     return {"image_queries": img_q, "caption_queries": cap_q, "faiss": m.get("faiss"), "similarity": m.get("similarity")}
 
 
-# --------------------------------------------------------------------------- training
-def _eval_tables(run_dir: Path) -> list[dict]:
-    tables = []
-    ev = run_dir / "eval"
-    if not ev.is_dir():
-        return tables
-    for d in sorted((p for p in ev.iterdir() if p.is_dir()), key=lambda p: (p.name != "final", p.name)):
-        res = d / "results.parquet"
-        if res.is_file():
-            import pyarrow.parquet as pq
-
-            rows = pq.read_table(res).to_pylist()
-            out_rows = []
-            for r in rows:
-                try:
-                    reasons = json.loads(r.get("skip_reasons") or "{}")
-                except ValueError:
-                    reasons = {"?": r.get("skip_reasons")}
-                unit = r.get("unit") or ""
-                out_rows.append({"benchmark": r.get("benchmark"), "subset": r.get("subset"), "metric": r.get("metric"),
-                                 "value": fmt_value(r.get("value"), unit), "chance": fmt_value(r.get("chance"), unit),
-                                 "above": (r.get("value") is not None and r.get("chance") is not None and r["value"] > r["chance"]),
-                                 "n": fmt_num(r.get("n")), "skipped": fmt_num(r.get("skipped")),
-                                 "reasons": ", ".join(f"{k}: {fmt_num(v)}" for k, v in reasons.items()),
-                                 "note": r.get("note") or "", "unit": unit})
-            # the overall rows first; per-subset rows (relations, attribute pairs, kinds...) folded below
-            # them. A benchmark without an `all` row (retrieval: one row set per protocol) is overall.
-            has_all = {r["benchmark"] for r in out_rows if r["subset"] in ("all", "overall")}
-            for r in out_rows:
-                r["main"] = r["subset"] in ("all", "overall") or r["benchmark"] not in has_all
-            head = rows[0] if rows else {}
-            errors = []
-            if (d / "errors.json").is_file():  # benchmarks train eval could not score (harness.write_results)
-                try:
-                    errors = [str(e) for e in json.loads((d / "errors.json").read_text())]
-                except ValueError:
-                    errors = [f"{d / 'errors.json'} is not valid JSON"]
-            tables.append({"tag": d.name, "source": "results.parquet", "rows": out_rows, "kind": "results",
-                           "errors": errors,
-                           "n_sub": sum(not r["main"] for r in out_rows),
-                           "checkpoint": head.get("checkpoint"), "step": head.get("step"), "variant": head.get("variant")})
-            continue
-        mj = d / "metrics.json"
-        if mj.is_file():
-            try:
-                res = json.loads(mj.read_text())
-            except ValueError:
-                continue
-            from train.plots import chance_keys
-
-            chance_of = chance_keys([k for k in res if "chance" not in k], [k for k in res if "chance" in k])
-            out_rows = []
-            for k, v in res.items():
-                if "chance" in k:
-                    continue
-                if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    out_rows.append({"metric": k, "value": str(v)[:200], "chance": "", "unit": ""})
-                    continue
-                c = res.get(chance_of[k]) if k in chance_of else None
-                unit = ""  # metrics.json carries no units: numbers as logged (results.parquet has them)
-                out_rows.append({"metric": k, "value": fmt_value(v, unit), "chance": fmt_value(c, unit) if c is not None else
-                                 ("n/a" if unit else ""), "unit": unit, "above": c is not None and v > c})
-            tables.append({"tag": d.name, "source": "metrics.json", "rows": out_rows, "kind": "metrics"})
-    return tables
-
-
-def _training_section(output: Path, out: _Out, manifest_path: str | None) -> dict:
-    from train.plots import plot_metrics, read_metrics
-
-    root = output / "train"
-    runs = []
-    run_dirs: set[Path] = set()
-    if root.is_dir():  # a run folder holds config.json / metrics.jsonl: train/<job>/ or train/<job>/<run>/
-        for marker in ("config.json", "metrics.jsonl"):
-            for p in root.rglob(marker):
-                rel = p.parent.relative_to(root).parts
-                if rel and len(rel) <= 3 and not {"eval", "checkpoints"} & set(rel):
-                    run_dirs.add(p.parent)
-        for run_dir in sorted(run_dirs):
-            job = run_dir.relative_to(root).as_posix()
-            metrics = run_dir / "metrics.jsonl"
-            rows = read_metrics(metrics)
-            curves = None
-            if rows:
-                png = plot_metrics(metrics, out.img / "train" / job / "curves.png")
-                curves = out.rel(png) if png else None
-            cfg = {}
-            try:
-                cfg = json.loads((run_dir / "config.json").read_text())
-            except (OSError, ValueError):
-                pass
-            figs = []
-            pngs = [p for p in sorted(run_dir.rglob("*.png")) if p.name != "metrics.png" and "report" not in p.parts]
-            tags = sorted({p.relative_to(run_dir).parts[1] for p in pngs if p.relative_to(run_dir).parts[0] == "eval"
-                           and len(p.relative_to(run_dir).parts) > 2})
-            shown_tag = "final" if "final" in tags else (tags[-1] if tags else None)  # the latest evaluation's figures
-            older = sum(1 for p in pngs if len(p.relative_to(run_dir).parts) > 2 and p.relative_to(run_dir).parts[0] == "eval"
-                        and p.relative_to(run_dir).parts[1] != shown_tag)
-            for p in pngs:
-                parts = p.relative_to(run_dir).parts
-                if parts[0] == "eval" and len(parts) > 2 and parts[1] != shown_tag:
-                    continue
-                dst = out.img / "train" / job / "figures" / p.relative_to(run_dir).as_posix().replace("/", "__")
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(p, dst)
-                figs.append({"path": out.rel(dst), "name": p.relative_to(run_dir).as_posix()})
-                if len(figs) >= 12:
-                    break
-            ckpts = sorted((p.name for p in (run_dir / "checkpoints").glob("*.pt")), key=lambda n: (n == "final.pt", n)) \
-                if (run_dir / "checkpoints").is_dir() else []
-            tr = [r for r in rows if r.get("kind") == "train"]
-            last = tr[-1] if tr else {}
-            runs.append({
-                "job": job, "dir": str(run_dir), "curves": curves, "figures": figs, "checkpoints": ckpts,
-                "config": json.dumps(cfg, indent=1, sort_keys=True, default=str) if cfg else "",
-                "steps": last.get("step"), "last_loss": last.get("loss"), "evals": _eval_tables(run_dir),
-                "figures_tag": shown_tag, "figures_older": older,
-                "missing_metrics": not rows,
-                "eval_command": f"train eval {job.split('/')[0]} --checkpoint {run_dir / 'checkpoints' / (ckpts[-1] if ckpts else 'final.pt')} "
-                                f"--manifest {manifest_path or '<manifest.yaml>'}",
-                "run_command": f"train run {job.split('/')[0]} --manifest {manifest_path or '<manifest.yaml>'}",
-            })
-    return {"runs": runs, "root": str(root), "command": f"train run concept-ot --manifest {manifest_path or '<manifest.yaml>'}"}
-
-
 # --------------------------------------------------------------------------- the page
 def build_report(output: str | Path, manifest_path: str | Path | None = None, manifest=None) -> Path:
     """Write ``<output>/report/index.html`` (and its images) and return its path."""
@@ -637,7 +455,7 @@ def build_report(output: str | Path, manifest_path: str | Path | None = None, ma
                 sec["error"] = f"{type(e).__name__}: {e}"
         sections.append(sec)
 
-    training = _training_section(output, out, manifest_path)
+    training = training_section(output, out, manifest_path)
     random_models = sorted({f"{m['role']} ({m['spec']})" for s in stages for m in s.get("models", []) if m["random"]})
     overview = {
         "rows": [(s["stage"], s["artifact"], s.get("rows"), s.get("shards"), s.get("errors"), s.get("seconds"), s["present"],

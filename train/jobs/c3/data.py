@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 
-from pipeline.loaders.clip_tokens import fits_in_memory, read_sample, read_shard
+from pipeline.io.shards import fits_in_memory
+from pipeline.loaders.clip_tokens import read_sample, read_shard
 
 
 class ImageStore:

@@ -15,7 +15,6 @@ import numpy as np
 
 from pipeline.loaders.concept_tokens import ConceptTokens, open_artifact as open_concept_tokens
 from train.job import Job, Splits, open_artifact, resolve_artifact
-from train.jobs.c3 import NAME
 from train.jobs.c3.batches import TripletBatches
 from train.jobs.c3.data import ImageStore, log
 from train.jobs.c3.losses import c3_loss
@@ -25,16 +24,16 @@ from train.jobs.c3.scoring import CROP_NOTE, TextScorer
 
 
 class C3Job(Job):
-    NAME = NAME
+    NAME = "c3"  # train.jobs.c3.NAME (not imported: the package imports this module)
 
     def __init__(self, cfg, manifest, run_dir, device):
         super().__init__(cfg, manifest, run_dir, device)
-        self.art = open_artifact(manifest, cfg.artifact, "clip_tokens", NAME)
+        self.art = open_artifact(manifest, cfg.artifact, "clip_tokens", self.NAME)
         shards = [str(p) for p in self.art.files("shards")]
         if not shards:
             raise ValueError(f"{self.art.dir}: no shards in the clip_tokens artifact")
         self.store = ImageStore(shards, cfg.image_cache)
-        self.concepts = open_artifact(manifest, cfg.concepts_artifact, "concepts", NAME)
+        self.concepts = open_artifact(manifest, cfg.concepts_artifact, "concepts", self.NAME)
         self.ct = ConceptTokens(open_concept_tokens(resolve_artifact(manifest, cfg.concept_tokens_artifact)))
         self._check_provenance()
         self.d_t = 0 if self.ct.pooled_only else self.ct.d_t

@@ -13,7 +13,7 @@ import numpy as np
 
 from pipeline.loaders.clip_tokens import collate as ct_collate
 from pipeline.loaders.clip_tokens import read_sample, read_shard
-from train.data import ShardStream, loader
+from pipeline.io.shards import ShardStream, loader
 from train.jobs.concept_ot.index_negatives import (IndexMissing, IndexNeighbours, IndexNeighbourStream, SampleTable,
                                                    require_index)
 

@@ -5,7 +5,7 @@ dataset-wide hard-negative index (`pipeline run build-index`, :mod:`pipeline.sta
 a batch can instead be *composed* so that each sample meets some of its hardest negatives of the
 whole dataset; the in-batch mining and the loss stay exactly as they are.
 
-Pieces (usable by any job that reads WebDataset shards through :class:`train.data.ShardStream`):
+Pieces (usable by any job that reads WebDataset shards through :class:`pipeline.io.shards.ShardStream`):
 
 :class:`SampleTable`
     sample_id -> (shard, position in the shard) for every sample of the shards, plus whether the
@@ -58,7 +58,7 @@ import pyarrow.parquet as pq
 import torch
 
 from pipeline.io.artifacts import Artifact
-from train.data import ShardStream, epoch_rng
+from pipeline.io.shards import ShardStream, epoch_rng
 
 NEIGHBOUR_SALT = -1  # rng salt of the neighbour draws (ShardStream's per-batch salts are >= 1)
 

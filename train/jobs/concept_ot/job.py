@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from pipeline.io.artifacts import ArtifactMissing
-from pipeline.loaders.clip_tokens import fits_in_memory, read_shard
+from pipeline.io.shards import fits_in_memory
+from pipeline.loaders.clip_tokens import read_shard
 from train.eval.in_job import generated_sugarcrepe_dirs, score_folders
 from train.eval.retrieval import retrieval_report
 from train.job import Job, Splits, open_artifact, resolve_artifact

@@ -20,10 +20,10 @@ from torch import nn
 from pipeline.io.artifacts import Artifact
 from pipeline.io.storage import resolve_under
 from pipeline.io.wds import iter_shard
+from pipeline.io.shards import ShardStream, loader
 from pipeline.loaders.regions import RegionsReader
-from train.data import ParquetMultiJoin, ShardStream, loader
+from train.data import ParquetMultiJoin
 from train.job import Job, Splits, open_artifact
-from train.jobs.infoground import NAME
 from train.jobs.infoground.batches import Collate, FilterCaption, read_captions, regions_reader
 from train.jobs.infoground.losses import infoground_loss
 from train.jobs.infoground.metrics import EvalSet, ground, grounding_rows, load_eval_set, split_figures
@@ -38,13 +38,13 @@ def _under(root: str, name: str) -> str:
 
 
 class InfoGroundJob(Job):
-    NAME = NAME
+    NAME = "infoground"  # train.jobs.infoground.NAME (not imported: the package imports this module)
 
     def __init__(self, cfg, manifest, run_dir, device):
         super().__init__(cfg, manifest, run_dir, device)
-        self.neg_art = open_artifact(manifest, cfg.negatives_artifact, "negatives", NAME)
-        self.reg_art = open_artifact(manifest, cfg.regions_artifact, "regions", NAME)
-        self.samples = open_artifact(manifest, cfg.samples_artifact, "samples", NAME)
+        self.neg_art = open_artifact(manifest, cfg.negatives_artifact, "negatives", self.NAME)
+        self.reg_art = open_artifact(manifest, cfg.regions_artifact, "regions", self.NAME)
+        self.samples = open_artifact(manifest, cfg.samples_artifact, "samples", self.NAME)
         self.regions = regions_reader(str(self.reg_art.dir))
         try:
             self.neg_shards = [str(p) for p in self.neg_art.files("shards")]
@@ -158,7 +158,7 @@ class InfoGroundJob(Job):
         if not cfg.eval_output:
             return self.neg_art, self.reg_art, self.samples, self.regions
         root = cfg.eval_output
-        neg, reg, smp = (open_artifact(self.manifest, _under(root, a), a, NAME) for a in ("negatives", "regions", "samples"))
+        neg, reg, smp = (open_artifact(self.manifest, _under(root, a), a, self.NAME) for a in ("negatives", "regions", "samples"))
         rr = RegionsReader(reg)
         if rr.feature_dim != self.d_r or self._word_dim(neg) != self.d_w:
             raise ValueError(f"infoground: eval_output {root}: region/word widths {rr.feature_dim}/{self._word_dim(neg)} "

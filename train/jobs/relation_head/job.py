@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from pipeline.models.relations import build_relation_head
+from train.config import TrainerConfig
 from train.job import Job, Splits, resolve_artifact
-from train.jobs.relation_head import NAME, Config
 from train.jobs.relation_head.batches import collate, load_graphs
 from train.jobs.relation_head.metrics import evaluate_model, recall_rows
 
@@ -21,7 +21,7 @@ def _held_out(sample_id: int, frac: float) -> bool:
     return ((int(sample_id) * 2654435761) % 2**32) % 1000 < int(round(1000 * frac))
 
 
-def split_ids(manifest, cfg: Config, sample_ids: list[int]) -> tuple[set[int], set[int]]:
+def split_ids(manifest, cfg: TrainerConfig, sample_ids: list[int]) -> tuple[set[int], set[int]]:
     """(train ids, held-out ids): the samples artifact's split column where it puts some of them in
     ``eval_splits``, else ``val_fraction`` of the ids by hash."""
     rec = Splits.of_manifest(manifest, cfg.samples_artifact).recorded(sample_ids)
@@ -32,7 +32,7 @@ def split_ids(manifest, cfg: Config, sample_ids: list[int]) -> tuple[set[int], s
     return set(sample_ids) - held, held
 
 
-def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_man: dict, art_dir: Path, cfg: Config, metrics: dict) -> None:
+def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_man: dict, art_dir: Path, cfg: TrainerConfig, metrics: dict) -> None:
     """The file ``models.relation_head`` points at (what the stage's ``learned`` backend loads)."""
     ck = {
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
@@ -53,9 +53,9 @@ def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_m
 
 
 class RelationHeadJob(Job):
-    NAME = NAME
+    NAME = "relation-head"  # train.jobs.relation_head.NAME (not imported: the package imports this module)
 
-    def __init__(self, cfg: Config, manifest, run_dir, device):
+    def __init__(self, cfg: TrainerConfig, manifest, run_dir, device):
         super().__init__(cfg, manifest, run_dir, device)
         self.art_dir = resolve_artifact(manifest, self.cfg.artifact)
         items, self.art_man = load_graphs(self.art_dir)

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from pipeline.loaders.clip_tokens import _fill
+from pipeline.io.shards import copy_into
 from pipeline.loaders.visual_tokens import collate as vt_collate
 
 TEXT_FIELDS = ("text_tokens", "text_mask", "text_embed", "caption_ids")
@@ -34,7 +34,7 @@ def collate_batch(samples: list[dict], rng: random.Random | None, *, opts: dict,
         p0 = samples[0]["patch_tokens"]
         patches = np.empty((len(samples), *p0.shape), p0.dtype)
         for i, s in enumerate(samples):
-            _fill(patches[i], s["patch_tokens"])
+            copy_into(patches[i], s["patch_tokens"])
         batch = {"patch_tokens": torch.from_numpy(patches),
                  "sample_id": torch.tensor([int(s["sample_id"]) for s in samples], dtype=torch.int64)}
     else:
@@ -62,7 +62,7 @@ def collate_text(samples: list[dict], rng: random.Random | None, captions: str) 
     tokens = np.zeros((len(picks), m, t0.shape[-1]), t0.dtype)
     for r, (i, j, n) in enumerate(picks):
         if n:
-            _fill(tokens[r, :n], samples[i]["text_tokens"], j, n)
+            copy_into(tokens[r, :n], samples[i]["text_tokens"], j, n)
     lengths = torch.tensor([n for _, _, n in picks], dtype=torch.int64)
     out = {"text_tokens": torch.from_numpy(tokens), "text_mask": torch.arange(m)[None, :] < lengths[:, None],
            "text_embed": torch.from_numpy(np.stack([np.asarray(samples[i]["text_embed"][j]) for i, j, _ in picks])),

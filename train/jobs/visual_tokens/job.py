@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from pipeline.io.artifacts import ArtifactMissing
-from pipeline.loaders.clip_tokens import fits_in_memory
+from pipeline.io.shards import ShardStream, fits_in_memory, loader
 from pipeline.loaders.visual_tokens import TRAIN_FIELDS, n_tokens
 from pipeline.loaders.visual_tokens import read_shard as vt_read_shard
-from train.data import ShardIndex, ShardJoin, ShardStream, loader
+from train.data import ShardIndex, ShardJoin
 from train.eval.in_job import generated_sugarcrepe_dirs, score_folders
 from train.eval.interface import Row
 from train.eval.intervals import mean_interval

@@ -1,5 +1,8 @@
 """Training curves a person can read: one panel per metric family, markers, log scale where it helps.
 
+Used by the trainer (a run's ``metrics.png``) and by the run report; it lives here, below both,
+because :mod:`pipeline` never imports :mod:`train`.
+
 ``metrics.jsonl`` (written by :mod:`train.loop`) holds ``{"kind": "train"|"eval", "step", ...}``
 rows. :func:`plot_metrics` draws them as a grid of small panels, so that the loss does not
 flatten everything else onto one axis and counts never share an axis with percentages:

@@ -1,0 +1,42 @@
+"""The errors a user sees as one line, and how any exception becomes that line.
+
+Below :mod:`pipeline.runtime` (Ray workers report failures with :func:`describe_exception`),
+:mod:`pipeline.stage` (which re-exports these names for the stages) and :mod:`pipeline.models`
+(a model that cannot load is a :class:`StageError` naming its manifest key), so that each of them
+imports this module and none imports another to reach it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+
+class StageError(RuntimeError):
+    """A stage cannot run (missing input, bad option); the message is shown as the one-line error."""
+
+
+class RayStartError(RuntimeError):
+    """Ray cannot start or be joined; the message is one line."""
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def describe_exception(e: BaseException) -> str:
+    """``Type: first line of the message``, without memory addresses (same input, same bytes)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = _ADDRESS.sub("", text)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def model_key(key: str, spec):
+    """Loading the model named by manifest key ``key`` (e.g. ``models.clip``): any failure becomes
+    the one-line :class:`StageError` ``models.clip: 'x/y' not found or not loadable (...)``."""
+    try:
+        yield
+    except StageError:
+        raise
+    except Exception as e:
+        raise StageError(f"{key}: {spec!r} not found or not loadable ({describe_exception(e)})") from None

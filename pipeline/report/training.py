@@ -1,0 +1,132 @@
+"""The report's training section: every run folder under ``<output>/train/`` with its curves
+(:mod:`pipeline.report.curves`), evaluation tables with chance (``eval/<step>/results.parquet``,
+else ``eval/<step>/metrics.json``) and the job's own figures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pipeline.report.curves import chance_keys, plot_metrics, read_metrics
+from pipeline.report.formatting import fmt_num, fmt_value
+
+
+def eval_tables(run_dir: Path) -> list[dict]:
+    tables = []
+    ev = run_dir / "eval"
+    if not ev.is_dir():
+        return tables
+    for d in sorted((p for p in ev.iterdir() if p.is_dir()), key=lambda p: (p.name != "final", p.name)):
+        res = d / "results.parquet"
+        if res.is_file():
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(res).to_pylist()
+            out_rows = []
+            for r in rows:
+                try:
+                    reasons = json.loads(r.get("skip_reasons") or "{}")
+                except ValueError:
+                    reasons = {"?": r.get("skip_reasons")}
+                unit = r.get("unit") or ""
+                out_rows.append({"benchmark": r.get("benchmark"), "subset": r.get("subset"), "metric": r.get("metric"),
+                                 "value": fmt_value(r.get("value"), unit), "chance": fmt_value(r.get("chance"), unit),
+                                 "above": (r.get("value") is not None and r.get("chance") is not None and r["value"] > r["chance"]),
+                                 "n": fmt_num(r.get("n")), "skipped": fmt_num(r.get("skipped")),
+                                 "reasons": ", ".join(f"{k}: {fmt_num(v)}" for k, v in reasons.items()),
+                                 "note": r.get("note") or "", "unit": unit})
+            # the overall rows first; per-subset rows (relations, attribute pairs, kinds...) folded below
+            # them. A benchmark without an `all` row (retrieval: one row set per protocol) is overall.
+            has_all = {r["benchmark"] for r in out_rows if r["subset"] in ("all", "overall")}
+            for r in out_rows:
+                r["main"] = r["subset"] in ("all", "overall") or r["benchmark"] not in has_all
+            head = rows[0] if rows else {}
+            errors = []
+            if (d / "errors.json").is_file():  # benchmarks train eval could not score (harness.write_results)
+                try:
+                    errors = [str(e) for e in json.loads((d / "errors.json").read_text())]
+                except ValueError:
+                    errors = [f"{d / 'errors.json'} is not valid JSON"]
+            tables.append({"tag": d.name, "source": "results.parquet", "rows": out_rows, "kind": "results",
+                           "errors": errors,
+                           "n_sub": sum(not r["main"] for r in out_rows),
+                           "checkpoint": head.get("checkpoint"), "step": head.get("step"), "variant": head.get("variant")})
+            continue
+        mj = d / "metrics.json"
+        if mj.is_file():
+            try:
+                res = json.loads(mj.read_text())
+            except ValueError:
+                continue
+            chance_of = chance_keys([k for k in res if "chance" not in k], [k for k in res if "chance" in k])
+            out_rows = []
+            for k, v in res.items():
+                if "chance" in k:
+                    continue
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    out_rows.append({"metric": k, "value": str(v)[:200], "chance": "", "unit": ""})
+                    continue
+                c = res.get(chance_of[k]) if k in chance_of else None
+                unit = ""  # metrics.json carries no units: numbers as logged (results.parquet has them)
+                out_rows.append({"metric": k, "value": fmt_value(v, unit), "chance": fmt_value(c, unit) if c is not None else
+                                 ("n/a" if unit else ""), "unit": unit, "above": c is not None and v > c})
+            tables.append({"tag": d.name, "source": "metrics.json", "rows": out_rows, "kind": "metrics"})
+    return tables
+
+
+def training_section(output: Path, out, manifest_path: str | None) -> dict:
+    root = output / "train"
+    runs = []
+    run_dirs: set[Path] = set()
+    if root.is_dir():  # a run folder holds config.json / metrics.jsonl: train/<job>/ or train/<job>/<run>/
+        for marker in ("config.json", "metrics.jsonl"):
+            for p in root.rglob(marker):
+                rel = p.parent.relative_to(root).parts
+                if rel and len(rel) <= 3 and not {"eval", "checkpoints"} & set(rel):
+                    run_dirs.add(p.parent)
+        for run_dir in sorted(run_dirs):
+            job = run_dir.relative_to(root).as_posix()
+            metrics = run_dir / "metrics.jsonl"
+            rows = read_metrics(metrics)
+            curves = None
+            if rows:
+                png = plot_metrics(metrics, out.img / "train" / job / "curves.png")
+                curves = out.rel(png) if png else None
+            cfg = {}
+            try:
+                cfg = json.loads((run_dir / "config.json").read_text())
+            except (OSError, ValueError):
+                pass
+            figs = []
+            pngs = [p for p in sorted(run_dir.rglob("*.png")) if p.name != "metrics.png" and "report" not in p.parts]
+            tags = sorted({p.relative_to(run_dir).parts[1] for p in pngs if p.relative_to(run_dir).parts[0] == "eval"
+                           and len(p.relative_to(run_dir).parts) > 2})
+            shown_tag = "final" if "final" in tags else (tags[-1] if tags else None)  # the latest evaluation's figures
+            older = sum(1 for p in pngs if len(p.relative_to(run_dir).parts) > 2 and p.relative_to(run_dir).parts[0] == "eval"
+                        and p.relative_to(run_dir).parts[1] != shown_tag)
+            for p in pngs:
+                parts = p.relative_to(run_dir).parts
+                if parts[0] == "eval" and len(parts) > 2 and parts[1] != shown_tag:
+                    continue
+                dst = out.img / "train" / job / "figures" / p.relative_to(run_dir).as_posix().replace("/", "__")
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(p, dst)
+                figs.append({"path": out.rel(dst), "name": p.relative_to(run_dir).as_posix()})
+                if len(figs) >= 12:
+                    break
+            ckpts = sorted((p.name for p in (run_dir / "checkpoints").glob("*.pt")), key=lambda n: (n == "final.pt", n)) \
+                if (run_dir / "checkpoints").is_dir() else []
+            tr = [r for r in rows if r.get("kind") == "train"]
+            last = tr[-1] if tr else {}
+            runs.append({
+                "job": job, "dir": str(run_dir), "curves": curves, "figures": figs, "checkpoints": ckpts,
+                "config": json.dumps(cfg, indent=1, sort_keys=True, default=str) if cfg else "",
+                "steps": last.get("step"), "last_loss": last.get("loss"), "evals": eval_tables(run_dir),
+                "figures_tag": shown_tag, "figures_older": older,
+                "missing_metrics": not rows,
+                "eval_command": f"train eval {job.split('/')[0]} --checkpoint {run_dir / 'checkpoints' / (ckpts[-1] if ckpts else 'final.pt')} "
+                                f"--manifest {manifest_path or '<manifest.yaml>'}",
+                "run_command": f"train run {job.split('/')[0]} --manifest {manifest_path or '<manifest.yaml>'}",
+            })
+    return {"runs": runs, "root": str(root), "command": f"train run concept-ot --manifest {manifest_path or '<manifest.yaml>'}"}
