@@ -91,5 +91,6 @@ def test_concept_ot_on_generated_clip_tokens(tmp_path):
     g = t.filter(pl.col("benchmark") == "grounding")
     assert set(g["metric"].to_list()) == {"acc@IoU0.5", "mean_IoU"} and (g["n"] > 20).all()
     assert g["chance"].is_not_null().all()
+    assert ((g["ci_low"] <= g["value"]) & (g["value"] <= g["ci_high"]) & (g["ci_low"] < g["ci_high"])).all()
     again = json.loads((ev[-1].parent / "metrics.json").read_text())
     assert again["sugarcrepe/overall"] == pytest.approx(res["sugarcrepe/overall"], abs=1e-3)  # the run line is rounded

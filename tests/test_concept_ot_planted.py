@@ -116,3 +116,4 @@ def test_planted_signal_retrieval_and_compositionality(data):
     torch.manual_seed(0)
     rows = {r.metric: r for r in job._grounding(job.build_model().eval())}
     assert rows["acc@IoU0.5"].n == 200 and rows["acc@IoU0.5"].value <= rows["acc@IoU0.5"].chance + 5
+    assert all(r.ci_low <= r.value <= r.ci_high and r.ci_low < r.ci_high for r in rows.values())

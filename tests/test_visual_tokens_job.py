@@ -113,6 +113,17 @@ def test_exact_resume_and_evaluation(arts, tmp_path, variant):
         assert 0 <= res[f"retrieval/{k}"] <= 100 and 0 < res[f"chance/{k}"] <= 100
     assert res["chance/t2i_R@1"] == pytest.approx(100 / n_test)
     assert -1 <= res["similarity/mean_cos_offdiag"] <= 1
+    from train.loop import load_model_for_eval
+
+    model, _ = load_model_for_eval(full, tmp_path / "full" / "checkpoints" / "final.pt")
+    with torch.no_grad():  # as the harness calls it
+        table = [r.as_dict() for r in full.job_metrics(model, tmp_path / "jm")]
+    for r in table:  # every figure has its interval, or says why not (the rank weights: learned parameters)
+        if r["benchmark"] == "rank_weights":
+            assert r["ci_low"] != r["ci_low"] and "no interval: a learned weight" in r["note"], r
+        else:
+            assert r["ci_low"] <= r["value"] <= r["ci_high"], r
+    assert {r["benchmark"] for r in table} >= {"eval-split-retrieval", "similarity"}
     assert res["data/skipped_no_captions"] == 1
     if variant == "additive":
         w = json.loads((tmp_path / "full" / "eval" / "final" / "rank_weights.json").read_text())
