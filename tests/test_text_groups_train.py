@@ -125,8 +125,11 @@ def test_demo_end_to_end(tmp_path, ray_session):
     pd_rows = t[t.benchmark == "phrase-discovery/samples"]
     assert {"tIoU", "tIoU[untrained]", "tIoU[random]", "tIoU[one-group]", "tIoU[chunks]"} <= set(pd_rows.metric)
     assert (pd_rows.n > 0).all() and pd_rows.chance.notna().all()
+    assert ((pd_rows.ci_low <= pd_rows.value + 1e-9) & (pd_rows.value <= pd_rows.ci_high + 1e-9)).all()
     res = CliRunner().invoke(app, ["compare", str(run)])
     assert res.exit_code == 0 and "phrase-discovery" in res.output, res.output
+    tiou = next(line for line in res.output.splitlines() if "| tIoU |" in line)
+    assert tiou.count("[") == 1 and "] (n=" in tiou, tiou  # value [ci_low, ci_high] (n=...)
 
 
 def test_clustering_baselines_use_trained_vanilla_run(tmp_path):
