@@ -137,10 +137,10 @@ def _checked_polygon(part: list[float], h: int, w: int) -> list[float]:
     """``part`` as floats, or :class:`BadPolygon`. pycocotools' ``rleFrPoly`` walks every edge at
     5x resolution in C ints without bounds checks: a vertex at 1e9 segfaults the process (a Ray
     worker restarted on it forever), NaN is undefined behaviour. A vertex may lie outside the
-    image (COCO has a few, clipped by the rasteriser) but by at most the image's own size."""
-    pts = [float(v) for v in part]
+    image (COCO has a few, clipped by the rasteriser) but by at most the image's longer side."""
+    pts, m = [float(v) for v in part], max(h, w)
     for i, v in enumerate(pts):
-        lo, hi = (-w, 2 * w) if i % 2 == 0 else (-h, 2 * h)
+        lo, hi = (-m, w + m) if i % 2 == 0 else (-m, h + m)
         if not math.isfinite(v) or not lo <= v <= hi:
             axis = "x" if i % 2 == 0 else "y"
             raise BadPolygon(f"polygon vertex {i // 2} has {axis}={v:g}, outside [{lo}, {hi}] for a {w}x{h} image")
