@@ -59,3 +59,50 @@ def test_polygons_to_rle_checks_vertices():
         polygons_to_rle([[0, 0, 5, float("inf"), 5, 5]], 10, 10)
     with pytest.raises(BadPolygon, match="positive image size"):
         polygons_to_rle([[0, 0, 5, 0, 5, 5]], 0, 10)
+
+
+# --- manifests ---------------------------------------------------------------------------------
+
+BIN = REPO / ".venv" / "bin"
+
+
+def _cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    exe = BIN / args[0] if (BIN / args[0]).exists() else args[0]
+    return subprocess.run([str(exe), *args[1:]], capture_output=True, text=True, cwd=cwd or REPO, timeout=300)
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *parts: str) -> None:
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    for p in parts:
+        assert p in err[0], err[0]
+
+
+@pytest.mark.parametrize("cmd", [("pipeline", "run", "ingest"), ("train", "run", "c3"), ("pipeline", "report")])
+def test_non_utf8_manifest_is_one_line_naming_file_and_offset(tmp_path, cmd):
+    m = tmp_path / "latin1.yaml"
+    m.write_bytes(b"name: x\noutput: runs/\xe9t\xe9\n")
+    _one_line_error(_cli(*cmd, "--manifest", str(m), cwd=tmp_path), f"manifest {m}", "not UTF-8", "offset 21")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("text", ["", "\n# nothing here yet\n"])
+def test_empty_manifest_is_refused_not_run_as_the_demo(tmp_path, text):
+    from pipeline.config import ManifestError, load_manifest
+
+    m = tmp_path / "empty.yaml"
+    m.write_text(text)
+    with pytest.raises(ManifestError, match=f"manifest {m}: the file is empty"):
+        load_manifest(m)
+    _one_line_error(_cli("pipeline", "run", "ingest", "--manifest", str(m), cwd=tmp_path), "the file is empty")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_empty_output_is_refused_naming_the_key(tmp_path):
+    from pipeline.config import ManifestError, load_manifest
+
+    with pytest.raises(ManifestError, match="key 'output': .*not be empty"):
+        load_manifest(REPO / "manifests" / "demo.yaml", ["output="])
+    r = _cli("pipeline", "run", "ingest", "--manifest", str(REPO / "manifests" / "demo.yaml"), "--set", "output=", cwd=tmp_path)
+    _one_line_error(r, "key 'output'")
+    assert list(tmp_path.iterdir()) == []  # nothing written into the current folder
