@@ -36,6 +36,7 @@ from pipeline.io.artifacts import (
     ArtifactBusy,
     ArtifactMissing,
     ArtifactWriter,
+    CorruptArtifact,
     OutputPathError,
     UnitWriter,
     release_lock,
@@ -423,7 +424,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     log.info("stage %s: start (output %s)", name, ctx.location)
     try:
         summary = spec.module.run(ctx, cfg) or {}
-    except (ArtifactBusy, OutputPathError, RayStartError) as e:
+    except (ArtifactBusy, CorruptArtifact, OutputPathError, RayStartError) as e:
         raise StageError(str(e)) from None
     finally:
         release_lock()  # a failed stage leaves no lock behind in this process either

@@ -106,3 +106,47 @@ def test_empty_output_is_refused_naming_the_key(tmp_path):
     r = _cli("pipeline", "run", "ingest", "--manifest", str(REPO / "manifests" / "demo.yaml"), "--set", "output=", cwd=tmp_path)
     _one_line_error(r, "key 'output'")
     assert list(tmp_path.iterdir()) == []  # nothing written into the current folder
+
+
+# --- corrupt Parquet files ---------------------------------------------------------------------
+
+
+def _artifact_with_a_corrupt_file(out, which: str):
+    import pyarrow as pa
+
+    from pipeline.io.artifacts import Artifact, ArtifactWriter
+
+    w = ArtifactWriter(out, "things", "mine-concepts", {})
+    u = w.unit_writer("00000", w.unit_fingerprint("00000", None))
+    u.write_table("things", pa.table({"sample_id": pa.array(range(5), pa.int64())}))
+    u.error("bad", "x", sample_id=9)
+    u.commit({"rows": 5})
+    w.finalize(["00000"])
+    art = Artifact(w.dir)
+    bad = art.dir / (art.manifest["shards"][0]["path"] if which == "table" else art.manifest["errors"]["path"])
+    data = bad.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])  # truncated: "File out of specification" in polars
+    return art, bad
+
+
+def test_corrupt_parquet_file_is_one_line_naming_it_and_the_fix(tmp_path):
+    from pipeline.io.artifacts import CorruptArtifact
+
+    art, bad = _artifact_with_a_corrupt_file(tmp_path, "table")
+    for read in (lambda: art.read("things"), lambda: art.scan("things").collect()):
+        with pytest.raises(CorruptArtifact) as e:
+            read()
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{bad}: corrupt or unreadable Parquet file (")
+        assert "magic bytes" in msg and f"`pipeline verify --fix {art.location}`" in msg and "`pipeline run mine-concepts`" in msg
+    r = _cli("pipeline", "inspect", str(art.location))
+    _one_line_error(r, str(bad), "corrupt", "pipeline verify --fix")
+
+
+def test_corrupt_errors_table_names_the_rerun(tmp_path):
+    from pipeline.io.artifacts import CorruptArtifact
+
+    art, bad = _artifact_with_a_corrupt_file(tmp_path, "errors")
+    with pytest.raises(CorruptArtifact, match=f"^{bad}: corrupt .*; `pipeline run mine-concepts` writes it again$"):
+        art.errors()
+    _one_line_error(_cli("pipeline", "inspect", str(art.location)), str(bad))
