@@ -62,6 +62,9 @@ def ensure_ray(ray_cfg) -> dict:
         logging.getLogger(name).setLevel(logging.WARNING)
     # We show our own progress (shards, rows, rate, ETA); Ray's notice that its bars are off is noise.
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # A unit whose worker died on every try is dropped by Ray Data with a traceback at ERROR level;
+    # pipeline.crashes reports it (one line naming the unit or the sample) instead.
+    logging.getLogger("ray.data._internal.execution.streaming_executor_state").setLevel(logging.CRITICAL)
     if ray.is_initialized():
         return {"address": ray_cfg.address or "local", "cpus": ray.cluster_resources().get("CPU", 0)}
     # Workers must import this package; an editable install makes that true locally, and on a
@@ -102,10 +105,13 @@ def _decode(batch) -> dict:
     return json.loads(batch["payload"].iloc[0])
 
 
-def _encode(result: dict):
+def _encode(result: dict, batch=None):
+    """The result row; it carries the unit's position (``index``) so that units that never come
+    back (their worker died) are known (:mod:`pipeline.crashes`)."""
     import pandas as pd
 
-    return pd.DataFrame({"result": [json.dumps(result, default=str)]})
+    index = int(batch["index"].iloc[0]) if batch is not None and "index" in batch else -1
+    return pd.DataFrame({"index": [index], "result": [json.dumps(result, default=str)]})
 
 
 def _quiet_worker() -> None:
@@ -133,7 +139,7 @@ def _contained(fn, payload: dict) -> dict:
 
 def _task_entry(batch, fn):
     _quiet_worker()
-    return _encode(_contained(fn, _decode(batch)))
+    return _encode(_contained(fn, _decode(batch)), batch)
 
 
 class _ActorEntry:
@@ -153,8 +159,8 @@ class _ActorEntry:
     def __call__(self, batch):
         payload = _decode(batch)
         if self.broken:
-            return _encode({"unit": payload.get("unit"), "failed": self.broken})
-        return _encode(_contained(self.impl, payload))
+            return _encode({"unit": payload.get("unit"), "failed": self.broken}, batch)
+        return _encode(_contained(self.impl, payload), batch)
 
 
 def map_units(
@@ -167,19 +173,43 @@ def map_units(
     pool_size: int | None = None,
     constructor_kwargs: dict | None = None,
     num_gpus: float = 0,
+    split=None,
 ) -> Iterator[dict]:
     """Run ``fn`` once per unit on Ray and yield each unit's result dict as it finishes.
 
     ``units`` are JSON-able dicts. ``fn`` is a function ``fn(unit) -> dict`` (run in a task pool)
     or, with ``actor=True``, a class constructed once per actor with ``constructor_kwargs`` whose
     instances are called as ``obj(unit) -> dict`` (an actor pool: model loaded once per actor).
+    Every unit yields a result: a unit whose worker process dies on every try is isolated by
+    :func:`pipeline.crashes.isolate_crashes` (``split``, a :class:`pipeline.crashes.SampleSplit`,
+    lets it find the sample that kills the worker) or reported ``failed``.
     """
     if not units:
         return iter(())
+    from pipeline.crashes import isolate_crashes
+
+    ensure_ray(ray_cfg)
+
+    def run(batch: list[dict], alone: bool) -> Iterator[tuple[int, dict]]:
+        return _map_once(batch, fn, ray_cfg=ray_cfg, actor=actor, num_cpus=num_cpus, pool_size=pool_size,
+                         constructor_kwargs=constructor_kwargs, num_gpus=num_gpus, alone=alone)
+
+    return isolate_crashes(units, run, actor=actor, split=split)
+
+
+# Ray's retries of a unit whose worker died (Ray Data's default is forever: a sample that segfaults
+# its worker restarted it 38 times in 150 s and the stage never ended). On a cluster, nodes come
+# and go (tests/test_cluster.py kills a node's workers mid-stage), so more tries there.
+RETRIES_LOCAL, RETRIES_CLUSTER = 1, 3
+
+
+def _map_once(units: list[dict], fn, *, ray_cfg, actor: bool, num_cpus: float, pool_size: int | None,
+              constructor_kwargs: dict | None, num_gpus: float, alone: bool) -> Iterator[tuple[int, dict]]:
+    """One Ray Data pass over ``units``: ``(position, result)`` of each unit that came back. A unit
+    whose retries ran out is dropped (``max_errored_blocks``), never the whole pass."""
     import ray.data
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
-    ensure_ray(ray_cfg)
     size = max(1, min(pool_size or default_pool_size(ray_cfg, num_cpus), len(units)))
     if num_gpus:
         import ray
@@ -189,8 +219,10 @@ def map_units(
         if gpus < num_gpus:
             raise RuntimeError(f"num_gpus={num_gpus} per actor, but the Ray cluster has {gpus} GPUs")
         size = min(size, int(gpus // num_gpus))
-    items = [{"payload": json.dumps(u, default=str)} for u in units]
+    items = [{"index": i, "payload": json.dumps(u, default=str)} for i, u in enumerate(units)]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
+    ds.context.max_errored_blocks = -1  # pipeline.crashes deals with the units that did not come back
+    retries = RETRIES_CLUSTER if ray_cfg.address else RETRIES_LOCAL
     kwargs: dict[str, Any] = dict(batch_size=1, batch_format="pandas", num_cpus=num_cpus)
     if num_gpus:
         kwargs["num_gpus"] = num_gpus
@@ -202,15 +234,16 @@ def map_units(
         # retried (tests/test_cluster.py kills a node's workers mid-stage), at the price of that line.
         if ray_cfg.address:
             kwargs["max_restarts"] = -1
-            kwargs["max_task_retries"] = -1
+            kwargs["max_task_retries"] = retries
         else:
             kwargs["max_restarts"] = 0
         out = ds.map_batches(
             _ActorEntry,
-            compute=ActorPoolStrategy(size=size),
+            compute=ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1 if alone else None),
             fn_constructor_kwargs={"cls": fn, "kwargs": constructor_kwargs or {}},
             **kwargs,
         )
     else:
+        kwargs["max_retries"] = retries
         out = ds.map_batches(_task_entry, fn_kwargs={"fn": fn}, compute=TaskPoolStrategy(size=size), **kwargs)
-    return (json.loads(row["result"]) for row in out.iter_rows())
+    return ((int(row["index"]), json.loads(row["result"])) for row in out.iter_rows())

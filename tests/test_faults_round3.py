@@ -150,3 +150,52 @@ def test_corrupt_errors_table_names_the_rerun(tmp_path):
     with pytest.raises(CorruptArtifact, match=f"^{bad}: corrupt .*; `pipeline run mine-concepts` writes it again$"):
         art.errors()
     _one_line_error(_cli("pipeline", "inspect", str(art.location)), str(bad))
+
+
+# --- a worker that dies on one sample ----------------------------------------------------------
+
+
+def test_sample_that_kills_its_worker_is_isolated_and_the_run_goes_on(tmp_path, ray_session, monkeypatch):
+    """A unit function that segfaults (ctypes) on sample 13: Ray's retries are bounded, the unit is
+    taken apart, sample 13 alone kills its worker and is recorded as worker_crashed, the unit's
+    other samples and the other units are written, and the stage ends."""
+    import time
+
+    from pipeline.config import RayConfig
+    from pipeline.crashes import RECORDS
+    from pipeline.io.artifacts import Artifact, ArtifactWriter
+    from pipeline.stage import RunContext, run_units
+
+    def unit(payload):  # local: pickled by value into the workers
+        import ctypes
+
+        import pyarrow as pa
+
+        from pipeline.stage import unit_writer
+
+        w = unit_writer(payload)
+        for r in payload["records"]:
+            if r["sample_id"] == 13:
+                ctypes.string_at(0)  # segfault, as pycocotools' rleFrPoly did on a 1e9 polygon
+        ids = [r["sample_id"] for r in payload["records"]]
+        w.write_table("things", pa.table({"sample_id": pa.array(ids, pa.int64())}))
+        return {"unit": w.commit({"rows": len(ids)}).unit, "stats": {"rows": len(ids)}}
+
+    ctx = RunContext(manifest=None)
+    ctx.stage_cfg = None
+    ray_cfg = RayConfig(num_cpus=2, object_store_memory=128 * 1024**2)
+    w = ArtifactWriter(tmp_path, "things", "ingest", {})
+    ids = [[0, 1, 2], [3, 13, 5]]
+    units = [(f"{u:05d}", u, {"records": [{"sample_id": i, "source_id": f"s{i}"} for i in chunk]}) for u, chunk in enumerate(ids)]
+    monkeypatch.setattr(RunContext, "ray_cfg", property(lambda self: ray_cfg))
+    t0 = time.perf_counter()
+    names = run_units(ctx, w, units, unit, split=RECORDS)
+    seconds = time.perf_counter() - t0
+    w.finalize(names)
+    art = Artifact(w.dir)
+    assert sorted(art.read("things")["sample_id"].to_pylist()) == [0, 1, 2, 3, 5]
+    errors = art.errors().to_pylist()
+    assert [(e["unit"], e["sample_id"], e["source_id"], e["reason"]) for e in errors] == [("00001", 13, "s13", "worker_crashed")]
+    assert "died running this sample alone" in errors[0]["detail"]
+    assert not list(w.dir.glob(".probe-*"))  # the probes' scratch folders are gone
+    assert seconds < 240, seconds

@@ -245,6 +245,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     more than one wave, whatever the dataset's size. Image checks and mask conversion run in the
     workers; the driver only stats image files for the unit fingerprints."""
     from pipeline.readers import read_dataset
+    from pipeline.crashes import RECORDS
     from pipeline.streaming import run_units_stream
 
     ds = ctx.manifest.dataset
@@ -307,7 +308,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         }
         return f"{u:05d}", unit_input, payload
 
-    names = run_units_stream(ctx, writer, units(), ingest_unit, input_rows=lambda: counts["records"])
+    names = run_units_stream(ctx, writer, units(), ingest_unit, input_rows=lambda: counts["records"], split=RECORDS)
     if not counts["records"]:
         raise StageError(f"dataset ({ds.kind}) has no records")
     has_ann = has_ann or any('"instances"' in json.dumps(writer.marker(n) or {}) for n in names)
