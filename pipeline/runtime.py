@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,8 +77,13 @@ def ensure_ray(ray_cfg) -> dict:
     env_vars.update(_WORKER_ENV)
     runtime_env = dict(getattr(ray_cfg, "runtime_env", None) or {})
     runtime_env["env_vars"] = {**env_vars, **dict(runtime_env.get("env_vars") or {})}
+    from pipeline import ray_reaper
+
+    before = set() if ray_cfg.address else ray_reaper.children()
     try:
         _init(ray, ray_cfg, runtime_env)
+        if not ray_cfg.address:  # embedded: its processes end with this one, even on a kill -9
+            ray_reaper.start(before)
     except Exception as e:  # a cluster that is not there, a node that cannot start on an overloaded machine
         where = ray_cfg.address or "embedded local"
         raise RayStartError(f"ray ({where}) could not start: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
@@ -237,13 +243,12 @@ def _map_once(units: list[dict], fn, *, ray_cfg, actor: bool, num_cpus: float, p
             kwargs["max_task_retries"] = retries
         else:
             kwargs["max_restarts"] = 0
-        out = ds.map_batches(
-            _ActorEntry,
-            compute=ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1 if alone else None),
-            fn_constructor_kwargs={"cls": fn, "kwargs": constructor_kwargs or {}},
-            **kwargs,
-        )
+        compute = ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1 if alone else None)
+        step = dict(fn=_ActorEntry, fn_constructor_kwargs={"cls": fn, "kwargs": constructor_kwargs or {}})
     else:
         kwargs["max_retries"] = retries
-        out = ds.map_batches(_task_entry, fn_kwargs={"fn": fn}, compute=TaskPoolStrategy(size=size), **kwargs)
+        compute, step = TaskPoolStrategy(size=size), dict(fn=_task_entry, fn_kwargs={"fn": fn})
+    with warnings.catch_warnings():  # Ray 2.60 names no parameter for retries and restarts but warns on these
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        out = ds.map_batches(compute=compute, **step, **kwargs)
     return ((int(row["index"]), json.loads(row["result"])) for row in out.iter_rows())

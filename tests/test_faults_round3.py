@@ -199,3 +199,95 @@ def test_sample_that_kills_its_worker_is_isolated_and_the_run_goes_on(tmp_path, 
     assert "died running this sample alone" in errors[0]["detail"]
     assert not list(w.dir.glob(".probe-*"))  # the probes' scratch folders are gone
     assert seconds < 240, seconds
+
+
+# --- kill -9 of the driver ---------------------------------------------------------------------
+
+_DRIVER = """
+import sys, time
+from pathlib import Path
+from pipeline.config import RayConfig
+from pipeline.runtime import map_units
+
+def unit(payload):  # a unit of a stage at work when the driver is killed
+    Path(payload["started"]).write_text("1")
+    time.sleep(120)
+    return {"unit": payload["unit"]}
+
+import ray
+cfg = RayConfig(num_cpus=1, object_store_memory=128 * 1024**2)
+for _ in map_units([{"unit": "00000", "started": sys.argv[1]}], unit, ray_cfg=cfg):
+    pass
+"""
+
+
+def test_kill9_of_the_driver_leaves_no_ray_process(tmp_path):
+    """`pipeline run` killed with -9 mid-stage: every process of its embedded Ray session (all its
+    descendants, the raylet's dashboard and runtime-env agents included) is gone within 60 s."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    started = tmp_path / "started"
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, str(started)], cwd=REPO, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    procs: dict[int, psutil.Process] = {}
+    try:
+        t0 = time.time()
+        while not started.exists():
+            assert driver.poll() is None and time.time() - t0 < 240, "the driver did not start its unit"
+            time.sleep(0.5)
+        time.sleep(2)  # the agents are up by now; note the session's processes as the test sees them
+        for p in psutil.Process(driver.pid).children(recursive=True):
+            procs[p.pid] = p
+        names = {p.name() for p in procs.values() if p.is_running()}
+        assert {"raylet", "gcs_server"} <= names and any("Agent" in n for n in names), names
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        t1 = time.time()
+        while time.time() - t1 < 60:
+            alive = [p for p in procs.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not alive:
+                break
+            time.sleep(1)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        for p in procs.values():  # only the processes this test's driver started
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_image_stage_units_split_by_sample(tmp_path):
+    """The image stages' planned units (a sample-id range over the samples files) taken apart by
+    sample: the ids of a unit, and a unit of just some of them read by the worker."""
+    import pyarrow as pa
+
+    from pipeline.io.artifacts import Artifact, ArtifactWriter
+    from pipeline.stages._image_units import IMAGE_UNITS, read_slice
+
+    w = ArtifactWriter(tmp_path, "samples", "ingest", {})
+    u = w.unit_writer("00000", w.unit_fingerprint("00000", None))
+    u.write_table("samples", pa.table({"sample_id": pa.array([3, 4, 5, 6], pa.int64()), "source_id": ["a", "b", "c", "d"],
+                                       "image": ["a.jpg", "b.jpg", "c.jpg", "d.jpg"], "width": pa.array([8] * 4, pa.int32()),
+                                       "height": pa.array([8] * 4, pa.int32()), "split": ["train"] * 4}))
+    u.commit({"rows": 4})
+    w.finalize(["00000"])
+    art = Artifact(w.dir)
+    desc = {"location": str(art.location), "image_root": str(tmp_path), "range": [4, 6], "rows": 3,
+            "files": {"samples": [art.manifest["shards"][0]["path"]]}, "attach": []}
+    payload = {"slice": desc, "unit": "00001"}
+    assert IMAGE_UNITS.ids(payload) == [{"sample_id": 4, "source_id": "b"}, {"sample_id": 5, "source_id": "c"},
+                                        {"sample_id": 6, "source_id": "d"}]
+    part = IMAGE_UNITS.keep(payload, [6, 4])
+    assert part["unit"] == "00001" and [r["sample_id"] for r in read_slice(part["slice"])] == [4, 6]
+    assert [s["sample_id"] for s in IMAGE_UNITS.ids(part)] == [4, 6]
+    assert [r["sample_id"] for r in read_slice(desc)] == [4, 5, 6]  # the whole unit as before
+    records = {"records": [{"sample_id": 1, "source_id": "x"}, {"sample_id": 2, "source_id": "y"}]}  # image_units' payloads
+    assert IMAGE_UNITS.keep(records, [2]) == {"records": [{"sample_id": 2, "source_id": "y"}]}
