@@ -58,8 +58,9 @@ def _keep_records(payload: dict, sample_ids: list[int]) -> dict:
 # Payloads that carry their records (``{"records": [{"sample_id", ...}, ...]}``): ingest's units.
 RECORDS = SampleSplit(_record_ids, _keep_records)
 
-# run(units, alone) -> (index in units, result) for each unit that came back; alone: one unit per
-# worker at a time (a dying actor then takes no other unit with it).
+# run(units, alone) -> (index in units, result) for each unit that came back; alone: each unit in a
+# task of its own, an actor stage's worker built in it (a dying task takes no other unit with it,
+# a dying actor may; the price: one worker construction, e.g. a model load, per unit).
 Runner = Callable[[list[dict], bool], Iterator[tuple[int, dict]]]
 
 

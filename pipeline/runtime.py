@@ -9,6 +9,7 @@ file system, or an object store (``output: s3://...``, pipeline/io/storage.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -148,6 +149,10 @@ def _task_entry(batch, fn):
     return _encode(_contained(fn, _decode(batch)), batch)
 
 
+def _built_and_called(payload: dict, cls: type, kwargs: dict) -> dict:
+    return cls(**kwargs)(payload)
+
+
 class _ActorEntry:
     """Constructs the stage's worker once per actor (model load), then calls it per unit. A worker
     that cannot be constructed reports the reason for each unit it is given."""
@@ -232,6 +237,11 @@ def _map_once(units: list[dict], fn, *, ray_cfg, actor: bool, num_cpus: float, p
     kwargs: dict[str, Any] = dict(batch_size=1, batch_format="pandas", num_cpus=num_cpus)
     if num_gpus:
         kwargs["num_gpus"] = num_gpus
+    if actor and alone:
+        # One unit per task, the worker built in it: a dying actor of a pool can take units queued
+        # for the pool with it, a task only its own (pipeline.crashes runs lost units this way).
+        fn = functools.partial(_built_and_called, cls=fn, kwargs=constructor_kwargs or {})
+        actor = False
     if actor:
         # Embedded local Ray: max_restarts=0. Ray's restartable actors keep their constructor
         # arguments in the object store and log an error line about it for every actor; a unit that
@@ -243,7 +253,7 @@ def _map_once(units: list[dict], fn, *, ray_cfg, actor: bool, num_cpus: float, p
             kwargs["max_task_retries"] = retries
         else:
             kwargs["max_restarts"] = 0
-        compute = ActorPoolStrategy(size=size, max_tasks_in_flight_per_actor=1 if alone else None)
+        compute = ActorPoolStrategy(size=size)
         step = dict(fn=_ActorEntry, fn_constructor_kwargs={"cls": fn, "kwargs": constructor_kwargs or {}})
     else:
         kwargs["max_retries"] = retries

@@ -155,10 +155,12 @@ def test_corrupt_errors_table_names_the_rerun(tmp_path):
 # --- a worker that dies on one sample ----------------------------------------------------------
 
 
-def test_sample_that_kills_its_worker_is_isolated_and_the_run_goes_on(tmp_path, ray_session, monkeypatch):
+@pytest.mark.parametrize("actor", [False, True], ids=["task", "actor"])
+def test_sample_that_kills_its_worker_is_isolated_and_the_run_goes_on(tmp_path, ray_session, monkeypatch, actor):
     """A unit function that segfaults (ctypes) on sample 13: Ray's retries are bounded, the unit is
     taken apart, sample 13 alone kills its worker and is recorded as worker_crashed, the unit's
-    other samples and the other units are written, and the stage ends."""
+    other samples and the other units are written, and the stage ends. ``actor``: the same in an
+    actor pool (a dying actor also loses the unit queued on it, which is run again)."""
     import time
 
     from pipeline.config import RayConfig
@@ -181,19 +183,23 @@ def test_sample_that_kills_its_worker_is_isolated_and_the_run_goes_on(tmp_path, 
         w.write_table("things", pa.table({"sample_id": pa.array(ids, pa.int64())}))
         return {"unit": w.commit({"rows": len(ids)}).unit, "stats": {"rows": len(ids)}}
 
+    class Worker:  # the actor-pool form of the same unit
+        def __call__(self, payload):
+            return unit(payload)
+
     ctx = RunContext(manifest=None)
     ctx.stage_cfg = None
     ray_cfg = RayConfig(num_cpus=2, object_store_memory=128 * 1024**2)
     w = ArtifactWriter(tmp_path, "things", "ingest", {})
-    ids = [[0, 1, 2], [3, 13, 5]]
+    ids = [[0, 1, 2], [3, 13, 5], [6], [7]]
     units = [(f"{u:05d}", u, {"records": [{"sample_id": i, "source_id": f"s{i}"} for i in chunk]}) for u, chunk in enumerate(ids)]
     monkeypatch.setattr(RunContext, "ray_cfg", property(lambda self: ray_cfg))
     t0 = time.perf_counter()
-    names = run_units(ctx, w, units, unit, split=RECORDS)
+    names = run_units(ctx, w, units, Worker if actor else unit, actor=actor, split=RECORDS)
     seconds = time.perf_counter() - t0
     w.finalize(names)
     art = Artifact(w.dir)
-    assert sorted(art.read("things")["sample_id"].to_pylist()) == [0, 1, 2, 3, 5]
+    assert sorted(art.read("things")["sample_id"].to_pylist()) == [0, 1, 2, 3, 5, 6, 7]
     errors = art.errors().to_pylist()
     assert [(e["unit"], e["sample_id"], e["source_id"], e["reason"]) for e in errors] == [("00001", 13, "s13", "worker_crashed")]
     assert "died running this sample alone" in errors[0]["detail"]
