@@ -29,7 +29,7 @@ from pydantic import Field
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
-from pipeline.stages._image_units import decoded_batches, image_writer, open_images, plan_image_units, unit_records
+from pipeline.stages._image_units import IMAGE_UNITS, decoded_batches, image_writer, open_images, plan_image_units, unit_records
 from pipeline.stages.extract_clip_tokens import _f16_list
 
 NAME = "extract-image-groups"
@@ -127,6 +127,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         writer,
         plan.units,
         GroupWorker,
+        split=IMAGE_UNITS,
         actor=True,
         num_cpus=cfg.num_cpus,
         constructor_kwargs=dict(spec=spec, device=cfg.device, threads=int(round(cfg.num_cpus)), batch_size=cfg.batch_size),

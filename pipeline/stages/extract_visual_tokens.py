@@ -47,7 +47,7 @@ from pydantic import Field
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.models.device import device_field, resolve_device
 from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, isolate_failures, run_units, unit_writer
-from pipeline.stages._image_units import image_writer, plan_image_units, prefetched_batches, unit_records
+from pipeline.stages._image_units import IMAGE_UNITS, image_writer, plan_image_units, prefetched_batches, unit_records
 from pipeline.visual_tokens.predicates import DEFAULT_PREDICATE_MAP
 
 NAME = "extract-visual-tokens"
@@ -329,6 +329,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         writer,
         plan.units,
         VisualTokenWorker,
+        split=IMAGE_UNITS,
         actor=True,
         num_cpus=cfg.num_cpus,
         constructor_kwargs=dict(cfg=cfg.model_dump(mode="json"), models=models, threads=int(round(cfg.num_cpus))),
