@@ -73,3 +73,58 @@ def _amax_grad(x: Tensor, c: Tensor, gc: Tensor, dim: int = 1) -> Tensor:
 
 def _normalize(x: Tensor) -> Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def _unit_scalings(la: Tensor, lb: Tensor, mask_v: Optional[Tensor], mask_t: Optional[Tensor]):
+    """exp of the log-scalings shifted to max 0 (zero on padding): the plan up to one positive
+    factor per problem, which cancels in every score ratio."""
+    a = torch.exp(la - la.amax(dim=1, keepdim=True))
+    b = torch.exp(lb - lb.amax(dim=1, keepdim=True))
+    if mask_v is not None:
+        a = a * mask_v
+    if mask_t is not None:
+        b = b * mask_t
+    return a, b
+
+
+def _scaled_mv(K: Tensor, lx: Tensor, mask: Optional[Tensor]):
+    """One scaling half-step's mat-vec against exp(lx - c), c = max lx: returns (c, x, s = K x),
+    with padded rows of s set to 1 (they are exactly 0: kept out of the logs and the underflow
+    checks)."""
+    c = lx.amax(dim=1, keepdim=True)
+    x = torch.exp(lx - c)
+    s = _mv(K, x)
+    if mask is not None:
+        s = torch.where(mask, s, torch.ones_like(s))
+    return c, x, s
+
+
+def _damped(lm: Tensor, c: Tensor, ls: Tensor, alpha: float, shift: Optional[Tensor], mask: Optional[Tensor]):
+    """The damped log-scaling update alpha (log m - log(K x)) given log(K x) = c + ls in the kernel
+    stabilised by the potential ``shift`` (None: no potential on this side); padding -> _NEG."""
+    if shift is None:
+        la = alpha * (lm - c - ls)
+    else:
+        la = alpha * (lm - c - ls + shift) - shift
+    if mask is not None:
+        la = la.masked_fill(~mask, _NEG)
+    return la
+
+
+def _center_clamp(x: Tensor, mask: Optional[Tensor], center: bool, clamp: Optional[float]):
+    """Appendix H's optional stabilisation of low-rank log-scalings after each update: centre
+    (mean over real tokens) and clamp to [-clamp, clamp]; padding -> _NEG. Returns (x, keep),
+    keep = the entries the clamp left alone (None without clamp), for the hand-written backward."""
+    keep = None
+    if center:
+        if mask is None:
+            x = x - x.mean(dim=1, keepdim=True)
+        else:
+            cnt = mask.sum(dim=1, keepdim=True).clamp_min(1)
+            x = x - (x * mask).sum(dim=1, keepdim=True) / cnt
+    if clamp is not None:
+        keep = (x >= -clamp) & (x <= clamp)
+        x = x.clamp(-clamp, clamp)
+    if mask is not None:
+        x = x.masked_fill(~mask, _NEG)
+    return x, keep

@@ -25,7 +25,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from train.jobs.concept_ot.ot.common import _NEG, _alpha, _default_chunk, _flatten, _log_mass, _mv, _split
+from train.jobs.concept_ot.ot.common import (
+    _NEG,
+    _alpha,
+    _damped,
+    _default_chunk,
+    _flatten,
+    _log_mass,
+    _scaled_mv,
+    _split,
+)
 
 
 def _dense_solve(C, lmu, lnu, mask_v, mask_t, eps, av, at, n_iter, method):
@@ -67,10 +76,7 @@ def _dense_solve(C, lmu, lnu, mask_v, mask_t, eps, av, at, n_iter, method):
 
         def half(Kmat, logKmat, lx, lm, fe_side, alpha, mask):
             # log (K x)_i relative to the stabilised kernel, then the damped update.
-            c = lx.amax(dim=1, keepdim=True)
-            s = _mv(Kmat, torch.exp(lx - c))
-            if mask is not None:  # padded rows are exactly 0: keep them out of log / the check
-                s = torch.where(mask, s, torch.ones_like(s))
+            c, _, s = _scaled_mv(Kmat, lx, mask)
             if bool((s < tiny).any()):
                 # absorption fallback: exact log-sum-exp for this half-iteration
                 ls = torch.logsumexp(logKmat + (lx - c)[:, None, :], dim=2)
@@ -78,10 +84,7 @@ def _dense_solve(C, lmu, lnu, mask_v, mask_t, eps, av, at, n_iter, method):
                     ls = torch.where(mask, ls, torch.zeros_like(ls))
             else:
                 ls = torch.log(s)
-            la = alpha * (lm - c - ls + fe_side) - fe_side
-            if mask is not None:
-                la = la.masked_fill(~mask, _NEG)
-            return la
+            return _damped(lm, c, ls, alpha, fe_side, mask)
 
         for _ in range(int(n_iter)):
             lu = half(K, logK, lv, lmu, fe, av, mask_v)
@@ -107,16 +110,10 @@ def _dense_solve(C, lmu, lnu, mask_v, mask_t, eps, av, at, n_iter, method):
 
 
 def uot_dense(
-    C: Tensor,
-    mu: Tensor,
-    nu: Tensor,
-    eps: float,
-    tau_v: Optional[float],
-    tau_t: Optional[float],
-    n_iter: int,
+    C: Tensor, mu: Tensor, nu: Tensor,  # costs [..., N, M], reference masses [..., N], [..., M]
+    eps: float, tau_v: Optional[float], tau_t: Optional[float], n_iter: int,  # Eq. 3's eps, tau; L iterations
     *,
-    mask_v: Optional[Tensor] = None,
-    mask_t: Optional[Tensor] = None,
+    mask_v: Optional[Tensor] = None, mask_t: Optional[Tensor] = None,  # True = real token
     method: str = "scaling",
     chunk: Optional[int] = None,
     return_potentials: bool = False,

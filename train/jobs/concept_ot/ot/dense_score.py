@@ -9,7 +9,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from train.jobs.concept_ot.ot.common import _NEG, _Fallback, _alpha, _default_chunk, _flatten, _log_mass, _mv, _split
+from train.jobs.concept_ot.ot.common import (
+    _NEG,
+    _Fallback,
+    _alpha,
+    _damped,
+    _default_chunk,
+    _flatten,
+    _log_mass,
+    _mv,
+    _scaled_mv,
+    _split,
+    _unit_scalings,
+)
 from train.jobs.concept_ot.ot.dense import _dense_solve
 
 
@@ -44,35 +56,18 @@ class _DenseScoreFn(torch.autograd.Function):
         xs, ss, ys, ts = [], [], [], []
         lu = None
         for _ in range(int(n_iter)):
-            c = lv.amax(dim=1, keepdim=True)
-            x = torch.exp(lv - c)
-            sv = _mv(K, x)
-            if mask_v is not None:
-                sv = torch.where(mask_v, sv, torch.ones_like(sv))
+            c, x, sv = _scaled_mv(K, lv, mask_v)
             if bool((sv < tiny).any()):
                 raise _Fallback()
-            lu = av * (lmu - c - torch.log(sv) + fe) - fe
-            if mask_v is not None:
-                lu = lu.masked_fill(~mask_v, _NEG)
-            c2 = lu.amax(dim=1, keepdim=True)
-            y = torch.exp(lu - c2)
-            t = _mv(KT, y)
-            if mask_t is not None:
-                t = torch.where(mask_t, t, torch.ones_like(t))
+            lu = _damped(lmu, c, torch.log(sv), av, fe, mask_v)
+            c2, y, t = _scaled_mv(KT, lu, mask_t)
             if bool((t < tiny).any()):
                 raise _Fallback()
-            lv = at * (lnu - c2 - torch.log(t))
-            if mask_t is not None:
-                lv = lv.masked_fill(~mask_t, _NEG)
+            lv = _damped(lnu, c2, torch.log(t), at, None, mask_t)
             xs.append(x); ss.append(sv); ys.append(y); ts.append(t)
         if lu is None:
             lu = -fe
-        u = torch.exp(lu - lu.amax(dim=1, keepdim=True))
-        v = torch.exp(lv - lv.amax(dim=1, keepdim=True))
-        if mask_v is not None:
-            u = u * mask_v
-        if mask_t is not None:
-            v = v * mask_t
+        u, v = _unit_scalings(lu, lv, mask_v, mask_t)
         Sx = (1.0 - C) if S is None else S
         KS = K * Sx
         KSv = _mv(KS, v)
@@ -135,17 +130,11 @@ class _DenseScoreFn(torch.autograd.Function):
 
 
 def uot_dense_score(
-    C: Tensor,
-    mu: Tensor,
-    nu: Tensor,
-    eps: float,
-    tau_v: Optional[float],
-    tau_t: Optional[float],
-    n_iter: int,
+    C: Tensor, mu: Tensor, nu: Tensor,  # costs [..., N, M], reference masses [..., N], [..., M]
+    eps: float, tau_v: Optional[float], tau_t: Optional[float], n_iter: int,  # Eq. 3's eps, tau; L iterations
     *,
     sim: Optional[Tensor] = None,
-    mask_v: Optional[Tensor] = None,
-    mask_t: Optional[Tensor] = None,
+    mask_v: Optional[Tensor] = None, mask_t: Optional[Tensor] = None,  # True = real token
     method: str = "fused",
     chunk: Optional[int] = None,
     tanh: bool = False,

@@ -11,7 +11,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from train.jobs.concept_ot.ot.common import _NEG, _Fallback, _alpha, _log_mass, _mv, _normalize
+from train.jobs.concept_ot.ot.common import (
+    _NEG,
+    _Fallback,
+    _alpha,
+    _center_clamp,
+    _log_mass,
+    _mv,
+    _normalize,
+    _unit_scalings,
+)
 from train.jobs.concept_ot.ot.lowrank_fused import _LowRankScoreFn
 from train.jobs.concept_ot.ot.pairs import _grouped_left
 
@@ -47,13 +56,7 @@ class LowRankUOT:
 
     def _ab(self):
         # scalings up to a common positive factor per problem (cancels in ratios)
-        a = torch.exp(self.la - self.la.amax(dim=1, keepdim=True))
-        b = torch.exp(self.lb - self.lb.amax(dim=1, keepdim=True))
-        if self.mask_v is not None:
-            a = a * self.mask_v
-        if self.mask_t is not None:
-            b = b * self.mask_t
-        return a, b
+        return _unit_scalings(self.la, self.lb, self.mask_v, self.mask_t)
 
     def plan(self) -> Tensor:
         """Materialise Pi~ [B,N,M] (only for tests / visualisation)."""
@@ -125,20 +128,12 @@ def _solve_right(Kpp: Tensor, Kzp: Tensor) -> Tensor:
 
 
 def uot_lowrank(
-    Z: Tensor,
-    Y: Tensor,
-    P: Tensor,
-    mu: Tensor,
-    nu: Tensor,
-    eps: float,
-    tau_v: Optional[float],
-    tau_t: Optional[float],
-    n_iter: int,
+    Z: Tensor, Y: Tensor, P: Tensor,  # image tokens, text tokens, concept anchors
+    mu: Tensor, nu: Tensor,
+    eps: float, tau_v: Optional[float], tau_t: Optional[float], n_iter: int,  # Eq. 3's eps, tau; L iterations
     *,
-    mask_v: Optional[Tensor] = None,
-    mask_t: Optional[Tensor] = None,
-    img_index: Optional[Tensor] = None,
-    txt_index: Optional[Tensor] = None,
+    mask_v: Optional[Tensor] = None, mask_t: Optional[Tensor] = None,  # True = real token
+    img_index: Optional[Tensor] = None, txt_index: Optional[Tensor] = None,  # pairs of images x captions
     kpp_reg: float = 1e-2,
     center: bool = False,
     clamp: Optional[float] = None,
@@ -237,17 +232,7 @@ def uot_lowrank(
     lnu = _log_mass(nu, mask_t)
 
     def post(x, mask):
-        if center:
-            if mask is None:
-                x = x - x.mean(dim=1, keepdim=True)
-            else:
-                cnt = mask.sum(dim=1, keepdim=True).clamp_min(1)
-                x = x - (x * mask).sum(dim=1, keepdim=True) / cnt
-        if clamp is not None:
-            x = x.clamp(-clamp, clamp)
-        if mask is not None:
-            x = x.masked_fill(~mask, _NEG)
-        return x
+        return _center_clamp(x, mask, center, clamp)[0]
 
     def logq(v_log, first, second_T):
         # log( first @ (second_T @ exp(v_log)) ) with a max shift; floored (Nystrom may be <= 0)
@@ -283,15 +268,9 @@ def uot_lowrank(
 
 
 def uot_lowrank_score(
-    Z: Tensor,
-    Y: Tensor,
-    P: Tensor,
-    mu: Tensor,
-    nu: Tensor,
-    eps: float,
-    tau_v: Optional[float],
-    tau_t: Optional[float],
-    n_iter: int,
+    Z: Tensor, Y: Tensor, P: Tensor,  # image tokens, text tokens, concept anchors
+    mu: Tensor, nu: Tensor,
+    eps: float, tau_v: Optional[float], tau_t: Optional[float], n_iter: int,  # Eq. 3's eps, tau; L iterations
     *,
     tanh: bool = False,
     method: str = "fused",

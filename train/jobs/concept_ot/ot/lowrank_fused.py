@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from train.jobs.concept_ot.ot.common import _NEG, _Fallback
+from train.jobs.concept_ot.ot.common import _NEG, _Fallback, _center_clamp, _unit_scalings
 from train.jobs.concept_ot.ot.lowrank_fused_backward import lowrank_score_backward
 from train.jobs.concept_ot.ot.pairs import _Layout
 
@@ -55,21 +55,6 @@ class _LowRankScoreFn(torch.autograd.Function):
         row_shift = im.gather(rs_i)
         col_shift = tx.gather(cs_t)
 
-        def post(x, mask):
-            keep = None
-            if center:
-                if mask is None:
-                    x = x - x.mean(dim=1, keepdim=True)
-                else:
-                    cnt = mask.sum(dim=1, keepdim=True).clamp_min(1)
-                    x = x - (x * mask).sum(dim=1, keepdim=True) / cnt
-            if clamp is not None:
-                keep = (x >= -clamp) & (x <= clamp)
-                x = x.clamp(-clamp, clamp)
-            if mask is not None:
-                x = x.masked_fill(~mask, _NEG)
-            return x, keep
-
         def logq(v_log, inner, outer):
             c = v_log.amax(dim=1, keepdim=True)
             ev = torch.exp(v_log - c)
@@ -99,16 +84,11 @@ class _LowRankScoreFn(torch.autograd.Function):
         la = None
         for _ in range(int(n_iter)):
             Lq, s1 = logq(lb, kpy_ev, m1_h)
-            la, k1 = post(av * (lmu - row_shift - Lq) + row_shift, mask_v)
+            la, k1 = _center_clamp(av * (lmu - row_shift - Lq) + row_shift, mask_v, center, clamp)
             Lq, s2 = logq(la, m1t_ev, kpyt_h)
-            lb, k2 = post(at * (lnu - col_shift - Lq) + col_shift, mask_t)
+            lb, k2 = _center_clamp(at * (lnu - col_shift - Lq) + col_shift, mask_t, center, clamp)
             saved.append((s1, k1, s2, k2))
-        a = torch.exp(la - la.amax(dim=1, keepdim=True))
-        b = torch.exp(lb - lb.amax(dim=1, keepdim=True))
-        if mask_v is not None:
-            a = a * mask_v
-        if mask_t is not None:
-            b = b * mask_t
+        a, b = _unit_scalings(la, lb, mask_v, mask_t)
 
         # --- score numerator <A_p, Kpy_t diag(b_p) Y_t>, A_p = M1_g^T diag(a_p) Z_g -----------
         N, r = M1.shape[1:]

@@ -120,6 +120,8 @@ def lowrank_score_backward(ctx, g):
 
     for l in range(int(n_iter) - 1, -1, -1):
         s1, k1, s2, k2 = ctx.saved[l]
+        # The deliberately mirrored OT backward halves (this b half and the a half below: the
+        # same steps with M1 and K_PY swapped; kept written out, the duplicate check's one exception).
         # b half: lb = post(at * (lnu - cs - Lq2) + cs); q2 = Kpy^T h, h = M1^T ev
         gp = post_back(glb, k2, mask_t)
         glnu = glnu + at * gp
@@ -133,6 +135,7 @@ def lowrank_score_backward(ctx, g):
         m1_r.append(dh)
         t = dev * ev
         gla = gla + t + _amax_grad(v_log, c, gc - t.sum(1, keepdim=True))
+        # Mirrors the b half above (the deliberately mirrored OT backward halves).
         # a half: la = post(av * (lmu - rs - Lq1) + rs); q1 = M1 h, h = Kpy ev
         gp = post_back(gla, k1, mask_v)
         glmu = glmu + av * gp
