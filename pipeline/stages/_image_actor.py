@@ -39,6 +39,9 @@ def f16_list(arr: np.ndarray) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1), type=pa.float16()), arr.shape[1])
 
 
+IMAGES_SCHEMA = "sample_id int64, shard string, image_embed list<float16>[P]"  # the ``images`` table
+
+
 def images_table(done: list[tuple[dict, dict]], shard: str, width: int) -> pa.Table:
     """The ``images`` table of a unit: sample_id, its shard, and the sample's ``image_embed.npy``
     (so a global index reads embeddings without opening shards)."""

@@ -37,7 +37,7 @@ from pydantic import Field
 
 from pipeline.models.device import device_field
 from pipeline.stage import RunContext, StageConfig, model_key
-from pipeline.stages._image_actor import ImageActor, f16_list, images_table, run_image_stage
+from pipeline.stages._image_actor import IMAGES_SCHEMA, ImageActor, f16_list, images_table, run_image_stage
 from pipeline.stages._image_units import plan_image_units
 
 NAME = "extract-clip-tokens"
@@ -69,7 +69,7 @@ SCHEMA = {
     "caption_ids.npy": "int64 [C]",
     "token_ids.npy": "int32 [C, M]",
     "token_offsets.npy": "int32 [C, M, 2]",
-    "images": "sample_id int64, shard string, image_embed list<float16>[P]",
+    "images": IMAGES_SCHEMA,
     "captions": "caption_id int64, sample_id int64, n_tokens int32, text_embed list<float16>[P]",
 }
 

@@ -25,20 +25,12 @@ from pydantic import Field
 
 from pipeline.models.device import device_field
 from pipeline.stage import RunContext, StageConfig, model_key
-from pipeline.stages._image_actor import ImageActor, images_table, run_image_stage
+from pipeline.stages._image_actor import IMAGES_SCHEMA, ImageActor, images_table, run_image_stage
 from pipeline.stages._image_units import plan_image_units
 
 NAME = "extract-image-groups"
 READS = ["samples"]
 WRITES = ["image_groups"]
-
-SCHEMA = {
-    "groups.npy": "float16 [K, d]",
-    "groups_projected.npy": "float16 [K, P]",
-    "image_embed.npy": "float16 [P]",
-    "assign.npy": "float16 [K, N]",
-    "images": "sample_id int64, shard string, image_embed list<float16>[P]",
-}
 
 
 class Config(StageConfig):
@@ -46,6 +38,15 @@ class Config(StageConfig):
     batch_size: int = Field(32, ge=1, description="images per forward pass")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per encoder actor (torch threads)")
     device: str = device_field()
+
+
+SCHEMA = {
+    "groups.npy": "float16 [K, d]",
+    "groups_projected.npy": "float16 [K, P]",
+    "image_embed.npy": "float16 [P]",
+    "assign.npy": "float16 [K, N]",
+    "images": IMAGES_SCHEMA,
+}
 
 
 def _np16(t) -> np.ndarray:
