@@ -118,3 +118,23 @@ def collate_captions(samples: list[dict], captions: str = "random", rng: random.
         out["caption_sample"] = torch.tensor([i for i, _, _ in picks], dtype=torch.int64)
     return out
 
+
+def sample_index(shards: list[str | Path], where: str = "clip_tokens") -> dict[str, np.ndarray]:
+    """Every sample of the shards, sorted by id, from one pass over their headers: ``ids`` int64,
+    ``shard`` int32 (index into ``shards``), ``pos`` int64 (position in its shard), ``ncap`` int64
+    (captions). A sample_id stored twice is an error naming it."""
+    ids, sh, pos, ncap = [], [], [], []
+    for k, path in enumerate(shards):
+        for p, s in enumerate(read_shard(path, fields=("caption_ids",), lazy=True)):
+            ids.append(int(s["sample_id"]))
+            sh.append(k)
+            pos.append(p)
+            ncap.append(int(np.asarray(s["caption_ids"]).shape[0]))
+    ids_a = np.asarray(ids, np.int64)
+    order = np.argsort(ids_a, kind="stable")
+    ids_a = ids_a[order]
+    if ids_a.size > 1 and (np.diff(ids_a) == 0).any():
+        raise ValueError(f"{where}: sample_id {int(ids_a[1:][np.diff(ids_a) == 0][0])} occurs more than once")
+    return {"ids": ids_a, "shard": np.asarray(sh, np.int32)[order], "pos": np.asarray(pos, np.int64)[order],
+            "ncap": np.asarray(ncap, np.int64)[order]}
+
