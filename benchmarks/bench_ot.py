@@ -1,4 +1,4 @@
-"""Throughput of the batched OT solvers of train/jobs/concept_ot/ot.py vs POT solving the same pairs one by one.
+"""Throughput of the batched OT solvers of train/jobs/concept_ot/ot/ vs POT solving the same pairs one by one.
 
     .venv/bin/python benchmarks/bench_ot.py            # full run (~2-4 min on 2 cores)
     .venv/bin/python benchmarks/bench_ot.py --quick    # fewer repetitions, no scaling sweeps

@@ -195,7 +195,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="print the _manifest.json")] = False,
 ) -> None:
     """Schema, row and shard counts, provenance and a few rows of an artifact."""
-    from pipeline.io.artifacts import Artifact, ArtifactMissing
+    from pipeline.io.artifacts import Artifact, ArtifactMissing, CorruptArtifact
     from pipeline.io.inspect import describe
 
     from pipeline.io import storage
@@ -213,7 +213,10 @@ def inspect(
     if as_json:
         typer.echo(json.dumps(art.manifest, indent=2))
         return
-    typer.echo(describe(art, rows, _fmt_value))
+    try:
+        typer.echo(describe(art, rows, _fmt_value))
+    except CorruptArtifact as e:
+        _fail(str(e))
 
 
 @app.command()

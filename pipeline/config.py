@@ -13,10 +13,10 @@ import importlib
 import pkgutil
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 
 class ManifestError(ValueError):
@@ -173,6 +173,12 @@ class EvalConfig(Section):
     pairs_chunk: int = Field(2048, ge=1, description="pairs per score_pairs call")
 
 
+def _nonempty_output(value: str) -> str:
+    if not value.strip():  # `--set output=`: the current folder would fill with artifacts
+        raise ValueError("must name the run's output folder (or URL), not be empty")
+    return value
+
+
 @functools.cache
 def manifest_model() -> type[Section]:
     stages = _sections_model("StagesConfig", _discover("pipeline.stages"))
@@ -181,7 +187,7 @@ def manifest_model() -> type[Section]:
         "Manifest",
         __base__=Section,
         name=(str, "run"),
-        output=(str, "runs/demo"),
+        output=(Annotated[str, AfterValidator(_nonempty_output)], "runs/demo"),
         storage=(StorageConfig, Field(default_factory=StorageConfig)),
         ray=(RayConfig, Field(default_factory=RayConfig)),
         dataset=(DatasetConfig, Field(default_factory=DatasetConfig)),
@@ -234,10 +240,15 @@ def load_manifest(path: str | Path | None, overrides: list[str] | None = None, b
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ManifestError(f"manifest {source}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ManifestError(f"manifest {source}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                                "save it as UTF-8") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ManifestError(f"manifest {source}: not valid YAML ({e})") from None
+        if data is None:  # empty, or only comments: never run the defaults in its place
+            raise ManifestError(f"manifest {source}: the file is empty (no keys); copy manifests/demo.yaml to start one")
         if not isinstance(data, dict):
             raise ManifestError(f"manifest {source}: top level must be a mapping")
     data = apply_overrides(data, list(overrides or []))

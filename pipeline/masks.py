@@ -17,6 +17,7 @@ pycocotools' decoder writes runs without bounds checks and a bad string would ov
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -128,11 +129,33 @@ def rle_to_bbox(rle: dict[str, Any]) -> tuple[float, float, float, float]:
     return (x, y, x + w, y + h)
 
 
+class BadPolygon(ValueError):
+    """A polygon pycocotools cannot rasterise safely (non-finite, or far outside the image)."""
+
+
+def _checked_polygon(part: list[float], h: int, w: int) -> list[float]:
+    """``part`` as floats, or :class:`BadPolygon`. pycocotools' ``rleFrPoly`` walks every edge at
+    5x resolution in C ints without bounds checks: a vertex at 1e9 segfaults the process (a Ray
+    worker restarted on it forever), NaN is undefined behaviour. A vertex may lie outside the
+    image (COCO has a few, clipped by the rasteriser) but by at most the image's longer side."""
+    pts, m = [float(v) for v in part], max(h, w)
+    for i, v in enumerate(pts):
+        lo, hi = (-m, w + m) if i % 2 == 0 else (-m, h + m)
+        if not math.isfinite(v) or not lo <= v <= hi:
+            axis = "x" if i % 2 == 0 else "y"
+            raise BadPolygon(f"polygon vertex {i // 2} has {axis}={v:g}, outside [{lo}, {hi}] for a {w}x{h} image")
+    return pts
+
+
 def polygons_to_rle(polygons: list[list[float]], h: int, w: int) -> dict[str, Any]:
     """COCO polygon segmentation (flat [x0, y0, x1, y1, ...] lists) -> the compressed RLE of their
     union, rasterised by pycocotools exactly as the COCO API does. Parts with fewer than three
-    points are ignored."""
-    parts = [[float(v) for v in p] for p in polygons if len(p) >= 6]
+    points are ignored; a non-finite vertex or one beyond the image by more than its size raises
+    :class:`BadPolygon` (before the C code sees it)."""
+    h, w = int(h), int(w)
+    if h <= 0 or w <= 0:
+        raise BadPolygon(f"polygons need a positive image size, got {w}x{h}")
+    parts = [_checked_polygon(p, h, w) for p in polygons if len(p) >= 6]
     if not parts:
         return rle_encode(np.zeros((int(h), int(w)), bool))
     rles = _cm.frPyObjects(parts, int(h), int(w))

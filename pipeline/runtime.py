@@ -9,10 +9,12 @@ file system, or an object store (``output: s3://...``, pipeline/io/storage.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +62,9 @@ def ensure_ray(ray_cfg) -> dict:
         logging.getLogger(name).setLevel(logging.WARNING)
     # We show our own progress (shards, rows, rate, ETA); Ray's notice that its bars are off is noise.
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # A unit whose worker died on every try is dropped by Ray Data with a traceback at ERROR level;
+    # pipeline.crashes reports it (one line naming the unit or the sample) instead.
+    logging.getLogger("ray.data._internal.execution.streaming_executor_state").setLevel(logging.CRITICAL)
     if ray.is_initialized():
         return {"address": ray_cfg.address or "local", "cpus": ray.cluster_resources().get("CPU", 0)}
     # Workers must import this package; an editable install makes that true locally, and on a
@@ -71,8 +76,13 @@ def ensure_ray(ray_cfg) -> dict:
     env_vars.update(_WORKER_ENV)
     runtime_env = dict(getattr(ray_cfg, "runtime_env", None) or {})
     runtime_env["env_vars"] = {**env_vars, **dict(runtime_env.get("env_vars") or {})}
+    from pipeline import ray_reaper
+
+    before = set() if ray_cfg.address else ray_reaper.children()
     try:
         _init(ray, ray_cfg, runtime_env)
+        if not ray_cfg.address:  # embedded: its processes end with this one, even on a kill -9
+            ray_reaper.start(before)
     except Exception as e:  # a cluster that is not there, a node that cannot start on an overloaded machine
         where = ray_cfg.address or "embedded local"
         raise RayStartError(f"ray ({where}) could not start: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
@@ -100,10 +110,13 @@ def _decode(batch) -> dict:
     return json.loads(batch["payload"].iloc[0])
 
 
-def _encode(result: dict):
+def _encode(result: dict, batch=None):
+    """The result row; it carries the unit's position (``index``) so that units that never come
+    back (their worker died) are known (:mod:`pipeline.crashes`)."""
     import pandas as pd
 
-    return pd.DataFrame({"result": [json.dumps(result, default=str)]})
+    index = int(batch["index"].iloc[0]) if batch is not None and "index" in batch else -1
+    return pd.DataFrame({"index": [index], "result": [json.dumps(result, default=str)]})
 
 
 def _quiet_worker() -> None:
@@ -129,7 +142,11 @@ def _contained(fn, payload: dict) -> dict:
 
 def _task_entry(batch, fn):
     _quiet_worker()
-    return _encode(_contained(fn, _decode(batch)))
+    return _encode(_contained(fn, _decode(batch)), batch)
+
+
+def _built_and_called(payload: dict, cls: type, kwargs: dict) -> dict:
+    return cls(**kwargs)(payload)
 
 
 class _ActorEntry:
@@ -147,8 +164,8 @@ class _ActorEntry:
     def __call__(self, batch):
         payload = _decode(batch)
         if self.broken:
-            return _encode({"unit": payload.get("unit"), "failed": self.broken})
-        return _encode(_contained(self.impl, payload))
+            return _encode({"unit": payload.get("unit"), "failed": self.broken}, batch)
+        return _encode(_contained(self.impl, payload), batch)
 
 
 def map_units(
@@ -161,19 +178,43 @@ def map_units(
     pool_size: int | None = None,
     constructor_kwargs: dict | None = None,
     num_gpus: float = 0,
+    split=None,
 ) -> Iterator[dict]:
     """Run ``fn`` once per unit on Ray and yield each unit's result dict as it finishes.
 
     ``units`` are JSON-able dicts. ``fn`` is a function ``fn(unit) -> dict`` (run in a task pool)
     or, with ``actor=True``, a class constructed once per actor with ``constructor_kwargs`` whose
     instances are called as ``obj(unit) -> dict`` (an actor pool: model loaded once per actor).
+    Every unit yields a result: a unit whose worker process dies on every try is isolated by
+    :func:`pipeline.crashes.isolate_crashes` (``split``, a :class:`pipeline.crashes.SampleSplit`,
+    lets it find the sample that kills the worker) or reported ``failed``.
     """
     if not units:
         return iter(())
+    from pipeline.crashes import isolate_crashes
+
+    ensure_ray(ray_cfg)
+
+    def run(batch: list[dict], alone: bool) -> Iterator[tuple[int, dict]]:
+        return _map_once(batch, fn, ray_cfg=ray_cfg, actor=actor, num_cpus=num_cpus, pool_size=pool_size,
+                         constructor_kwargs=constructor_kwargs, num_gpus=num_gpus, alone=alone)
+
+    return isolate_crashes(units, run, actor=actor, split=split)
+
+
+# Ray's retries of a unit whose worker died (Ray Data's default is forever: a sample that segfaults
+# its worker restarted it 38 times in 150 s and the stage never ended). On a cluster, nodes come
+# and go (tests/test_cluster.py kills a node's workers mid-stage), so more tries there.
+RETRIES_LOCAL, RETRIES_CLUSTER = 1, 3
+
+
+def _map_once(units: list[dict], fn, *, ray_cfg, actor: bool, num_cpus: float, pool_size: int | None,
+              constructor_kwargs: dict | None, num_gpus: float, alone: bool) -> Iterator[tuple[int, dict]]:
+    """One Ray Data pass over ``units``: ``(position, result)`` of each unit that came back. A unit
+    whose retries ran out is dropped (``max_errored_blocks``), never the whole pass."""
     import ray.data
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
-    ensure_ray(ray_cfg)
     size = max(1, min(pool_size or default_pool_size(ray_cfg, num_cpus), len(units)))
     if num_gpus:
         import ray
@@ -183,11 +224,18 @@ def map_units(
         if gpus < num_gpus:
             raise RuntimeError(f"num_gpus={num_gpus} per actor, but the Ray cluster has {gpus} GPUs")
         size = min(size, int(gpus // num_gpus))
-    items = [{"payload": json.dumps(u, default=str)} for u in units]
+    items = [{"index": i, "payload": json.dumps(u, default=str)} for i, u in enumerate(units)]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
+    ds.context.max_errored_blocks = -1  # pipeline.crashes deals with the units that did not come back
+    retries = RETRIES_CLUSTER if ray_cfg.address else RETRIES_LOCAL
     kwargs: dict[str, Any] = dict(batch_size=1, batch_format="pandas", num_cpus=num_cpus)
     if num_gpus:
         kwargs["num_gpus"] = num_gpus
+    if actor and alone:
+        # One unit per task, the worker built in it: a dying actor of a pool can take units queued
+        # for the pool with it, a task only its own (pipeline.crashes runs lost units this way).
+        fn = functools.partial(_built_and_called, cls=fn, kwargs=constructor_kwargs or {})
+        actor = False
     if actor:
         # Embedded local Ray: max_restarts=0. Ray's restartable actors keep their constructor
         # arguments in the object store and log an error line about it for every actor; a unit that
@@ -196,15 +244,15 @@ def map_units(
         # retried (tests/test_cluster.py kills a node's workers mid-stage), at the price of that line.
         if ray_cfg.address:
             kwargs["max_restarts"] = -1
-            kwargs["max_task_retries"] = -1
+            kwargs["max_task_retries"] = retries
         else:
             kwargs["max_restarts"] = 0
-        out = ds.map_batches(
-            _ActorEntry,
-            compute=ActorPoolStrategy(size=size),
-            fn_constructor_kwargs={"cls": fn, "kwargs": constructor_kwargs or {}},
-            **kwargs,
-        )
+        compute = ActorPoolStrategy(size=size)
+        step = dict(fn=_ActorEntry, fn_constructor_kwargs={"cls": fn, "kwargs": constructor_kwargs or {}})
     else:
-        out = ds.map_batches(_task_entry, fn_kwargs={"fn": fn}, compute=TaskPoolStrategy(size=size), **kwargs)
-    return (json.loads(row["result"]) for row in out.iter_rows())
+        kwargs["max_retries"] = retries
+        compute, step = TaskPoolStrategy(size=size), dict(fn=_task_entry, fn_kwargs={"fn": fn})
+    with warnings.catch_warnings():  # Ray 2.60 names no parameter for retries and restarts but warns on these
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        out = ds.map_batches(compute=compute, **step, **kwargs)
+    return ((int(row["index"]), json.loads(row["result"])) for row in out.iter_rows())

@@ -34,10 +34,13 @@ from pipeline.io.artifacts import (
     ArtifactBusy,
     ArtifactMissing,
     ArtifactWriter,
+    CorruptArtifact,
     OutputPathError,
     UnitWriter,
     release_lock,
 )
+from pipeline.crashes import REASON as WORKER_CRASHED
+from pipeline.crashes import SampleSplit
 from pipeline.errors import RayStartError, StageError, describe_exception, model_key  # noqa: F401 (the stages' API)
 from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
 
@@ -169,8 +172,12 @@ def unit_writer(payload: dict) -> UnitWriter:
         storage.configure(**payload["storage"])
     url = payload.get("artifact_url")
     if url:  # an object-storage artifact: this node's mirror of it
-        return UnitWriter(storage.local_path(url), payload["stage"], payload["unit"], payload["fingerprint"], url=url)
-    return UnitWriter(payload["artifact_dir"], payload["stage"], payload["unit"], payload["fingerprint"])
+        w = UnitWriter(storage.local_path(url), payload["stage"], payload["unit"], payload["fingerprint"], url=url)
+    else:
+        w = UnitWriter(payload["artifact_dir"], payload["stage"], payload["unit"], payload["fingerprint"])
+    for s in payload.get("crashed_samples", []):  # the samples that killed this unit's worker (pipeline.crashes)
+        w.error(WORKER_CRASHED, s["detail"], sample_id=s["sample_id"], source_id=s.get("source_id"))
+    return w
 
 
 # --- The error policy (one place for every stage) ----------------------------------------------
@@ -331,12 +338,15 @@ def run_units(
     total_rows: int | None = None,
     num_gpus: float | None = None,
     live: set[str] | None = None,
+    split: SampleSplit | None = None,
 ) -> list[dict]:
     """Run the pending units of ``writer``'s artifact and return all units' markers, in order.
 
     ``units`` holds ``(unit name, what the unit's output depends on, payload)``; the second item
     is fingerprinted together with the stage's parameters, inputs and models. ``live`` names
     further units of the same artifact that must survive pruning (a stage with several phases).
+    ``split`` takes a payload apart by sample, so that a sample whose worker dies on every try is
+    recorded as ``worker_crashed`` and the rest of its unit written (:mod:`pipeline.crashes`).
     """
     names = [u[0] for u in units]
     if len(set(names)) != len(names):
@@ -370,6 +380,7 @@ def run_units(
             pool_size=pool_size,
             constructor_kwargs=constructor_kwargs,
             num_gpus=(getattr(ctx.stage_cfg, "num_gpus", 0) if actor else 0) if num_gpus is None else num_gpus,
+            split=split,
         ):
             if result.get("failed"):
                 failed.append((result.get("unit", "?"), result["failed"]))
@@ -401,7 +412,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     log.info("stage %s: start (output %s)", name, ctx.location)
     try:
         summary = spec.module.run(ctx, cfg) or {}
-    except (ArtifactBusy, OutputPathError, RayStartError) as e:
+    except (ArtifactBusy, CorruptArtifact, OutputPathError, RayStartError) as e:
         raise StageError(str(e)) from None
     finally:
         release_lock()  # a failed stage leaves no lock behind in this process either

@@ -40,13 +40,13 @@ def _window(ray_cfg, num_cpus: float) -> int:
 
 def run_units_stream(ctx, writer: ArtifactWriter, units: Iterable[tuple[str, object, dict]], fn: Callable, *,
                      num_cpus: float = 1.0, max_in_flight: int | None = None,
-                     input_rows: Callable[[], int] | None = None) -> list[str]:
+                     input_rows: Callable[[], int] | None = None, split=None) -> list[str]:
     """:func:`pipeline.stage.run_units` over an iterator of ``(unit name, unit input, payload)``.
 
     Units are checked against their completion markers as they come; the pending ones run in
     waves. Returns every unit's name in order (the markers of units no longer produced are
     pruned afterwards). ``input_rows()`` is called once the iterator is exhausted (the stage's
-    input count for the error-rate check).
+    input count for the error-rate check). ``split``: as in :func:`pipeline.stage.run_units`.
     """
     cfg = ctx.stage_cfg
     names: list[str] = []
@@ -80,10 +80,10 @@ def run_units_stream(ctx, writer: ArtifactWriter, units: Iterable[tuple[str, obj
             wave.append(u)
             size = size or _window(ctx.ray_cfg, num_cpus)
             if len(wave) >= size:
-                yield from S.map_units(wave, fn, ray_cfg=ctx.ray_cfg, actor=False, num_cpus=num_cpus)
+                yield from S.map_units(wave, fn, ray_cfg=ctx.ray_cfg, actor=False, num_cpus=num_cpus, split=split)
                 wave = []
         if wave:
-            yield from S.map_units(wave, fn, ray_cfg=ctx.ray_cfg, actor=False, num_cpus=num_cpus)
+            yield from S.map_units(wave, fn, ray_cfg=ctx.ray_cfg, actor=False, num_cpus=num_cpus, split=split)
 
     for result in waves():
         finished += 1

@@ -125,14 +125,14 @@ def test_ivf_recall_and_speed_on_100k_clustered():
 
 def _fake_clip_tokens(out, xi, img_ids, xc, cap_ids, owner):
     from pipeline.io.artifacts import ArtifactWriter
-    from pipeline.stages.extract_clip_tokens import _f16_list
+    from pipeline.stages._image_actor import f16_list
 
     w = ArtifactWriter(out, "clip_tokens", "extract-clip-tokens", {"fake": True})
     uw = w.unit_writer("00000", "fp")
-    uw.write_table("images", pa.table({"sample_id": img_ids, "shard": ["x"] * len(img_ids), "image_embed": _f16_list(xi)}))
+    uw.write_table("images", pa.table({"sample_id": img_ids, "shard": ["x"] * len(img_ids), "image_embed": f16_list(xi)}))
     uw.write_table(
         "captions",
-        pa.table({"caption_id": cap_ids, "sample_id": owner, "n_tokens": pa.array([5] * len(owner), pa.int32()), "text_embed": _f16_list(xc)}),
+        pa.table({"caption_id": cap_ids, "sample_id": owner, "n_tokens": pa.array([5] * len(owner), pa.int32()), "text_embed": f16_list(xc)}),
     )
     uw.commit({"rows": len(img_ids)})
     w.finalize(["00000"])

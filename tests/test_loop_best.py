@@ -83,3 +83,16 @@ def test_best_survives_resume_and_off_by_default(tmp_path):
     job = _Toy(_cfg(), None, tmp_path / "off", torch.device("cpu"))
     train(job, resume=False, progress=False)
     assert not (tmp_path / "off" / "checkpoints" / "best.pt").exists()
+
+
+def test_a_finished_run_says_why_it_trains_nothing(tmp_path, capsys):
+    job = _Toy(_cfg(), None, tmp_path / "f", torch.device("cpu"))
+    train(job, resume=False, progress=False)
+    capsys.readouterr()
+    job = _Toy(_cfg(eval_every=1), None, tmp_path / "f", torch.device("cpu"))  # evaluation settings changed
+    train(job, resume=True, progress=False)
+    err = capsys.readouterr().err
+    assert "already trained 8 of 8 steps: nothing to train" in err and "--fresh" in err, err
+    rows = [json.loads(x) for x in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows if r["kind"] == "train") == 8  # nothing trained twice
+    assert [r["step"] for r in rows if r["kind"] == "eval"][-2:] == [8, 8]  # the final model evaluated again

@@ -1,4 +1,4 @@
-"""train/jobs/concept_ot/ot.py against POT (independent implementation) and brute-force references."""
+"""train/jobs/concept_ot/ot/ against POT (independent implementation) and brute-force references."""
 
 import math
 import warnings
@@ -225,7 +225,7 @@ def _unit(x):
 
 def _brute_lowrank(Z, Y, P, mu, nu, eps, tv, tt, n_iter, lam, center=False, clamp=None):
     """Algorithm 1 written directly (dense K~, float64 numpy). center/clamp act on the log-scalings
-    relative to the row/column-max-normalised sub-kernels, as documented in train/jobs/concept_ot/ot.py."""
+    relative to the row/column-max-normalised sub-kernels, as documented in train/jobs/concept_ot/ot/lowrank.py."""
     P = _unit(P)
     lZP = (Z @ P.T - 1) / eps
     lPY = (P @ Y.T - 1) / eps

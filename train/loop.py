@@ -341,6 +341,11 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
         print(f"resumed from {last} at step {step} (epoch {epoch}, batch {pos})", file=sys.stderr)
         if dropped := _truncate_metrics(metrics_path, step):
             print(f"{metrics_path}: {dropped}", file=sys.stderr)
+        if step >= total:  # say why nothing trains, and what the rerun does instead
+            print(f"{run_dir}: already trained {step} of {total} steps: nothing to train; the final model is "
+                  "evaluated again with the current evaluation settings (eval_every only acts during training: "
+                  "--fresh retrains in this folder; more epochs or max_steps train in a folder of their own)",
+                  file=sys.stderr)
     elif not resume or not params:
         metrics_path.unlink(missing_ok=True)
         (ckpt_dir / "best.pt").unlink(missing_ok=True)

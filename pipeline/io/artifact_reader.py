@@ -9,6 +9,7 @@ Below the writer (:mod:`pipeline.io.artifacts`), which re-exports these names.
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -33,6 +34,13 @@ ERROR_SCHEMA = pa.schema(
 
 
 ERRORS_PATH = "errors/errors.parquet"
+
+
+class CorruptArtifact(ValueError):
+    """A file of a finished artifact cannot be read; the message names it and how to redo it."""
+
+
+_PARQUET_PREFIX = re.compile(r"^Could not open Parquet input source '[^']*': ")
 
 
 class ArtifactMissing(FileNotFoundError):
@@ -181,17 +189,41 @@ class Artifact:
         self._synced = True
 
     def read(self, table: str, columns: list[str] | None = None) -> pa.Table:
-        files = self.files(table)
-        parts = [pq.read_table(f, columns=columns) for f in files]
+        parts = [self.read_file(f, columns) for f in self.files(table)]
         return pa.concat_tables(parts) if parts else pa.table({})
 
     def scan(self, table: str) -> pl.LazyFrame:
-        return pl.scan_parquet([str(f) for f in self.files(table)])
+        files = self.files(table)
+        for f in files:  # the footers now (cheap), so a corrupt file is named, not a polars ComputeError later
+            self._parquet(f, pq.read_metadata)
+        return pl.scan_parquet([str(f) for f in files])
 
     def errors(self) -> pa.Table:
         rel = self.manifest.get("errors", {}).get("path", ERRORS_PATH)
         path = self.local_file(rel)
-        return pq.read_table(path) if path.exists() else ERROR_SCHEMA.empty_table()
+        return self.read_file(path) if path.exists() else ERROR_SCHEMA.empty_table()
+
+    def read_file(self, path: str | Path, columns: list[str] | None = None) -> pa.Table:
+        """One Parquet file of the artifact (a path from :meth:`files`, or relative to the folder);
+        an unreadable one raises :class:`CorruptArtifact` naming it and how to redo it."""
+        path = Path(path) if Path(path).is_absolute() else self.local_file(str(path))
+        return self._parquet(path, lambda p: pq.read_table(p, columns=columns))
+
+    def _parquet(self, path: Path, read):
+        try:
+            return read(path)
+        except (pa.ArrowException, OSError) as e:
+            try:
+                rel = str(Path(path).relative_to(self._local))
+            except ValueError:
+                rel = str(path)
+            stage = self.manifest.get("stage", "<stage>")
+            if rel == self.manifest.get("errors", {}).get("path", ERRORS_PATH):
+                fix = f"`pipeline run {stage}` writes it again"
+            else:
+                fix = f"`pipeline verify --fix {self.location}` forgets its unit, then `pipeline run {stage}` redoes it"
+            why = _PARQUET_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            raise CorruptArtifact(f"{storage.join(self.location, rel)}: corrupt or unreadable Parquet file ({why}); {fix}") from None
 
     def problems(self) -> list[tuple[str, str]]:
         """``(relative path, problem)`` for every recorded file that is missing, of another size

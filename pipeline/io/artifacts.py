@@ -51,6 +51,7 @@ from pipeline.io.artifact_reader import (  # noqa: F401 (the read side, re-expor
     ERRORS_PATH,
     Artifact,
     ArtifactMissing,
+    CorruptArtifact,
     forget_units_of,
 )
 from pipeline.io.atomic import (

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from pipeline.io.artifacts import Artifact
 from pipeline.io.wds import iter_shard
@@ -49,12 +48,12 @@ def describe(art: Artifact, rows: int, fmt) -> str:
         if not files:
             continue
         if files[0].endswith(".parquet"):
-            schema = pq.read_schema(art.local_file(files[0]))
-            for f in schema:
+            first = art.read_file(files[0])
+            for f in first.schema:
                 out.append(f"  {f.name}: {f.type}")
             shown = 0
-            for rel in files:
-                t = pq.read_table(art.local_file(rel))
+            for k, rel in enumerate(files):
+                t = first if k == 0 else art.read_file(rel)
                 for row in t.slice(0, rows - shown).to_pylist():
                     out.append("  | " + "  ".join(f"{k}={fmt(v, 48)}" for k, v in row.items()))
                     shown += 1

@@ -84,34 +84,57 @@ def collate(samples: list[dict], captions: str = "random", rng: random.Random | 
         "patch_tokens": torch.from_numpy(patches),
         "image_embed": torch.from_numpy(np.stack([materialize(s["image_embed"]) for s in samples])),
     }
+    batch.update(collate_captions(samples, captions, rng))
+    return batch
+
+
+def collate_captions(samples: list[dict], captions: str = "random", rng: random.Random | None = None,
+                     min_len: int = 0) -> dict[str, torch.Tensor]:
+    """The caption side of a batch: per sample its first, one random (``rng``) or all captions;
+    ``text_tokens`` [P, M, d] padded to the longest (at least ``min_len``), ``text_mask``,
+    ``text_embed`` [P, D], ``caption_id`` [P] and, for ``all``, ``caption_sample`` [P] (the row of
+    each caption's sample). Token arrays are copied once, from maps or files, into the batch."""
     picks: list[tuple[int, int, int]] = []  # (sample row, caption row, valid tokens)
     for i, s in enumerate(samples):
-        c = s["caption_ids"].shape[0]
-        lengths = s["text_mask"].sum(axis=1)
-        if captions == "all":
-            js = range(c)
-        else:
-            js = [0 if captions == "first" else (rng or random).randrange(c)]
+        c = int(s["caption_ids"].shape[0])
+        lengths = np.asarray(s["text_mask"]).sum(axis=1)
+        js = range(c) if captions == "all" else [0 if captions == "first" else (rng or random).randrange(c)]
         picks.extend((i, j, int(lengths[j])) for j in js)
     t0 = samples[0]["text_tokens"]
-    m = max((n for _, _, n in picks), default=0)
+    m = max((n for _, _, n in picks), default=min_len)
     tokens = np.zeros((len(picks), m, t0.shape[-1]), t0.dtype)
     for r, (i, j, n) in enumerate(picks):
         if n:
             copy_into(tokens[r, :n], samples[i]["text_tokens"], j, n)
     lengths = torch.tensor([n for _, _, n in picks], dtype=torch.int64)
-    batch["text_tokens"] = torch.from_numpy(tokens)
-    batch["text_mask"] = torch.arange(m)[None, :] < lengths[:, None]
     if picks:
-        batch["text_embed"] = torch.from_numpy(np.stack([samples[i]["text_embed"][j] for i, j, _ in picks]))
+        embed = torch.from_numpy(np.stack([np.asarray(samples[i]["text_embed"][j]) for i, j, _ in picks]))
     else:
-        batch["text_embed"] = torch.zeros((0, batch["image_embed"].shape[1]), dtype=torch.float16)
-    batch["caption_id"] = torch.tensor([int(samples[i]["caption_ids"][j]) for i, j, _ in picks], dtype=torch.int64)
+        embed = torch.zeros((0, samples[0]["text_embed"].shape[-1]), dtype=torch.float16)
+    out = {"text_tokens": torch.from_numpy(tokens), "text_mask": torch.arange(m)[None, :] < lengths[:, None],
+           "text_embed": embed,
+           "caption_id": torch.tensor([int(samples[i]["caption_ids"][j]) for i, j, _ in picks], dtype=torch.int64)}
     if captions == "all":
-        batch["caption_sample"] = torch.tensor([i for i, _, _ in picks], dtype=torch.int64)
-    return batch
+        out["caption_sample"] = torch.tensor([i for i, _, _ in picks], dtype=torch.int64)
+    return out
 
 
-def shard_paths(artifact: str | Path | Artifact) -> list[Path]:
-    art = artifact if isinstance(artifact, Artifact) else Artifact(artifact)
-    return art.files("shards")
+def sample_index(shards: list[str | Path], where: str = "clip_tokens") -> dict[str, np.ndarray]:
+    """Every sample of the shards, sorted by id, from one pass over their headers: ``ids`` int64,
+    ``shard`` int32 (index into ``shards``), ``pos`` int64 (position in its shard), ``ncap`` int64
+    (captions). A sample_id stored twice is an error naming it."""
+    ids, sh, pos, ncap = [], [], [], []
+    for k, path in enumerate(shards):
+        for p, s in enumerate(read_shard(path, fields=("caption_ids",), lazy=True)):
+            ids.append(int(s["sample_id"]))
+            sh.append(k)
+            pos.append(p)
+            ncap.append(int(np.asarray(s["caption_ids"]).shape[0]))
+    ids_a = np.asarray(ids, np.int64)
+    order = np.argsort(ids_a, kind="stable")
+    ids_a = ids_a[order]
+    if ids_a.size > 1 and (np.diff(ids_a) == 0).any():
+        raise ValueError(f"{where}: sample_id {int(ids_a[1:][np.diff(ids_a) == 0][0])} occurs more than once")
+    return {"ids": ids_a, "shard": np.asarray(sh, np.int32)[order], "pos": np.asarray(pos, np.int64)[order],
+            "ncap": np.asarray(ncap, np.int64)[order]}
+

@@ -29,6 +29,8 @@ import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
+from pipeline.crashes import RECORDS, SampleSplit
+from pipeline.io.artifacts import Artifact
 from pipeline.io.atomic import fingerprint
 from pipeline.stage import RunContext, StageError, describe_exception
 
@@ -172,13 +174,15 @@ def image_writer(ctx: RunContext, artifact: str, stage: str, params: dict, plan:
 def read_slice(desc: dict) -> list[dict]:
     """The records of one planned unit (see :func:`plan_image_units`), read in the worker: the
     samples of ``desc["range"]`` from the unit's own files, with image references resolved against
-    the image root and the asked-for annotations attached. Bounded by the unit, not the dataset."""
-    from pipeline.io.artifacts import Artifact
+    the image root and the asked-for annotations attached. Bounded by the unit, not the dataset.
+    ``desc["only"]`` (set by :data:`IMAGE_UNITS`) keeps just those sample ids of the range."""
     from pipeline.loaders.samples import resolve_ref
 
     art = Artifact(desc["location"])
     lo, hi = desc["range"]
     in_range = pl.col("sample_id").is_between(lo, hi)
+    if desc.get("only") is not None:
+        in_range = in_range & pl.col("sample_id").is_in(desc["only"])
 
     def scan(table: str) -> pl.LazyFrame:
         return pl.scan_parquet([str(art.local_file(rel)) for rel in desc["files"][table]]).filter(in_range)
@@ -237,6 +241,28 @@ def unit_records(payload: dict) -> list[dict]:
     if "slice" in payload:
         return read_slice(payload["slice"])
     return payload["records"]
+
+
+def _unit_ids(payload: dict) -> list[dict]:
+    if "slice" not in payload:
+        return RECORDS.ids(payload)
+    desc = payload["slice"]
+    keep = pl.col("sample_id").is_between(*desc["range"])
+    if desc.get("only") is not None:
+        keep = keep & pl.col("sample_id").is_in(desc["only"])
+    art = Artifact(desc["location"])
+    files = [str(art.local_file(rel)) for rel in desc["files"]["samples"]]
+    return pl.scan_parquet(files).filter(keep).select("sample_id", "source_id").sort("sample_id").collect().to_dicts()
+
+
+def _keep_ids(payload: dict, sample_ids: list[int]) -> dict:
+    if "slice" not in payload:
+        return RECORDS.keep(payload, sample_ids)
+    return dict(payload, slice=dict(payload["slice"], only=sorted(sample_ids), rows=len(sample_ids)))
+
+
+# An image stage's units taken apart by sample (a sample that kills its worker, pipeline.crashes).
+IMAGE_UNITS = SampleSplit(_unit_ids, _keep_ids)
 
 
 def image_units(records: list[dict], shard_size: int) -> list[tuple[str, object, dict]]:

@@ -35,10 +35,10 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
-from pipeline.io.wds import ShardWriter, sample_key
-from pipeline.models.device import device_field, resolve_device
-from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
-from pipeline.stages._image_units import decoded_batches, image_writer, open_images, plan_image_units, unit_records
+from pipeline.models.device import device_field
+from pipeline.stage import RunContext, StageConfig, model_key
+from pipeline.stages._image_actor import IMAGES_SCHEMA, ImageActor, f16_list, images_table, run_image_stage
+from pipeline.stages._image_units import plan_image_units
 
 NAME = "extract-clip-tokens"
 READS = ["samples"]
@@ -69,35 +69,37 @@ SCHEMA = {
     "caption_ids.npy": "int64 [C]",
     "token_ids.npy": "int32 [C, M]",
     "token_offsets.npy": "int32 [C, M, 2]",
-    "images": "sample_id int64, shard string, image_embed list<float16>[P]",
+    "images": IMAGES_SCHEMA,
     "captions": "caption_id int64, sample_id int64, n_tokens int32, text_embed list<float16>[P]",
 }
 
 
-def _f16_list(arr: np.ndarray) -> pa.Array:
-    arr = np.ascontiguousarray(arr, dtype=np.float16)
-    return pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1), type=pa.float16()), arr.shape[1])
-
-
-class ClipTokenWorker:
+class ClipTokenWorker(ImageActor):
     """Ray actor: loads CLIP once, then encodes whole units (one output shard each)."""
 
-    def __init__(self, spec: str, device: str, threads: int, batch_size: int, text_batch_size: int, max_text_tokens: int, project_tokens: bool):
-        import torch
+    encode_stat = "encode_image_s"
 
+    def __init__(self, spec: str, device: str, threads: int, batch_size: int, text_batch_size: int, max_text_tokens: int, project_tokens: bool):
+        self.text_batch_size, self.max_text_tokens, self.project_tokens = text_batch_size, max_text_tokens, project_tokens
+        super().__init__(spec, device, threads, batch_size)
+
+    def load(self, spec: str, device: str) -> None:
         from pipeline.models.clip import load_clip
 
-        torch.set_num_threads(max(1, threads))
-        self.model, self.processor, self.tokenizer, self.record = load_clip(spec, resolve_device(device))
-        self.batch_size, self.text_batch_size = batch_size, text_batch_size
-        self.max_text_tokens, self.project_tokens = max_text_tokens, project_tokens
+        self.model, self.processor, self.tokenizer, self.record = load_clip(spec, device)
 
-    def _decode(self, records):
+    def prepare(self, images):
         from pipeline.models.clip import preprocess_images
 
-        kept, images, failed = open_images(records)
-        pixels = preprocess_images(self.processor, images) if images else None
-        return kept, pixels, failed
+        return preprocess_images(self.processor, images)
+
+    def encode(self, records, pixels):
+        from pipeline.models.clip import encode_images
+
+        out = encode_images(self.model, pixels, self.project_tokens)
+        patches = out["patch_tokens"].float().cpu().numpy().astype(np.float16)
+        pooled = out["image_embed"].float().cpu().numpy().astype(np.float16)
+        return list(zip(patches, pooled))
 
     def _encode_texts(self, texts: list[str]) -> dict[str, np.ndarray]:
         """All captions of the unit, in batches sorted by length (less padding, same result: the
@@ -121,111 +123,55 @@ class ClipTokenWorker:
                 offsets[i] = off_all[j, :n]
         return {"tokens": tokens, "embeds": embeds, "lengths": masks, "ids": ids, "offsets": offsets}
 
-    def __call__(self, payload: dict) -> dict:
-        from pipeline.models.clip import encode_images
-
-        w = unit_writer(payload)
-        t_img = t_txt = t_write = 0.0
-        times = {"decode_s": 0.0}
-        encoded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        kept_records = []
-        for kept, pixels in decoded_batches(w, unit_records(payload), self.batch_size, self._decode, times):
-            t0 = time.perf_counter()
-            kept, out = isolate_failures(w, kept, pixels, lambda _r, px: encode_images(self.model, px, self.project_tokens))
-            if out is None:
-                continue
-            patches = out["patch_tokens"].float().cpu().numpy().astype(np.float16)
-            pooled = out["image_embed"].float().cpu().numpy().astype(np.float16)
-            t_img += time.perf_counter() - t0
-            for k, r in enumerate(kept):
-                encoded[r["sample_id"]] = (patches[k], pooled[k])
-                kept_records.append(r)
+    def complete(self, done, stats):
+        """The unit's captions, encoded together, padded per sample to its longest caption."""
         t0 = time.perf_counter()
-        flat = [(r["sample_id"], cid, text) for r in kept_records for cid, text in r["captions"]]
-        txt = self._encode_texts([f[2] for f in flat]) if flat else None
-        t_txt = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
+        flat = [text for r, _ in done for _, text in r["captions"]]
+        txt = self._encode_texts(flat) if flat else None
         d_t = self.model.config.projection_dim if self.project_tokens else self.model.config.text_config.hidden_size
-        path = w.shard_path()
-        img_rows = {"sample_id": [], "embed": []}
-        cap_rows = {"caption_id": [], "sample_id": [], "n_tokens": [], "embed": []}
-        pos = 0
-        with ShardWriter(path) as sw:
-            for r in kept_records:
-                sid = r["sample_id"]
-                c = len(r["captions"])
-                rows = range(pos, pos + c)
-                pos += c
-                lens = [txt["lengths"][i] for i in rows] if c else []
-                m = max(lens, default=0)
-                tokens = np.zeros((c, m, d_t), np.float16)
-                mask = np.zeros((c, m), bool)
-                ids = np.zeros((c, m), np.int32)
-                offs = np.zeros((c, m, 2), np.int32)
-                for j, i in enumerate(rows):
-                    n = lens[j]
-                    tokens[j, :n], mask[j, :n], ids[j, :n], offs[j, :n] = txt["tokens"][i], True, txt["ids"][i], txt["offsets"][i]
-                p_dim = encoded[sid][1].shape[0]
-                embeds = np.stack([txt["embeds"][i] for i in rows]) if c else np.zeros((0, p_dim), np.float16)
-                sw.write(
-                    sample_key(sid),
-                    {
-                        "patch_tokens.npy": encoded[sid][0],
-                        "image_embed.npy": encoded[sid][1],
-                        "text_tokens.npy": tokens,
-                        "text_mask.npy": mask,
-                        "text_embed.npy": embeds,
-                        "caption_ids.npy": np.array([cid for cid, _ in r["captions"]], np.int64),
-                        "token_ids.npy": ids,
-                        "token_offsets.npy": offs,
-                    },
-                )
-                img_rows["sample_id"].append(sid)
-                img_rows["embed"].append(encoded[sid][1])
-                for j, (cid, _) in enumerate(r["captions"]):
-                    cap_rows["caption_id"].append(cid)
-                    cap_rows["sample_id"].append(sid)
-                    cap_rows["n_tokens"].append(lens[j])
-                    cap_rows["embed"].append(embeds[j])
-        w.record_shard(path, sw.count)
+        samples, pos = [], 0
+        for r, (patches, pooled) in done:
+            c = len(r["captions"])
+            rows = range(pos, pos + c)
+            pos += c
+            lens = [txt["lengths"][i] for i in rows] if c else []
+            m = max(lens, default=0)
+            tokens = np.zeros((c, m, d_t), np.float16)
+            mask = np.zeros((c, m), bool)
+            ids = np.zeros((c, m), np.int32)
+            offs = np.zeros((c, m, 2), np.int32)
+            for j, i in enumerate(rows):
+                n = lens[j]
+                tokens[j, :n], mask[j, :n], ids[j, :n], offs[j, :n] = txt["tokens"][i], True, txt["ids"][i], txt["offsets"][i]
+            embeds = np.stack([txt["embeds"][i] for i in rows]) if c else np.zeros((0, pooled.shape[0]), np.float16)
+            fields = {
+                "patch_tokens.npy": patches,
+                "image_embed.npy": pooled,
+                "text_tokens.npy": tokens,
+                "text_mask.npy": mask,
+                "text_embed.npy": embeds,
+                "caption_ids.npy": np.array([cid for cid, _ in r["captions"]], np.int64),
+                "token_ids.npy": ids,
+                "token_offsets.npy": offs,
+            }
+            samples.append((r, fields))
+        stats.update(captions=len(flat), encode_text_s=round(time.perf_counter() - t0, 4))
+        return samples
+
+    def tables(self, done, shard):
         p_dim = self.model.config.projection_dim
-        shard_rel = str(path.relative_to(w.dir))
-        img_emb = np.stack(img_rows["embed"]) if img_rows["embed"] else np.zeros((0, p_dim), np.float16)
-        cap_emb = np.stack(cap_rows["embed"]) if cap_rows["embed"] else np.zeros((0, p_dim), np.float16)
-        w.write_table(
-            "images",
-            pa.table(
-                {
-                    "sample_id": pa.array(img_rows["sample_id"], pa.int64()),
-                    "shard": pa.array([shard_rel] * len(img_rows["sample_id"]), pa.string()),
-                    "image_embed": _f16_list(img_emb),
-                }
-            ),
+        caps = [(r["sample_id"], cid) for r, f in done for cid in f["caption_ids.npy"].tolist()]
+        n_tokens = [int(n) for _, f in done for n in f["text_mask.npy"].sum(axis=1)]
+        cap_emb = np.concatenate([f["text_embed.npy"] for _, f in done]) if caps else np.zeros((0, p_dim), np.float16)
+        captions = pa.table(
+            {
+                "caption_id": pa.array([cid for _, cid in caps], pa.int64()),
+                "sample_id": pa.array([sid for sid, _ in caps], pa.int64()),
+                "n_tokens": pa.array(n_tokens, pa.int32()),
+                "text_embed": f16_list(cap_emb),
+            }
         )
-        w.write_table(
-            "captions",
-            pa.table(
-                {
-                    "caption_id": pa.array(cap_rows["caption_id"], pa.int64()),
-                    "sample_id": pa.array(cap_rows["sample_id"], pa.int64()),
-                    "n_tokens": pa.array(cap_rows["n_tokens"], pa.int32()),
-                    "text_embed": _f16_list(cap_emb),
-                }
-            ),
-        )
-        t_write = time.perf_counter() - t0
-        stats = {
-            "rows": len(kept_records),
-            "captions": len(flat),
-            "rejected": len(w.errors),
-            "decode_s": round(times["decode_s"], 4),
-            "encode_image_s": round(t_img, 4),
-            "encode_text_s": round(t_txt, 4),
-            "write_s": round(t_write, 4),
-        }
-        res = w.commit(stats)
-        return {"unit": res.unit, "stats": res.stats}
+        return {"images": images_table(done, shard, p_dim), "captions": captions}
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
@@ -239,34 +185,13 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     with model_key("models.clip", spec):
         record = cached_info(ctx.output, "clip", {"clip": spec}, lambda: load_clip(spec)[3])
     dims = {k: record[k] for k in ("image_size", "patch_size", "n_patches", "vision_dim", "text_dim", "projection_dim")}
-    params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
-    params["limit"] = ctx.limit
-    writer = image_writer(ctx, "clip_tokens", NAME, params, plan, models={"clip": record})
-    names = run_units(
-        ctx,
-        writer,
-        plan.units,
-        ClipTokenWorker,
-        actor=True,
-        num_cpus=cfg.num_cpus,
-        constructor_kwargs=dict(
-            spec=spec,
-            device=cfg.device,
-            threads=int(round(cfg.num_cpus)),
-            batch_size=cfg.batch_size,
-            text_batch_size=cfg.text_batch_size,
-            max_text_tokens=cfg.max_text_tokens,
-            project_tokens=cfg.project_tokens,
-        ),
-        total_rows=plan.rows,
-    )
     token_dims = dict(dims)
     if cfg.project_tokens:
         token_dims["vision_dim"] = token_dims["text_dim"] = dims["projection_dim"]
-    m = writer.finalize(names, extra={"dims": token_dims}, schema=SCHEMA)
-    return {
-        "samples": m["tables"].get("shards", {}).get("rows", 0),
-        "captions": m["tables"].get("captions", {}).get("rows", 0),
-        "errors": m["errors"]["rows"],
-        "path": str(writer.location),
-    }
+    m, summary = run_image_stage(
+        ctx, cfg, artifact="clip_tokens", stage=NAME, plan=plan, actor=ClipTokenWorker, models={"clip": record},
+        constructor_kwargs=dict(spec=spec, device=cfg.device, batch_size=cfg.batch_size, text_batch_size=cfg.text_batch_size,
+                                max_text_tokens=cfg.max_text_tokens, project_tokens=cfg.project_tokens),
+        extra={"dims": token_dims}, schema=SCHEMA,
+    )
+    return {**summary, "captions": m["tables"].get("captions", {}).get("rows", 0)}

@@ -20,29 +20,17 @@ Fields of each sample (K final groups, d group width, P joint width, N = h*w pat
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
-import pyarrow as pa
 from pydantic import Field
 
-from pipeline.io.wds import ShardWriter, sample_key
-from pipeline.models.device import device_field, resolve_device
-from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
-from pipeline.stages._image_units import decoded_batches, image_writer, open_images, plan_image_units, unit_records
-from pipeline.stages.extract_clip_tokens import _f16_list
+from pipeline.models.device import device_field
+from pipeline.stage import RunContext, StageConfig, model_key
+from pipeline.stages._image_actor import IMAGES_SCHEMA, ImageActor, images_table, run_image_stage
+from pipeline.stages._image_units import plan_image_units
 
 NAME = "extract-image-groups"
 READS = ["samples"]
 WRITES = ["image_groups"]
-
-SCHEMA = {
-    "groups.npy": "float16 [K, d]",
-    "groups_projected.npy": "float16 [K, P]",
-    "image_embed.npy": "float16 [P]",
-    "assign.npy": "float16 [K, N]",
-    "images": "sample_id int64, shard string, image_embed list<float16>[P]",
-}
 
 
 class Config(StageConfig):
@@ -52,63 +40,38 @@ class Config(StageConfig):
     device: str = device_field()
 
 
+SCHEMA = {
+    "groups.npy": "float16 [K, d]",
+    "groups_projected.npy": "float16 [K, P]",
+    "image_embed.npy": "float16 [P]",
+    "assign.npy": "float16 [K, N]",
+    "images": IMAGES_SCHEMA,
+}
+
+
 def _np16(t) -> np.ndarray:
     return t.detach().float().cpu().numpy().astype(np.float16)
 
 
-class GroupWorker:
-    def __init__(self, spec: str, device: str, threads: int, batch_size: int):
-        import torch
+class GroupWorker(ImageActor):
+    """Ray actor: loads GroupViT once, then encodes whole units (one output shard each)."""
 
+    def load(self, spec: str, device: str) -> None:
         from pipeline.models.groupvit import load_groupvit
 
-        torch.set_num_threads(max(1, threads))
-        self.model, self.processor, self.record = load_groupvit(spec, resolve_device(device))
-        self.batch_size = batch_size
+        self.model, self.processor, self.record = load_groupvit(spec, device)
 
-    def _decode(self, records):
-        kept, images, failed = open_images(records)
-        pixels = self.processor(images=images, return_tensors="pt")["pixel_values"] if images else None
-        return kept, pixels, failed
+    def prepare(self, images):
+        return self.processor(images=images, return_tensors="pt")["pixel_values"]
 
-    def __call__(self, payload: dict) -> dict:
+    def encode(self, records, pixels):
         from pipeline.models.groupvit import encode_groups
 
-        w = unit_writer(payload)
-        t_enc = 0.0
-        times = {"decode_s": 0.0}
-        results = []
-        for kept, pixels in decoded_batches(w, unit_records(payload), self.batch_size, self._decode, times):
-            t0 = time.perf_counter()
-            kept, out = isolate_failures(w, kept, pixels, lambda _r, px: {k: _np16(v) for k, v in encode_groups(self.model, px).items()})
-            if out is None:
-                continue
-            t_enc += time.perf_counter() - t0
-            for i, r in enumerate(kept):
-                results.append((r["sample_id"], {f"{k}.npy": v[i] for k, v in out.items()}))
-        t0 = time.perf_counter()
-        path = w.shard_path()
-        with ShardWriter(path) as sw:
-            for sid, fields in results:
-                sw.write(sample_key(sid), fields)
-        w.record_shard(path, sw.count)
-        p = self.model.config.projection_dim
-        emb = np.stack([f["image_embed.npy"] for _, f in results]) if results else np.zeros((0, p), np.float16)
-        w.write_table(
-            "images",
-            pa.table(
-                {
-                    "sample_id": pa.array([sid for sid, _ in results], pa.int64()),
-                    "shard": pa.array([str(path.relative_to(w.dir))] * len(results), pa.string()),
-                    "image_embed": _f16_list(emb),
-                }
-            ),
-        )
-        t_write = time.perf_counter() - t0
-        res = w.commit(
-            {"rows": len(results), "rejected": len(w.errors), "decode_s": round(times["decode_s"], 4), "encode_s": round(t_enc, 4), "write_s": round(t_write, 4)}
-        )
-        return {"unit": res.unit, "stats": res.stats}
+        out = {k: _np16(v) for k, v in encode_groups(self.model, pixels).items()}
+        return [{f"{k}.npy": v[i] for k, v in out.items()} for i in range(len(records))]
+
+    def tables(self, done, shard):
+        return {"images": images_table(done, shard, self.model.config.projection_dim)}
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
@@ -119,19 +82,9 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     plan = plan_image_units(ctx, cfg.shard_size)
     with model_key("models.groupvit", spec):  # cached: a rerun with nothing to do loads no model
         record = cached_info(ctx.output, "groupvit", {"groupvit": spec}, lambda: load_groupvit(spec)[2])
-    params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
-    params["limit"] = ctx.limit
-    writer = image_writer(ctx, "image_groups", NAME, params, plan, models={"groupvit": record})
-    names = run_units(
-        ctx,
-        writer,
-        plan.units,
-        GroupWorker,
-        actor=True,
-        num_cpus=cfg.num_cpus,
-        constructor_kwargs=dict(spec=spec, device=cfg.device, threads=int(round(cfg.num_cpus)), batch_size=cfg.batch_size),
-        total_rows=plan.rows,
-    )
     dims = {k: record[k] for k in ("image_size", "patch_size", "grid", "n_patches", "n_groups", "group_dim", "projection_dim")}
-    m = writer.finalize(names, extra={"dims": dims}, schema=SCHEMA)
-    return {"samples": m["tables"].get("shards", {}).get("rows", 0), "errors": m["errors"]["rows"], "path": str(writer.location)}
+    _, summary = run_image_stage(
+        ctx, cfg, artifact="image_groups", stage=NAME, plan=plan, actor=GroupWorker, models={"groupvit": record},
+        constructor_kwargs=dict(spec=spec, device=cfg.device, batch_size=cfg.batch_size), extra={"dims": dims}, schema=SCHEMA,
+    )
+    return summary

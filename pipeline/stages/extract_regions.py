@@ -22,16 +22,15 @@ Class names of detector labels, when known, are in ``_manifest.json`` ``categori
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 import numpy as np
 from pydantic import Field
 
-from pipeline.io.wds import ShardWriter, sample_key
-from pipeline.models.device import device_field, resolve_device
-from pipeline.stage import RunContext, StageConfig, isolate_failures, model_key, run_units, unit_writer
-from pipeline.stages._image_units import decoded_batches, image_writer, open_images, plan_image_units, unit_records
+from pipeline.models.device import device_field
+from pipeline.stage import RunContext, StageConfig, model_key
+from pipeline.stages._image_actor import ImageActor, run_image_stage
+from pipeline.stages._image_units import plan_image_units
 
 NAME = "extract-regions"
 READS = ["samples"]
@@ -62,37 +61,37 @@ class Config(StageConfig):
     device: str = device_field()
 
 
-class RegionWorker:
-    def __init__(self, spec: str, device: str, threads: int, batch_size: int, backend: str, max_boxes: int, score_thresh, min_size):
-        import torch
+class RegionWorker(ImageActor):
+    """Ray actor: loads the detector once, then finds (or pools) the regions of whole units."""
 
+    def __init__(self, spec: str, device: str, threads: int, batch_size: int, backend: str, max_boxes: int, score_thresh, min_size):
+        self.backend, self.max_boxes, self.score_thresh, self.min_size = backend, max_boxes, score_thresh, min_size
+        super().__init__(spec, device, threads, batch_size)
+
+    def load(self, spec: str, device: str) -> None:
         from pipeline.models.detector import load_detector
 
-        torch.set_num_threads(max(1, threads))
-        self.det = load_detector(spec, resolve_device(device), score_thresh=score_thresh, min_size=min_size, max_boxes=max_boxes)
-        self.batch_size, self.backend, self.max_boxes = batch_size, backend, max_boxes
+        self.det = load_detector(spec, device, score_thresh=self.score_thresh, min_size=self.min_size, max_boxes=self.max_boxes)
 
-    def _decode(self, records):
-        kept, images, failed = open_images(records)
-        return kept, images, failed
-
-    def _run(self, kept: list[dict], images: list) -> list[tuple[dict, tuple, dict]]:
-        """Regions of one batch: ``(record, image size, fields)`` per image."""
+    def encode(self, kept: list[dict], images: list) -> list[dict]:
+        """The fields of each image of a batch. An image the model cannot take (e.g. 1x300,
+        resized to a zero-width side) raises: the base rejects it alone and retries the batch."""
         results = []
         if self.backend == "detector":
-            for r, im, reg in zip(kept, images, self.det.detect(images)):
+            for im, reg in zip(images, self.det.detect(images)):
                 fields = {
                     "boxes.npy": reg.boxes.astype(np.float32),
                     "scores.npy": reg.scores.astype(np.float32),
                     "labels.npy": reg.labels.astype(np.int64),
                     "features.npy": reg.features.astype(np.float16),
+                    "image_size.npy": np.asarray(im.size, np.int32),
                 }
-                results.append((r, im.size, fields))
+                results.append(fields)
             return results
         gts = [r["instances"] for r in kept]
         boxes = [np.asarray(g["boxes"][: self.max_boxes], np.float32).reshape(-1, 4) for g in gts]
         feats = self.det.pool(images, boxes)
-        for r, im, g, b, f in zip(kept, images, gts, boxes, feats):
+        for im, g, b, f in zip(images, gts, boxes, feats):
             n = len(b)  # 0 for a sample without annotations: stored with R = 0
             fields = {
                 "boxes.npy": b,
@@ -101,43 +100,14 @@ class RegionWorker:
                 "features.npy": f.astype(np.float16),
                 "instance_ids.npy": np.asarray(g["instance_ids"][:n], np.int64),
                 "categories.json": list(g["categories"][:n]),
+                "image_size.npy": np.asarray(im.size, np.int32),
             }
-            results.append((r, im.size, fields))
+            results.append(fields)
         return results
 
-    def __call__(self, payload: dict) -> dict:
-        w = unit_writer(payload)
-        t_enc = 0.0
-        times = {"decode_s": 0.0}
-        results = []
-        for kept, images in decoded_batches(w, unit_records(payload), self.batch_size, self._decode, times):
-            t0 = time.perf_counter()
-            # an image the model cannot take (e.g. 1x300, resized to a zero-width side) is rejected
-            # alone: the shared policy retries the batch without it
-            kept, out = isolate_failures(w, kept, images, self._run)
-            if out is not None:
-                results.extend(out)
-            t_enc += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        path = w.shard_path()
-        with ShardWriter(path) as sw:
-            for r, size, fields in results:
-                fields["image_size.npy"] = np.asarray(size, np.int32)
-                sw.write(sample_key(r["sample_id"]), fields)
-        w.record_shard(path, sw.count)
-        t_write = time.perf_counter() - t0
-        boxes = sum(len(f["boxes.npy"]) for _, _, f in results)
-        res = w.commit(
-            {
-                "rows": len(results),
-                "boxes": boxes,
-                "rejected": len(w.errors),
-                "decode_s": round(times["decode_s"], 4),
-                "encode_s": round(t_enc, 4),
-                "write_s": round(t_write, 4),
-            }
-        )
-        return {"unit": res.unit, "stats": res.stats}
+    def complete(self, done, stats):
+        stats["boxes"] = sum(len(f["boxes.npy"]) for _, f in done)
+        return done
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
@@ -156,33 +126,11 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     with model_key("models.detector", spec):  # cached: a rerun with nothing to do loads no model
         det = SimpleNamespace(**cached_info(ctx.output, "detector", {"detector": spec}, probe, score_thresh=cfg.score_thresh,
                                             min_size=cfg.min_size, max_boxes=cfg.max_boxes))
-    params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
-    params["limit"] = ctx.limit
-    writer = image_writer(ctx, "regions", NAME, params, plan, models={"detector": det.record})
-    names = run_units(
-        ctx,
-        writer,
-        plan.units,
-        RegionWorker,
-        actor=True,
-        num_cpus=cfg.num_cpus,
-        constructor_kwargs=dict(
-            spec=spec,
-            device=cfg.device,
-            threads=int(round(cfg.num_cpus)),
-            batch_size=cfg.batch_size,
-            backend=cfg.backend,
-            max_boxes=cfg.max_boxes,
-            score_thresh=cfg.score_thresh,
-            min_size=cfg.min_size,
-        ),
-        total_rows=plan.rows,
-    )
     extra = {"dims": {"feature_dim": det.dim, "max_boxes": cfg.max_boxes}, "backend": cfg.backend, "categories": det.categories}
-    m = writer.finalize(names, extra=extra, schema=SCHEMA)
-    return {
-        "samples": m["tables"].get("shards", {}).get("rows", 0),
-        "boxes": m["stats"].get("boxes", 0),
-        "errors": m["errors"]["rows"],
-        "path": str(writer.location),
-    }
+    m, summary = run_image_stage(
+        ctx, cfg, artifact="regions", stage=NAME, plan=plan, actor=RegionWorker, models={"detector": det.record},
+        constructor_kwargs=dict(spec=spec, device=cfg.device, batch_size=cfg.batch_size, backend=cfg.backend,
+                                max_boxes=cfg.max_boxes, score_thresh=cfg.score_thresh, min_size=cfg.min_size),
+        extra=extra, schema=SCHEMA,
+    )
+    return {**summary, "boxes": m["stats"].get("boxes", 0)}

@@ -46,8 +46,9 @@ from pydantic import Field
 
 from pipeline.io.wds import ShardWriter, sample_key
 from pipeline.models.device import device_field, resolve_device
-from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, isolate_failures, run_units, unit_writer
-from pipeline.stages._image_units import image_writer, plan_image_units, prefetched_batches, unit_records
+from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, isolate_failures, unit_writer
+from pipeline.stages._image_actor import run_image_stage
+from pipeline.stages._image_units import plan_image_units, prefetched_batches, unit_records
 from pipeline.visual_tokens.predicates import DEFAULT_PREDICATE_MAP
 
 NAME = "extract-visual-tokens"
@@ -321,19 +322,6 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     # cached: a rerun with nothing to do builds no model (relation_head is keyed by its file's stat)
     recs = cached_info(ctx.output, "visual_tokens", models, lambda: model_records(cfg, models),
                        feature_layers=cfg.feature_layers, width=cfg.width, seed=cfg.seed, relations=cfg.relations)
-    params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
-    params["limit"] = ctx.limit
-    writer = image_writer(ctx, "visual_tokens", NAME, params, plan, models=recs)
-    names = run_units(
-        ctx,
-        writer,
-        plan.units,
-        VisualTokenWorker,
-        actor=True,
-        num_cpus=cfg.num_cpus,
-        constructor_kwargs=dict(cfg=cfg.model_dump(mode="json"), models=models, threads=int(round(cfg.num_cpus))),
-        total_rows=plan.rows,
-    )
     sam_rec = recs["sam"]
     extra = {
         "dims": {"width": cfg.width, "image_feature": sam_rec.get("image_feature_dim"), "context_length": cfg.context_length},
@@ -353,16 +341,17 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         "ranks.npy": "uint8 [T, T], T = 1 + V + U",
         "meta.json": "sample_id, source_id, width, height, instance_ids, instance_scores, categories, predicates, predicate_ids, n_candidates",
     }
-    man = writer.finalize(names, extra=extra, schema=schema)
+    man, summary = run_image_stage(
+        ctx, cfg, artifact="visual_tokens", stage=NAME, plan=plan, actor=VisualTokenWorker, models=recs,
+        constructor_kwargs=dict(cfg=cfg.model_dump(mode="json"), models=models), extra=extra, schema=schema,
+    )
     st = man["stats"]
     model_s, post_s = st.get("model_s", 0.0), st.get("post_s", 0.0)
     return {
-        "samples": man["tables"].get("shards", {}).get("rows", 0),
+        **summary,
         "instances": st.get("instances", 0),
         "triplets": st.get("triplets", 0),
-        "errors": man["errors"]["rows"],
         "post_over_model": round(post_s / model_s, 4) if model_s else None,
-        "path": str(writer.location),
     }
 
 

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from pipeline.io.atomic import fingerprint
 from pipeline.loaders.samples import dataset_image_root, recorded_root, relative_ref
-from pipeline.masks import deferred_to_rle
+from pipeline.masks import BadPolygon, deferred_to_rle
 from pipeline.readers.base import MISSING_IMAGE_FIELD
 from pipeline.readers.images import ImageTooLarge
 from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, unit_writer
@@ -194,6 +194,9 @@ def ingest_unit(payload: dict) -> dict:
             continue
         try:  # COCO polygons are rasterised here, in the worker (the reader defers them)
             masks = [deferred_to_rle(inst["mask_rle"]) for inst in r["instances"]]
+        except BadPolygon as e:
+            w.error("bad_polygon", f"instance mask: {e}", sample_id=sid, source_id=src)
+            continue
         except Exception as e:
             w.error("bad_mask", f"instance mask: {describe_exception(e)}", sample_id=sid, source_id=src)
             continue
@@ -242,6 +245,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     more than one wave, whatever the dataset's size. Image checks and mask conversion run in the
     workers; the driver only stats image files for the unit fingerprints."""
     from pipeline.readers import read_dataset
+    from pipeline.crashes import RECORDS
     from pipeline.streaming import run_units_stream
 
     ds = ctx.manifest.dataset
@@ -304,7 +308,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         }
         return f"{u:05d}", unit_input, payload
 
-    names = run_units_stream(ctx, writer, units(), ingest_unit, input_rows=lambda: counts["records"])
+    names = run_units_stream(ctx, writer, units(), ingest_unit, input_rows=lambda: counts["records"], split=RECORDS)
     if not counts["records"]:
         raise StageError(f"dataset ({ds.kind}) has no records")
     has_ann = has_ann or any('"instances"' in json.dumps(writer.marker(n) or {}) for n in names)

@@ -280,6 +280,8 @@ def _noun_vocab(ctx: RunContext, entries: list[dict], samples, cfg: Config, mode
             pass
     total: Counter = Counter()
     for res in map_units(units, _count_nouns, ray_cfg=ctx.ray_cfg, actor=False):
+        if res.get("failed"):
+            raise StageError(f"{NAME}: counting nouns of {res.get('unit') or 'a captions file'} failed: {res['failed']}")
         total.update(res["counts"])
     vocab = sorted(w for w, n in total.items() if n >= cfg.noun_vocab_min_count)
     write_json_atomic(path, vocab)

@@ -170,3 +170,22 @@ def macro_row(name: str, subset: str, rows: Sequence[Row], metric: str = "macro_
         return row.no_interval("a row it averages has no bootstrap distribution")
     row.boot = macro([r.boot for r in rows])
     return row.with_ci(percentile_interval(row.boot))
+
+
+def karpathy_split_images(data: dict, split: str, rows: "Rows"):
+    """``(index, image dict, key)`` for every image of ``split`` in a Karpathy split JSON
+    (``{"images": [...]}``): the key is ``filename``, else ``cocoid``, else ``imgid`` (None, recorded
+    as malformed, where the image has none); entries that are not objects are recorded and skipped."""
+    from pipeline.readers.karpathy import split_matches
+
+    for n, im in enumerate(data["images"]):
+        if not isinstance(im, dict):
+            rows.bad(f"images[{n}]", "not an object")
+            continue
+        if not split_matches(str(im.get("split") or "train"), split):
+            continue
+        key = im.get("filename") or im.get("cocoid") or im.get("imgid")
+        key = None if key is None or str(key).strip() == "" else str(key).strip()
+        if key is None:
+            rows.bad(f"images[{n}]", "no 'filename'")
+        yield n, im, key

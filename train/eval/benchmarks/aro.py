@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, load_json, macro_row,
-                                           missing, pooled_row)
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, karpathy_split_images,
+                                           load_json, macro_row, missing, pooled_row)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 NOUN_TAGS = {"NN", "NNS", "NNP", "NNPS"}
@@ -172,22 +172,13 @@ def perturb(tokens: list[str], tags: list[str], rng: np.random.Generator) -> lis
 
 def _order_captions(path: Path, split: str) -> tuple[list[tuple[str, str]], int, Rows]:
     """[(image key, caption)] of the split, the number of images, and the rows bookkeeping."""
-    from pipeline.readers.karpathy import split_matches
-
     data = load_json(path, "ARO order captions")
     rows = Rows(path, "ARO order captions")
     out: list[tuple[str, str]] = []
     n_images = 0
     if isinstance(data, dict) and isinstance(data.get("images"), list):  # Karpathy split JSON
-        for n, im in enumerate(data["images"]):
-            if not isinstance(im, dict):
-                rows.bad(f"images[{n}]", "not an object")
-                continue
-            if not split_matches(str(im.get("split") or "train"), split):
-                continue
-            key = im.get("filename") or im.get("cocoid") or im.get("imgid")
+        for n, im, key in karpathy_split_images(data, split, rows):
             if key is None:
-                rows.bad(f"images[{n}]", "no 'filename'")
                 continue
             n_images += 1
             for s in im.get("sentences") or []:

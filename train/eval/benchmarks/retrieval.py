@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.eval.benchmarks._common import BenchmarkError, Rows, load_json
+from train.eval.benchmarks._common import BenchmarkError, Rows, karpathy_split_images, load_json
 from train.eval.interface import BenchData, Item, Pair
 
 
 def read(spec) -> BenchData:
-    from pipeline.readers.karpathy import split_matches
-
     path = Path(spec.path)
     split = spec.split or "test"
     data = load_json(path, "Karpathy split JSON")
@@ -26,23 +24,15 @@ def read(spec) -> BenchData:
         raise BenchmarkError(f"Karpathy split JSON {path}: expected an object with an 'images' list")
     rows = Rows(path, "Karpathy split JSON")
     total = 0
-    for n, im in enumerate(data["images"]):
-        if not isinstance(im, dict):
-            rows.bad(f"images[{n}]", "not an object")
-            continue
-        if not split_matches(str(im.get("split") or "train"), split):
-            continue
+    for n, im, key in karpathy_split_images(data, split, rows):
         total += 1
-        key = im.get("filename") or im.get("cocoid") or im.get("imgid")
-        if key is None or str(key).strip() == "":
-            rows.bad(f"images[{n}]", "no 'filename'")
+        if key is None:
             continue
         caps = [s.get("raw") if isinstance(s, dict) else s for s in im.get("sentences") or []]
         caps = [c.strip() for c in caps if isinstance(c, str) and c.strip()]
         if not caps:
             rows.bad(f"images[{n}]", "no non-empty sentence")
             continue
-        key = str(key).strip()
         sentids = [s.get("sentid") for s in im.get("sentences") or [] if isinstance(s, dict)]
         rows.items.append(Item([Pair(key, c) for c in caps], subset=split, key=key,
                                meta={"sentids": sentids, "cocoid": im.get("cocoid")}))

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from pipeline.io.shards import fits_in_memory
-from pipeline.loaders.clip_tokens import read_sample, read_shard
+from pipeline.loaders.clip_tokens import read_sample, read_shard, sample_index
 
 
 class ImageStore:
@@ -24,20 +24,9 @@ class ImageStore:
 
     def __init__(self, shards: list[str], mode: str = "auto"):
         self.shards = list(shards)
-        sids, shard_of, pos_of, ncap = [], [], [], []
-        for k, p in enumerate(self.shards):
-            for pos, s in enumerate(read_shard(p, fields=("caption_ids",), lazy=True)):
-                sids.append(int(s["sample_id"]))
-                shard_of.append(k)
-                pos_of.append(pos)
-                ncap.append(int(np.asarray(s["caption_ids"]).shape[0]))
-        order = np.argsort(np.asarray(sids, np.int64), kind="stable")
-        self.sids = np.asarray(sids, np.int64)[order]
-        self.shard_of = np.asarray(shard_of, np.int32)[order]
-        self.pos_of = np.asarray(pos_of, np.int32)[order]
-        self.n_captions = np.asarray(ncap, np.int32)[order]
-        if len(np.unique(self.sids)) != len(self.sids):
-            raise ValueError("clip_tokens: a sample_id occurs in two shards")
+        ix = sample_index(self.shards)
+        self.sids, self.shard_of = ix["ids"], ix["shard"]
+        self.pos_of, self.n_captions = ix["pos"].astype(np.int32), ix["ncap"].astype(np.int32)
         self.lazy = not fits_in_memory(self.shards)
         self.mode = ("memory" if not self.lazy else "random") if mode == "auto" else mode
         self._mem_rows: np.ndarray | None = None

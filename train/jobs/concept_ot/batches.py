@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from pipeline.loaders.clip_tokens import collate as ct_collate
-from pipeline.loaders.clip_tokens import read_sample, read_shard
+from pipeline.loaders.clip_tokens import read_sample, read_shard, sample_index
 from pipeline.io.shards import ShardStream, loader
 from train.jobs.concept_ot.index_negatives import (IndexMissing, IndexNeighbours, IndexNeighbourStream, SampleTable,
                                                    require_index)
@@ -86,20 +86,9 @@ class ConceptOTBatches:
         eval split). One pass over the shards' headers; the splits in one vectorised join."""
         if self._tab is not None:
             return self._tab
-        ids, sh, pos, ncap = [], [], [], []
-        for k, path in enumerate(self.shards):
-            for p, s in enumerate(read_shard(path, fields=("caption_ids",), lazy=True)):
-                ids.append(int(s["sample_id"]))
-                sh.append(k)
-                pos.append(p)
-                ncap.append(int(s["caption_ids"].shape[0]))
-        ids_a = np.asarray(ids, np.int64)
-        order = np.argsort(ids_a, kind="stable")
-        ids_a = ids_a[order]
-        if ids_a.size > 1 and (np.diff(ids_a) == 0).any():
-            raise ValueError(f"{self.art.dir}: sample_id {int(ids_a[1:][np.diff(ids_a) == 0][0])} occurs more than once")
+        ix = sample_index(self.shards, str(self.art.dir))
+        ids_a, ncap_a = ix["ids"], ix["ncap"]
         split = self.splits.of_many(ids_a)
-        ncap_a = np.asarray(ncap, np.int64)[order]
         train = (ncap_a > 0) & np.isin(split, list(self.cfg.train_splits))
         n_train = int(train.sum())
         if self.cfg.train_subset is not None and self.cfg.train_subset < n_train:
@@ -111,7 +100,7 @@ class ConceptOTBatches:
         elif self.cfg.train_subset is not None:
             print(f"concept-ot: train_subset {self.cfg.train_subset} >= the {n_train} training images: using all",
                   file=sys.stderr)
-        self._tab = {"ids": ids_a, "shard": np.asarray(sh, np.int32)[order], "pos": np.asarray(pos, np.int64)[order],
+        self._tab = {"ids": ids_a, "shard": ix["shard"], "pos": ix["pos"],
                      "ncap": ncap_a, "split": split, "train": train,
                      "eval": (ncap_a > 0) & np.isin(split, list(self.cfg.eval_splits))}
         return self._tab

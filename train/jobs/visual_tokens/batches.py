@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pipeline.io.shards import copy_into
+from pipeline.loaders.clip_tokens import collate_captions
 from pipeline.loaders.visual_tokens import collate as vt_collate
 
 TEXT_FIELDS = ("text_tokens", "text_mask", "text_embed", "caption_ids")
@@ -51,22 +52,5 @@ def collate_batch(samples: list[dict], rng: random.Random | None, *, opts: dict,
 
 
 def collate_text(samples: list[dict], rng: random.Random | None, captions: str) -> dict:
-    picks = []  # (sample row, caption row, valid tokens)
-    for i, s in enumerate(samples):
-        c = int(s["caption_ids"].shape[0])
-        lengths = np.asarray(s["text_mask"]).sum(axis=1)
-        js = range(c) if captions == "all" else [0 if captions == "first" else (rng or random).randrange(c)]
-        picks.extend((i, j, int(lengths[j])) for j in js)
-    t0 = samples[0]["text_tokens"]
-    m = max((n for _, _, n in picks), default=1)
-    tokens = np.zeros((len(picks), m, t0.shape[-1]), t0.dtype)
-    for r, (i, j, n) in enumerate(picks):
-        if n:
-            copy_into(tokens[r, :n], samples[i]["text_tokens"], j, n)
-    lengths = torch.tensor([n for _, _, n in picks], dtype=torch.int64)
-    out = {"text_tokens": torch.from_numpy(tokens), "text_mask": torch.arange(m)[None, :] < lengths[:, None],
-           "text_embed": torch.from_numpy(np.stack([np.asarray(samples[i]["text_embed"][j]) for i, j, _ in picks])),
-           "caption_id": torch.tensor([int(samples[i]["caption_ids"][j]) for i, j, _ in picks], dtype=torch.int64)}
-    if captions == "all":
-        out["caption_sample"] = torch.tensor([i for i, _, _ in picks], dtype=torch.int64)
-    return out
+    """The captions' cached CLIP text tokens, as the clip_tokens loader pads them (at least one slot)."""
+    return collate_captions(samples, captions, rng, min_len=1)
