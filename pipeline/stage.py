@@ -32,6 +32,7 @@ from pipeline.config import Section
 from pipeline.io.artifacts import (
     Artifact,
     ArtifactBusy,
+    ArtifactCorrupt,
     ArtifactMissing,
     ArtifactWriter,
     CorruptArtifact,
@@ -145,10 +146,17 @@ class RunContext:
         return self.manifest.ray
 
     def artifact(self, name: str) -> Artifact:
+        """An input artifact of the running stage, every file checked against its manifest (a stat
+        each once verified): a stage never consumes, and records the fingerprint of, bytes that
+        are not the ones its input's manifest vouches for."""
         try:
             from pipeline.io import storage
 
-            return Artifact(storage.join(self.location, name))
+            art = Artifact(storage.join(self.location, name))
+            art.check()
+            return art
+        except ArtifactCorrupt as e:
+            raise StageError(str(e)) from None
         except ArtifactMissing:
             producers = [s.name for s in registry().values() if name in s.writes]
             hint = f"run `pipeline run {producers[0]}` first" if producers else "it is not produced by any stage"
