@@ -32,7 +32,6 @@ from pipeline.config import Section
 from pipeline.io.artifacts import (
     Artifact,
     ArtifactBusy,
-    ArtifactCorrupt,
     ArtifactMissing,
     ArtifactWriter,
     CorruptArtifact,
@@ -155,7 +154,7 @@ class RunContext:
             art = Artifact(storage.join(self.location, name))
             art.check()
             return art
-        except ArtifactCorrupt as e:
+        except CorruptArtifact as e:
             raise StageError(str(e)) from None
         except ArtifactMissing:
             producers = [s.name for s in registry().values() if name in s.writes]

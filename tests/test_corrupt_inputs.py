@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 import pipeline.io.verified
-from pipeline.io.artifacts import Artifact, ArtifactCorrupt, ArtifactWriter, release_lock
+from pipeline.io.artifacts import Artifact, ArtifactWriter, CorruptArtifact, release_lock
 from pipeline.stage import RunContext, StageError, run_stage
 from pipeline.status import artifact_state
 from tests.conftest import make_manifest
@@ -25,12 +25,17 @@ def _flip(path) -> None:
     path.write_bytes(bytes(b))
 
 
-def _artifact(out, rows=3) -> Artifact:
+def _artifact(out) -> Artifact:
+    """Two units, each a Parquet table and a shard of bytes."""
     w = ArtifactWriter(out, "things", "make-things", {"a": 1})
     for unit in ("00000", "00001"):
         u = w.unit_writer(unit, w.unit_fingerprint(unit, None))
-        u.write_table("things", pa.table({"sample_id": pa.array(range(rows), pa.int64())}))
-        u.commit({"rows": rows})
+        u.write_table("things", pa.table({"sample_id": pa.array(range(3), pa.int64())}))
+        path = u.shard_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(range(256)) * 64)
+        u.record_shard(path, 1)
+        u.commit({"rows": 3})
     w.finalize(["00000", "00001"])
     release_lock()
     return Artifact(w.dir)
@@ -52,27 +57,30 @@ def hashed(monkeypatch):
 
 def test_fresh_files_cost_a_stat_and_a_changed_one_is_refused_in_one_line(tmp_path, hashed):
     art = _artifact(tmp_path)
-    files = art.files("things")
+    assert len(art.files("things")) == 2
+    files = art.files("shards")
     assert len(files) == 2 and hashed == []  # the writer hashed them: readers only stat
     _flip(files[1])
-    with pytest.raises(ArtifactCorrupt) as e:
-        Artifact(art.dir).files("things")
+    assert len(Artifact(art.dir).files("things")) == 2  # another table: not read, not checked
+    with pytest.raises(CorruptArtifact) as e:
+        Artifact(art.dir).files("shards")
     msg = str(e.value)
     assert "\n" not in msg and str(files[1]) in msg and "sha256" in msg and "things" in msg
     assert "`make-things`" in msg and f"pipeline verify --fix {art.dir}" in msg and "pipeline run make-things" in msg
     assert hashed == [str(files[1])]
-    with pytest.raises(ArtifactCorrupt, match="sha256"):
+    with pytest.raises(CorruptArtifact, match="sha256"):
         Artifact(art.dir).local_file(str(files[1].relative_to(art.dir)))
     files[1].unlink()
-    with pytest.raises(ArtifactCorrupt, match=r": missing since `make-things` wrote it"):
-        Artifact(art.dir).files("things")
+    with pytest.raises(CorruptArtifact, match=r": missing since `make-things` wrote it"):
+        Artifact(art.dir).files("shards")
 
 
 def test_a_file_without_a_cache_entry_is_hashed_once(tmp_path, hashed):
     art = _artifact(tmp_path)
     (art.dir / "_cache.json").unlink()  # an artifact written before the cache existed
-    assert len(Artifact(art.dir).files("things")) == 2 and len(hashed) == 2
-    assert len(Artifact(art.dir).files("things")) == 2 and len(hashed) == 2  # remembered
+    assert len(Artifact(art.dir).files("shards")) == 2 and len(hashed) == 2
+    assert len(Artifact(art.dir).files("shards")) == 2 and len(hashed) == 2  # remembered
+    assert len(Artifact(art.dir).files("things")) == 2 and len(hashed) == 4
     cache = json.loads((art.dir / "_cache.json").read_text())
     assert sorted(cache) == sorted(s["path"] for s in art.manifest["shards"])
 
@@ -81,11 +89,11 @@ def test_a_rerun_redoes_the_unit_whose_file_changed_and_says_so(tmp_path, caplog
     art = _artifact(tmp_path)
     w = ArtifactWriter(tmp_path, "things", "make-things", {"a": 1})
     assert all(w.is_done(u, w.unit_fingerprint(u, None)) for u in ("00000", "00001")) and hashed == []
-    _flip(art.dir / "things" / "things-00001.parquet")
+    _flip(art.dir / "shards" / "00001.tar")
     with caplog.at_level(logging.INFO, logger="pipeline"):
         assert w.is_done("00000", w.unit_fingerprint("00000", None))
         assert not w.is_done("00001", w.unit_fingerprint("00001", None))
-    assert "things: unit 00001: things/things-00001.parquet changed since written (sha256): redoing" in caplog.messages
+    assert "things: unit 00001: shards/00001.tar changed since written (sha256): redoing" in caplog.messages
     release_lock()
 
 

@@ -40,7 +40,8 @@ ERRORS_PATH = "errors/errors.parquet"
 
 
 class CorruptArtifact(ValueError):
-    """A file of a finished artifact cannot be read; the message names it and how to redo it."""
+    """A file of a finished artifact cannot be read, is missing or is not the bytes _manifest.json
+    records; the message names it, the artifact, its stage and how to redo it."""
 
 
 _PARQUET_PREFIX = re.compile(r"^Could not open Parquet input source '[^']*': ")
@@ -50,17 +51,12 @@ class ArtifactMissing(FileNotFoundError):
     pass
 
 
-class ArtifactCorrupt(OSError):
-    """A recorded file of an artifact is missing or not the bytes _manifest.json records (the
-    message is one line naming the file, the artifact, its stage and the way out)."""
-
-
 class Artifact:
     """Read side of a finished artifact folder (a local path, or a URL read through the cache).
 
     For a URL, ``_manifest.json`` is downloaded at construction; :meth:`files`, :meth:`local_file`
     and :meth:`errors` fetch what they return into the local mirror. Either way what they return
-    is checked against the sizes and sha256s the manifest records (:class:`ArtifactCorrupt`
+    is checked against the sizes and sha256s the manifest records (:class:`CorruptArtifact`
     when a local file is not those bytes); ``dir`` fetches the whole artifact first (for code that
     reads the folder directly), ``local`` is the mirror without fetching anything."""
 
@@ -128,27 +124,29 @@ class Artifact:
     def _fetch(self, entry: dict) -> Path:
         """The local copy of a manifest entry, checked against the recorded size and sha256 (a
         stat when the cache vouches for it). A URL's copy is downloaded when absent or not the
-        recorded bytes; a local file that is not raises :class:`ArtifactCorrupt`."""
+        recorded bytes; a local file that is not raises :class:`CorruptArtifact` (a Parquet file
+        that cannot even be opened says so, as :meth:`read_file` would)."""
         p = self._local / entry["path"]
         why = self._verified.problem(entry)
         if why is None:
             return p
         if self.remote is None:
+            if why != "missing" and p.suffix == ".parquet":
+                self._parquet(p, pq.read_metadata)
             stage = self.manifest.get("stage", "?")
-            raise ArtifactCorrupt(
+            raise CorruptArtifact(
                 f"{p}: {why} since `{stage}` wrote it; artifact {self.name} is not read until it is redone: "
-                f"run `pipeline verify --fix {self._local}`, then `pipeline run {stage}`")
+                f"run `pipeline verify --fix {self.location}`, then `pipeline run {stage}`")
         self.remote.get(entry["path"])
         why = self._verified.problem(entry, full=True)
         if why is not None:
             p.unlink(missing_ok=True)
-            raise ArtifactCorrupt(f"{self.location}/{entry['path']}: the stored object is not the one _manifest.json "
-                                  f"records ({why}); the artifact changed while being read, or is corrupt: "
-                                  "`pipeline verify` it")
+            raise OSError(f"{self.location}/{entry['path']}: the stored object is not the one _manifest.json records "
+                          f"({why}); the artifact changed while being read, or is corrupt: `pipeline verify` it")
         return p
 
     def check(self) -> None:
-        """Raise :class:`ArtifactCorrupt` for the first recorded file that is missing or not the
+        """Raise :class:`CorruptArtifact` for the first recorded file that is missing or not the
         recorded bytes (a stat per file the cache vouches for): what a stage does to its inputs."""
         for s in self.manifest["shards"]:
             self._fetch(s)

@@ -51,7 +51,6 @@ from pipeline.io.artifact_reader import (  # noqa: F401 (the read side, re-expor
     ERROR_SCHEMA,
     ERRORS_PATH,
     Artifact,
-    ArtifactCorrupt,
     ArtifactMissing,
     CorruptArtifact,
     forget_units_of,
