@@ -22,19 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def best(fn, reps=3):
-    t = float("inf")
-    out = None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        t = min(t, time.perf_counter() - t0)
-    return t, out
+def best(fn) -> float:
+    return min(timeit.repeat(fn, number=1, repeat=3))
 
 
 def write_artifact(out: Path, shards: int, shard_bytes: int) -> Path:
@@ -76,8 +71,8 @@ def main():
 
     from pipeline.io.artifacts import Artifact, ArtifactWriter, release_lock
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_verify_"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_verify_") as d:
+        tmp = Path(d)
         shard_bytes = args.mb * 2**20 // args.shards
         t0 = time.perf_counter()
         folder = write_artifact(tmp, args.shards, shard_bytes)
@@ -85,14 +80,14 @@ def main():
         total_mb = args.shards * shard_bytes / 2**20
         paths = Artifact(folder).files("shards")
 
-        t_fresh, _ = best(lambda: Artifact(folder).files("shards"))
+        t_fresh = best(lambda: Artifact(folder).files("shards"))
 
         def cold():
             (folder / "_cache.json").unlink(missing_ok=True)
             return Artifact(folder).files("shards")
 
-        t_cold, _ = best(cold)
-        t_cached, _ = best(lambda: Artifact(folder).files("shards"))
+        t_cold = best(cold)
+        t_cached = best(lambda: Artifact(folder).files("shards"))
 
         def rerun_check():
             w = ArtifactWriter(tmp, "blobs", "bench-verify", {"shards": args.shards, "bytes": shard_bytes})
@@ -100,12 +95,12 @@ def main():
             release_lock()
             return done
 
-        t_rerun, done = best(rerun_check)
-        assert done == args.shards
-        t_plain, _ = best(lambda: plain_hashlib(paths))
+        assert rerun_check() == args.shards
+        t_rerun = best(rerun_check)
+        t_plain = best(lambda: plain_hashlib(paths))
         t_bin = None
         if shutil.which("sha256sum"):
-            t_bin, _ = best(lambda: subprocess.run(["sha256sum", *map(str, paths)], check=True, capture_output=True))
+            t_bin = best(lambda: subprocess.run(["sha256sum", *map(str, paths)], check=True, capture_output=True))
 
         print(f"artifact: {args.shards} shards, {total_mb:.0f} MB; written (incl. the writer's one hash) in {t_write:.2f}s")
         print(f"Artifact.files, fresh (writer-seeded cache, stat only): {t_fresh * 1e3:8.2f} ms  "
@@ -118,8 +113,6 @@ def main():
         if t_bin is not None:
             print(f"sha256sum binary over the same files:                   {t_bin * 1e3:8.1f} ms  ({total_mb / t_bin:.0f} MB/s)")
         print(f"cold / plain hashlib: {t_cold / t_plain:.2f}x;  cold / cached: {t_cold / t_cached:.0f}x")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,9 +21,12 @@ from tests.test_rerun_cheap import SMALL, _in_process
 
 
 def _flip(path) -> None:
+    before = path.stat().st_mtime_ns
     b = bytearray(path.read_bytes())
     b[len(b) // 2] ^= 0x10
     path.write_bytes(bytes(b))
+    if path.stat().st_mtime_ns == before:  # within the timestamp tick (ms) of the write; a user's flip comes later
+        os.utime(path, ns=(before + 1_000_000, before + 1_000_000))
 
 
 def _artifact(out) -> Artifact:

@@ -147,7 +147,10 @@ class Artifact:
 
     def check(self) -> None:
         """Raise :class:`CorruptArtifact` for the first recorded file that is missing or not the
-        recorded bytes (a stat per file the cache vouches for): what a stage does to its inputs."""
+        recorded bytes (a stat per file the cache vouches for): what a stage does to its inputs.
+        A URL's files are checked when fetched (a worker fetches its unit's files, on its node)."""
+        if self.remote is not None:
+            return
         for s in self.manifest["shards"]:
             self._fetch(s)
         self._verified.save()
@@ -173,7 +176,9 @@ class Artifact:
         if self.remote is None:
             return
         shards = {s["path"] for s in self.manifest["shards"]}
-        self.check()
+        for s in self.manifest["shards"]:
+            self._fetch(s)
+        self._verified.save()
         for rel, size in self.remote.listing(refresh=True).items():
             if rel in shards or rel in ("_lock", "_manifest.json") or rel.startswith(("_state/", "_errors/")):
                 continue

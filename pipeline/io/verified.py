@@ -6,8 +6,10 @@ file's relative path to ``[size, mtime_ns, sha256]`` as last seen hashed (or jus
 whose ``stat`` still gives that size and mtime holds those bytes unless something rewrote it
 while keeping its mtime; any other file is hashed once and compared with the sha256 recorded for
 it. The writer seeds the cache with the files it wrote (it hashed them anyway), so fresh files
-are never read twice. Silent media corruption keeps the mtime: ``pipeline verify`` reads every
-byte whatever the cache says.
+are never read twice. What the stat cannot see: a rewrite that restores the mtime, one within the
+filesystem's timestamp tick (milliseconds) of the writer's hash (the artifact's lock keeps other
+writers out then), and silent media corruption; ``pipeline verify`` reads every byte whatever
+the cache says.
 """
 
 from __future__ import annotations
