@@ -152,10 +152,8 @@ class RunContext:
             from pipeline.io import storage
 
             art = Artifact(storage.join(self.location, name))
-            art.check()
+            art.check()  # CorruptArtifact: run_stage makes it the stage's one-line error
             return art
-        except CorruptArtifact as e:
-            raise StageError(str(e)) from None
         except ArtifactMissing:
             producers = [s.name for s in registry().values() if name in s.writes]
             hint = f"run `pipeline run {producers[0]}` first" if producers else "it is not produced by any stage"
