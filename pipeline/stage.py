@@ -145,10 +145,15 @@ class RunContext:
         return self.manifest.ray
 
     def artifact(self, name: str) -> Artifact:
+        """An input artifact of the running stage, every file checked against its manifest (a stat
+        each once verified): a stage never consumes, and records the fingerprint of, bytes that
+        are not the ones its input's manifest vouches for."""
         try:
             from pipeline.io import storage
 
-            return Artifact(storage.join(self.location, name))
+            art = Artifact(storage.join(self.location, name))
+            art.check()  # CorruptArtifact: run_stage makes it the stage's one-line error
+            return art
         except ArtifactMissing:
             producers = [s.name for s in registry().values() if name in s.writes]
             hint = f"run `pipeline run {producers[0]}` first" if producers else "it is not produced by any stage"

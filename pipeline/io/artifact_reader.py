@@ -1,7 +1,9 @@
 """Read side of an artifact folder (layout: :mod:`pipeline.io.artifacts`): its manifest, tables,
-shards and errors, fetched through the cache and verified against ``_manifest.json`` when the
-artifact is a URL; :meth:`Artifact.verify` checks every file, :func:`forget_units_of` makes the
-next run redo the units whose files fail it.
+shards and errors. Every file handed out is checked against the size and sha256 ``_manifest.json``
+records (a ``stat`` once it has been verified: :mod:`pipeline.io.verified`), so a consumer never
+reads changed bytes without saying so; a URL's files are fetched through the cache first.
+:meth:`Artifact.verify` hashes every file, :func:`forget_units_of` makes the next run redo the
+units whose files fail it.
 
 Below the writer (:mod:`pipeline.io.artifacts`), which re-exports these names.
 """
@@ -18,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.io import storage
-from pipeline.io.atomic import sha256_file, write_bytes_atomic, write_json_atomic
+from pipeline.io.atomic import write_bytes_atomic
+from pipeline.io.verified import VerifiedFiles, changed
 
 ERROR_SCHEMA = pa.schema(
     [
@@ -37,7 +40,8 @@ ERRORS_PATH = "errors/errors.parquet"
 
 
 class CorruptArtifact(ValueError):
-    """A file of a finished artifact cannot be read; the message names it and how to redo it."""
+    """A file of a finished artifact cannot be read, is missing or is not the bytes _manifest.json
+    records; the message names it, the artifact, its stage and how to redo it."""
 
 
 _PARQUET_PREFIX = re.compile(r"^Could not open Parquet input source '[^']*': ")
@@ -51,8 +55,9 @@ class Artifact:
     """Read side of a finished artifact folder (a local path, or a URL read through the cache).
 
     For a URL, ``_manifest.json`` is downloaded at construction; :meth:`files`, :meth:`local_file`
-    and :meth:`errors` fetch what they return into the local mirror, verified against the sizes
-    and sha256s the manifest records; ``dir`` fetches the whole artifact first (for code that
+    and :meth:`errors` fetch what they return into the local mirror. Either way what they return
+    is checked against the sizes and sha256s the manifest records (:class:`CorruptArtifact`
+    when a local file is not those bytes); ``dir`` fetches the whole artifact first (for code that
     reads the folder directly), ``local`` is the mirror without fetching anything."""
 
     def __init__(self, path: str | Path):
@@ -61,7 +66,7 @@ class Artifact:
         self.remote = storage.Remote(loc) if storage.is_remote(loc) else None
         self._local = storage.local_path(loc)
         self._synced = False
-        self._verified: dict | None = None
+        self._verified = VerifiedFiles(self._local)
         if self.remote is not None:
             raw = self.remote.cat("_manifest.json")
             if raw is None:
@@ -109,63 +114,57 @@ class Artifact:
             raise KeyError(f"artifact {self.name} has no table {table!r}; it has {self.tables()}")
         entries = [s for s in self.manifest["shards"] if s["table"] == table]
         out = [self._fetch(s) for s in entries]
-        self._save_verified()
+        self._verified.save()
         return out
 
     def shard_entries(self, table: str) -> list[dict]:
         return [s for s in self.manifest["shards"] if s["table"] == table]
 
-    # ---- the cache of a remote artifact ---------------------------------------------------
-    def _load_verified(self) -> dict:
-        if self._verified is None:
-            try:
-                self._verified = json.loads((self._local / "_cache.json").read_text())
-            except (OSError, ValueError):
-                self._verified = {}
-        return self._verified
-
-    def _save_verified(self) -> None:
-        if self.remote is not None and self._verified is not None and self._verified.get("_dirty"):
-            self._verified.pop("_dirty")
-            write_json_atomic(self._local / "_cache.json", self._verified)
-
+    # ---- checking files against _manifest.json (pipeline/io/verified.py) -------------------
     def _fetch(self, entry: dict) -> Path:
-        """The local copy of a manifest entry: downloaded when absent or not the recorded bytes."""
+        """The local copy of a manifest entry, checked against the recorded size and sha256 (a
+        stat when the cache vouches for it). A URL's copy is downloaded when absent or not the
+        recorded bytes; a local file that is not raises :class:`CorruptArtifact` (a Parquet file
+        that cannot even be opened says so, as :meth:`read_file` would)."""
         p = self._local / entry["path"]
-        if self.remote is None:
+        why = self._verified.problem(entry)
+        if why is None:
             return p
-        seen = self._load_verified()
-        want = [entry["bytes"], entry["sha256"]]
-        try:
-            st = p.stat()
-            if seen.get(entry["path"]) == [st.st_size, st.st_mtime_ns, entry["sha256"]]:
-                return p
-            ok = st.st_size == entry["bytes"] and sha256_file(p) == entry["sha256"]
-        except OSError:
-            ok = False
-        if not ok:
-            self.remote.get(entry["path"])
-            got = [p.stat().st_size, sha256_file(p)]
-            if got != want:
-                p.unlink(missing_ok=True)
-                raise OSError(f"{self.location}/{entry['path']}: the stored object is not the one _manifest.json records "
-                              f"({got[0]} bytes, sha256 {got[1][:12]}; recorded {want[0]} bytes, {want[1][:12]}); "
-                              "the artifact changed while being read, or is corrupt: `pipeline verify` it")
-        st = p.stat()
-        seen[entry["path"]] = [st.st_size, st.st_mtime_ns, entry["sha256"]]
-        seen["_dirty"] = True
+        if self.remote is None:
+            if why != "missing" and p.suffix == ".parquet":
+                self._parquet(p, pq.read_metadata)
+            stage = self.manifest.get("stage", "?")
+            raise CorruptArtifact(
+                f"{p}: {why} since `{stage}` wrote it; artifact {self.name} is not read until it is redone: "
+                f"run `pipeline verify --fix {self.location}`, then `pipeline run {stage}`")
+        self.remote.get(entry["path"])
+        why = self._verified.problem(entry, full=True)
+        if why is not None:
+            p.unlink(missing_ok=True)
+            raise OSError(f"{self.location}/{entry['path']}: the stored object is not the one _manifest.json records "
+                          f"({why}); the artifact changed while being read, or is corrupt: `pipeline verify` it")
         return p
+
+    def check(self) -> None:
+        """Raise :class:`CorruptArtifact` for the first recorded file that is missing or not the
+        recorded bytes (a stat per file the cache vouches for): what a stage does to its inputs.
+        A URL's files are checked when fetched (a worker fetches its unit's files, on its node)."""
+        if self.remote is not None:
+            return
+        for s in self.manifest["shards"]:
+            self._fetch(s)
+        self._verified.save()
 
     def local_file(self, rel: str) -> Path:
         """One file of the artifact as a local path (a URL's fetched, and verified when the
         manifest records it)."""
-        if self.remote is None:
-            return self._local / rel
         entry = next((s for s in self.manifest["shards"] if s["path"] == rel), None)
         if entry is not None:
             p = self._fetch(entry)
-            self._save_verified()
+            self._verified.save()
             return p
+        if self.remote is None:
+            return self._local / rel
         p = self._local / rel
         size = self.remote.size(rel)
         if size is not None and (not p.is_file() or p.stat().st_size != size):
@@ -179,7 +178,7 @@ class Artifact:
         shards = {s["path"] for s in self.manifest["shards"]}
         for s in self.manifest["shards"]:
             self._fetch(s)
-        self._save_verified()
+        self._verified.save()
         for rel, size in self.remote.listing(refresh=True).items():
             if rel in shards or rel in ("_lock", "_manifest.json") or rel.startswith(("_state/", "_errors/")):
                 continue
@@ -236,21 +235,16 @@ class Artifact:
                 if rel not in listing:
                     out.append((rel, "missing"))
                 elif listing[rel] != s["bytes"]:
-                    out.append((rel, f"{listing[rel]} bytes, recorded {s['bytes']}"))
+                    out.append((rel, changed(listing[rel], s)))
                 else:
                     try:
                         self._fetch(s)
                     except OSError:
-                        out.append((rel, "sha256 differs from the one recorded (content changed or corrupt)"))
+                        out.append((rel, changed(s["bytes"], s)))
                 continue
-            p = self._local / rel
-            if not p.is_file():
-                out.append((rel, "missing"))
-            elif p.stat().st_size != s["bytes"]:
-                out.append((rel, f"{p.stat().st_size} bytes, recorded {s['bytes']}"))
-            elif sha256_file(p) != s["sha256"]:
-                out.append((rel, "sha256 differs from the one recorded (content changed or corrupt)"))
-        self._save_verified()
+            if (why := self._verified.problem(s, full=True)) is not None:  # every byte: media errors keep the mtime
+                out.append((rel, why))
+        self._verified.save()
         return out
 
     def verify(self) -> list[str]:

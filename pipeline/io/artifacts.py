@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import re
 import shutil
@@ -63,6 +64,9 @@ from pipeline.io.atomic import (
     write_parquet_atomic,
 )
 from pipeline.io.lock import FolderBusy, lock_folder, unlock_folder
+from pipeline.io.verified import VerifiedFiles
+
+log = logging.getLogger("pipeline")
 
 SCHEMA_VERSION = 1
 
@@ -197,13 +201,15 @@ class UnitWriter:
         self.errors: list[dict] = []
 
     def _record(self, table: str, path: Path, rows: int) -> None:
+        st = path.stat()
         self.files.append(
             {
                 "table": table,
                 "path": str(path.relative_to(self.dir)),
                 "rows": int(rows),
-                "bytes": path.stat().st_size,
+                "bytes": st.st_size,
                 "sha256": sha256_file(path),
+                "mtime_ns": st.st_mtime_ns,  # these bytes were hashed: a rerun or a reader checks them with a stat
             }
         )
 
@@ -268,6 +274,7 @@ class ArtifactWriter:
         self.artifact, self.stage = artifact, stage
         self.params, self.inputs, self.models = params, dict(inputs or {}), dict(models or {})
         self.force = force
+        self.verified = VerifiedFiles(self.dir)
         self.input_rows: int | None = None  # the stage's input samples (set by run_units)
         self.error_check = None  # fn(errors, output rows, where) -> raise on too many rejections
         # Everything a unit's content depends on apart from its own input slice.
@@ -286,9 +293,7 @@ class ArtifactWriter:
                 release_lock(self.dir)
                 raise ArtifactBusy(f"{self.location} is being written by another run ({busy}); wait for it to finish or stop it")
         if n := remove_stale_tmp(self.dir):
-            import logging
-
-            logging.getLogger("pipeline").info("%s: removed %d temporary files left by an interrupted run", artifact, n)
+            log.info("%s: removed %d temporary files left by an interrupted run", artifact, n)
         if force:
             for sub in ("_state", "_errors"):
                 shutil.rmtree(self.dir / sub, ignore_errors=True)
@@ -371,6 +376,9 @@ class ArtifactWriter:
         return None
 
     def is_done(self, unit: str, unit_fp: str) -> bool:
+        """A unit is done when its marker has this fingerprint and its files are the recorded ones:
+        on the store, by size; locally, by size and sha256 (a stat for files hashed before, see
+        :mod:`pipeline.io.verified`), so a shard changed since it was written is redone."""
         m = self._marker(unit)
         if not m or m.get("fingerprint") != unit_fp:
             return False
@@ -379,8 +387,10 @@ class ArtifactWriter:
                 if self.remote.size(f["path"]) != f["bytes"]:
                     return False
                 continue
-            p = self.dir / f["path"]
-            if not p.is_file() or p.stat().st_size != f["bytes"]:
+            if (why := self.verified.problem(f)) is not None:
+                if why != "missing":
+                    why = f"changed since written ({'sha256' if why.startswith('sha256') else why})"
+                log.info("%s: unit %s: %s %s: redoing", self.artifact, unit, f["path"], why)
                 return False
         return True
 
@@ -468,6 +478,7 @@ class ArtifactWriter:
         }
         manifest.update(extra or {})
         self._remove_orphans(markers)
+        self._seed_verified(markers)
         write_layout_note(self.dir, self.artifact, self.stage, sorted(tables))
         write_json_atomic(self.dir / "_manifest.json", manifest)
         if self.remote is not None:  # everything else first, the manifest last
@@ -477,6 +488,16 @@ class ArtifactWriter:
             storage.release_remote_lock(self.location)
         release_lock(self.dir)
         return manifest
+
+    def _seed_verified(self, markers: list[dict]) -> None:
+        """Readers check a file with a stat when ``_cache.json`` holds the size and mtime it had
+        when hashed: the units' markers recorded both for the files they wrote."""
+        files = [f for m in markers for f in m.get("files", [])]
+        for f in files:
+            if "mtime_ns" in f:
+                self.verified.remember(f["path"], f["bytes"], f["mtime_ns"], f["sha256"])
+        self.verified.keep_only({f["path"] for f in files})
+        self.verified.save()
 
     def _remove_orphans(self, markers: list[dict]) -> None:
         """Delete unit files in the artifact's table folders that no live unit lists (a killed run
