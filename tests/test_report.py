@@ -177,6 +177,20 @@ def test_run_all_summary_lines(tmp_path, no_ray, capsys):
     assert f"report: {Path(m.output) / 'report' / 'index.html'}" in text
 
 
+def test_noop_rerun_keeps_the_times_of_the_run_that_did_the_work(tmp_path, no_ray):
+    from pipeline.report.build import read_runlog
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=4"])
+    ctx = _run(["ingest"], m)
+    first = read_runlog(m.output)["stages"]["ingest"]
+    assert ctx.summaries["ingest"]["units_run"] > 0 and first["seconds"] is not None
+    ctx = _run(["ingest"], m)  # every shard complete: nothing computed
+    assert ctx.summaries["ingest"]["units_run"] == 0
+    again = read_runlog(m.output)["stages"]["ingest"]
+    assert again["seconds"] == first["seconds"] and again["finished"] == first["finished"]
+    assert again["checked_seconds"] == ctx.summaries["ingest"]["seconds"] and "checked" in again
+
+
 # --------------------------------------------------------------------------- the demo in a real browser
 def _chromium():
     for b in ("chromium", "chromium-browser", "google-chrome"):
