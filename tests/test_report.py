@@ -326,3 +326,53 @@ def test_report_shows_benchmarks_train_eval_could_not_score(tmp_path, no_ray):
     write_results([row], run / "eval" / "step000003")  # scored again without errors: the old list goes
     assert not (run / "eval" / "step000003" / "errors.json").exists()
     assert "Not scored" not in build_report(Path(m.output), "manifests/demo.yaml", m).read_text()
+
+
+def test_significance_comes_from_the_95_interval_not_value_above_chance():
+    from pipeline.report.significance import interval, verdict, wilson_interval
+
+    lo, hi = wilson_interval(50.0, 100)
+    assert 40.0 < lo < 40.5 and 59.5 < hi < 60.0  # the textbook Wilson interval of 50/100
+    assert wilson_interval(0.0, 52)[0] == 0.0
+    # AUC 0.515 on 45 items: a fraction without an interval column gets no verdict (was green "above chance")
+    assert verdict({"value": 0.515, "n": 45, "chance": 0.5, "unit": "fraction"}) is None
+    assert verdict({"value": 52.0, "n": 274, "chance": 50.0, "unit": "%"}) == "not significant"
+    assert verdict({"value": 60.0, "n": 1000, "chance": 50.0, "unit": "%"}) == "above"
+    assert verdict({"value": 0.0, "n": 52, "chance": 25.0, "unit": "%"}) == "below"
+    # the harness's own interval wins over Wilson
+    row = {"value": 0.6, "n": 45, "chance": 0.5, "unit": "fraction", "ci_low": 0.52, "ci_high": 0.68}
+    assert interval(row) == (0.52, 0.68) and verdict(row) == "above"
+    assert verdict({"value": 60.0, "n": 1000, "chance": None, "unit": "%"}) is None
+
+
+def test_report_summary_on_top_and_a_folded_section_per_stage_and_job(tmp_path, no_ray):
+    from pipeline.report import build_report
+    from train.eval.harness import write_results
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=4"])
+    _run(["ingest"], m)
+    run = Path(m.output) / "train" / "concept-ot" / "conceptot"
+    base = {"job": "concept-ot", "variant": "conceptot", "checkpoint": "c", "step": 3, "subset": "all", "skipped": 0,
+            "skip_reasons": "{}", "unit": "%", "note": ""}
+    write_results([{**base, "benchmark": "sugarcrepe", "metric": "accuracy", "value": 51.5, "n": 274, "chance": 50.0},
+                   {**base, "benchmark": "winoground", "metric": "text_score", "value": 0.0, "n": 52, "chance": 25.0},
+                   {**base, "benchmark": "synthetic", "metric": "accuracy", "value": 90.0, "n": 200, "chance": 50.0}],
+                  run / "eval" / "step000003")
+    (run / "config.json").write_text(json.dumps({"variant": "conceptot", "seed": 0}))
+    html = build_report(Path(m.output), "manifests/demo.yaml", m).read_text()
+    top = html.split('id="overview"')[1].split("</section>")[0]
+    jobs = top.split('id="jobs-summary"')[1].split("</table>")[0]
+    # the headline metrics with interval and verdict, at the top
+    assert 'href="#train-concept-ot-conceptot"' in jobs
+    for metric, sig in [("sugarcrepe / accuracy", "not significant"), ("winoground / text_score", "below"),
+                        ("synthetic / accuracy", "above")]:
+        cells = jobs.split(metric)[1].split("</tr>")[0]
+        assert f">{sig}<" in cells, (metric, cells)
+    assert "51.5%" in jobs and "45.6% – 57.4%" in jobs  # Wilson of 51.5 % over 274 items
+    # far below chance: the table says why
+    training = html.split('id="training"')[1]
+    assert "ties count as wrong" in training.split("winoground")[1].split("</tr>")[0]
+    assert "ties count as wrong" not in training.split("sugarcrepe")[1].split("</tr>")[0]
+    # navigation: every stage, artifact and run is a collapsible section (static HTML, no script)
+    assert '<details class="fold" id="stage-ingest"' in html and '<details class="fold" id="train-concept-ot-conceptot"' in html
+    assert html.count('<details class="fold"') >= 1 + 8 + 1 and "<script" not in html
