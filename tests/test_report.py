@@ -2,7 +2,8 @@
 
 Fast tests run stages in-process (a serial stand-in for the Ray mapper, same payload round trip
 through JSON) on a few generated images. The browser test (slow) renders the whole demo's report
-in headless Chromium: no console errors, every image loads, every section present; it saves a
+in headless Chromium: no console errors, every image loads, every section present, the summary on
+top and the navigation (links that open their section, sections that open on a click); it saves a
 screenshot (``.ci-reports/report.png`` when that folder exists, as under ``.ci/run``, or CI is set; else
 the test's tmp folder).
 """
@@ -265,6 +266,36 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
         assert "RANDOM WEIGHTS" in text and "concept-ot" in text
         overview = driver.execute_script("return document.getElementById('overview').innerText")
         assert "Training runs: concept-ot/" in overview, overview  # the runs are named at the top, linked
+        # the summary on top: each run's headline metrics with interval and a verdict against chance
+        verdicts = driver.execute_script(
+            "return Array.from(document.querySelectorAll('#jobs-summary td.verdict')).map(e => e.textContent.trim())")
+        assert verdicts and set(verdicts) <= {"above", "below", "not significant", "—"}, verdicts
+        # navigation: every stage, artifact and run is a fold, closed at first, so the page is short
+        from selenium.webdriver.common.by import By
+
+        folds = driver.find_elements(By.CSS_SELECTOR, "details.fold")
+        assert len(folds) >= len(SECTION_IDS), len(folds)
+        height = driver.execute_script("return document.body.scrollHeight")
+        assert height < 6000, height  # a demo with every artifact and one run: 17,500 px before the folds
+
+        def fold_of(target_id):
+            return driver.execute_script(f"return document.getElementById('{target_id}').closest('details.fold').open")
+
+        run_link = driver.find_element(By.CSS_SELECTOR, "#jobs-summary a[href^='#train-']")
+        target = run_link.get_attribute("href").split("#", 1)[1]
+        assert not fold_of(target)
+        run_link.click()  # a link from the summary opens the run's fold and shows its evaluation table
+        assert fold_of(target) and driver.find_element(By.ID, target).find_elements(By.CSS_SELECTOR, "table")
+        driver.execute_script("window.scrollTo(0, 0)")  # back to the summary (the sticky nav covered the link)
+        stage_link = driver.find_element(By.CSS_SELECTOR, "#overview a[href='#stage-ingest']")
+        assert not fold_of("stage-ingest")
+        stage_link.click()
+        assert fold_of("stage-ingest") and "Errors by reason" in driver.find_element(By.ID, "stage-ingest").text
+        summary = driver.find_element(By.CSS_SELECTOR, "#visual_tokens details.fold > summary")
+        summary.click()  # a section opens on a click of its title
+        assert driver.execute_script("return document.querySelector('#visual_tokens details.fold').open")
+        assert driver.execute_script("return document.body.scrollHeight") > height
+        driver.execute_script("window.scrollTo(0, 0)")
         # .ci/run makes .ci-reports/ (its CI artifacts folder) before the slow suite
         shots = REPO / ".ci-reports" if os.environ.get("CI") or (REPO / ".ci-reports").is_dir() else tmp_path
         shots.mkdir(parents=True, exist_ok=True)
@@ -277,7 +308,7 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
         except TimeoutException:
             driver.set_window_size(1400, 1000)
             driver.save_screenshot(str(shots / "report.png"))
-        for sid in ("visual_tokens", "training"):  # and two sections further down, one screen each
+        for sid in ("visual_tokens", "training"):  # and two opened sections further down, one screen each
             driver.set_window_size(1400, 1300)
             driver.execute_script(f"document.getElementById('{sid}').scrollIntoView()")
             driver.save_screenshot(str(shots / f"report-{sid}.png"))
@@ -374,5 +405,7 @@ def test_report_summary_on_top_and_a_folded_section_per_stage_and_job(tmp_path, 
     assert "ties count as wrong" in training.split("winoground")[1].split("</tr>")[0]
     assert "ties count as wrong" not in training.split("sugarcrepe")[1].split("</tr>")[0]
     # navigation: every stage, artifact and run is a collapsible section (static HTML, no script)
-    assert '<details class="fold" id="stage-ingest"' in html and '<details class="fold" id="train-concept-ot-conceptot"' in html
+    for target in ("stage-ingest", "train-concept-ot-conceptot"):  # the link target sits inside its fold
+        fold = [f for f in html.split('<details class="fold"')[1:] if f'id="{target}"' in f.split("</details>")[0]]
+        assert len(fold) == 1, target
     assert html.count('<details class="fold"') >= 1 + 8 + 1 and "<script" not in html
