@@ -110,6 +110,19 @@ def test_metric_panels_split_families(tmp_path):
     assert out and out.stat().st_size > 5000
 
 
+def test_counts_named_by_their_leaf_stay_off_percentage_axes():
+    from pipeline.report.curves import is_count, metric_panels
+
+    rows = [{"kind": "eval", "step": 4, "sugarcrepe/overall": 47.4, "sugarcrepe/skipped_no_image": 3.0,
+             "chance/sugarcrepe": 50.0, "grounding/acc_items": 12.5, "grounding/phrases_total": 16.0}]
+    panels = {p["title"]: p for p in metric_panels(rows)}
+    sc = panels["eval: sugarcrepe (%)"]
+    assert sc["keys"] == ["sugarcrepe/overall"] and sc["counts"] == {"skipped_no_image": 3.0}
+    assert panels["eval: grounding (%)"]["keys"] == ["grounding/acc_items"]  # a metric word wins
+    assert panels["eval: grounding (%)"]["counts"] == {"phrases_total": 16.0}
+    assert is_count("data/train_rows", [5]) and not is_count("similarity/mean_cos_diag", [0.2])
+
+
 def test_no_metrics_no_figure(tmp_path):
     from pipeline.report.curves import plot_metrics
 
