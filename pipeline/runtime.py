@@ -69,6 +69,19 @@ class _RayWarnings:
             self.original(message, category, filename, lineno, file, line)
 
 
+class _ToLogFiles(logging.Handler):
+    """Hands a record to the run's log files. Ray's loggers get this one rather than the files'
+    own handlers: Ray sets its format on its loggers' handlers, which must not change the files'."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for f in _log_files():
+            if record.levelno >= f.level:
+                f.handle(record)
+
+
+_TO_LOG_FILES = _ToLogFiles()
+
+
 def _worker_lines_to_log(data: dict) -> None:
     """Ray's forwarded worker output (a batch of lines of one process) as log records."""
     if data.get("pid") == "autoscaler":  # its periodic status report: in Ray's own session logs
@@ -95,9 +108,8 @@ def route_ray_output() -> bool:
         for h in list(lg.handlers):  # the terminal ones (Ray Data's own file in the session folder stays)
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
                 lg.removeHandler(h)
-        for f in files:
-            if f not in lg.handlers:
-                lg.addHandler(f)
+        if _TO_LOG_FILES not in lg.handlers:
+            lg.addHandler(_TO_LOG_FILES)
         lg.propagate = False
     logging.getLogger("ray.workers").setLevel(logging.INFO)
     if not isinstance(warnings.showwarning, _RayWarnings):
