@@ -19,8 +19,9 @@ def test_summary_table_shows_headline_metrics_with_chance(tmp_path):
     run.mkdir()
     rows = [{"kind": "train", "step": s, "loss": 1.0 / s} for s in (1, 2, 4)] + [{"kind": "eval", "step": 4}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = {"global/i2t_R@1": 40.00000059604645, "chance/i2t_R@1": 3.125, "sugarcrepe/overall": 47.4,
-           "chance/sugarcrepe": 50.0, "eval_images": 64, **{f"extra/m{k}": 0.5 for k in range(30)}}
+    res = {"global/i2t_R@1": 40.00000059604645, "chance/i2t_R@1": 3.125, "sugarcrepe/triples": 104.0,
+           "sugarcrepe/overall": 47.4, "chance/sugarcrepe": 50.0, "eval_images": 64,
+           **{f"extra/m{k}": 0.5 for k in range(30)}}
     text = summary_table("concept-ot", run, res)
     lines = text.splitlines()
     assert lines[0].split() == ["job", "run", "folder", "steps", "final", "loss"]
@@ -28,10 +29,11 @@ def test_summary_table_shows_headline_metrics_with_chance(tmp_path):
     table = {ln.split()[0]: ln.split()[1:] for ln in lines[3:-1]}
     assert table["metric"] == ["value", "chance"]
     assert table["global/i2t_R@1"] == ["40", "3.12"] and table["sugarcrepe/overall"] == ["47.4", "50"]
-    assert len(table) == 3  # only the metrics with a chance level; the rest are counted and pointed to
-    assert "31 more metrics" in lines[-1] and str(run / "eval" / "final" / "metrics.json") in lines[-1]
+    # only the metrics with a chance level, overall figures first (a size such as triples is no metric)
+    assert list(table) == ["metric", "sugarcrepe/overall", "global/i2t_R@1"]
+    assert "30 more metrics" in lines[-1] and str(run / "eval" / "final" / "metrics.json") in lines[-1]
     # columns line up: every value ends in the same column as its header
-    head, first = lines[3], lines[4]
+    head, first = lines[3], lines[5]
     assert head.index("value") + len("value") == first.index("40") + len("40")
     assert len(text) < 1000
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.report.curves import chance_keys, read_metrics
+from pipeline.report.curves import COUNT_PREFIXES, chance_keys, is_count, read_metrics
 from pipeline.report.formatting import fmt_num
 
 HEADLINE_ROWS = 8
@@ -29,10 +29,15 @@ def _numeric(v) -> bool:
 
 
 def headline_metrics(res: dict, limit: int = HEADLINE_ROWS) -> tuple[list[tuple[str, float, float | None]], int]:
-    """([(metric, value, chance or None)], how many numeric metrics were left out)."""
-    metrics = [k for k, v in res.items() if _numeric(v) and "chance" not in k]
+    """([(metric, value, chance or None)], how many numeric metrics were left out): the metrics
+    with a chance level (sizes such as ``sugarcrepe/triples`` are no metric), overall figures
+    (``overall``, ``avg_...``) first."""
+    metrics = [k for k, v in res.items() if _numeric(v) and "chance" not in k and not k.startswith(COUNT_PREFIXES)
+               and not is_count(k, [v])]
     chance_of = chance_keys(metrics, [k for k in res if "chance" in k])
-    with_chance = [k for k in metrics if k in chance_of]
+    leaf = [k.rsplit("/", 1)[-1].lower() for k in metrics]
+    overall = {k for k, lf in zip(metrics, leaf) if lf in ("overall", "all") or lf.startswith("avg_")}
+    with_chance = sorted((k for k in metrics if k in chance_of), key=lambda k: k not in overall)
     chosen = (with_chance or metrics)[:limit]
     rows = [(k, res[k], res.get(chance_of[k]) if k in chance_of else None) for k in chosen]
     return rows, len(metrics) - len(chosen)
