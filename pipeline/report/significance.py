@@ -17,8 +17,8 @@ Z95 = 1.959963984540054
 
 # strict scoring: a tie between the right and the wrong option counts as wrong, so a scorer that
 # cannot tell the options apart (random or untrained features, identical texts) lands under chance
-BELOW_CHANCE_NOTE = ("below chance because ties count as wrong: a scorer that gives the options equal scores "
-                     "fails the item, so an uninformative model scores under chance (down to 0 %)")
+BELOW_CHANCE_NOTE = ("significantly below chance: ties count as wrong (a scorer that gives the options equal "
+                     "scores fails the item), so an uninformative model can score under chance, down to 0 %")
 
 
 def wilson_interval(value_pct: float, n: int) -> tuple[float, float]:
