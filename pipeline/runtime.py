@@ -52,10 +52,85 @@ def _init(ray, ray_cfg, runtime_env) -> None:
         )
 
 
+def _log_files() -> list[logging.Handler]:
+    """The run's log files (``<output>/_logs/<command>.log``, set up by the CLI)."""
+    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+
+
+class _RayWarnings:
+    """``warnings.showwarning`` that sends warnings raised in Ray's code (deprecations...) to the
+    ``ray`` logger (the run's log file) and every other warning to the original handler."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None):
+        if f"{os.sep}ray{os.sep}" in str(filename):
+            logging.getLogger("ray").warning("%s:%s: %s: %s", filename, lineno, category.__name__, message)
+        else:
+            self.original(message, category, filename, lineno, file, line)
+
+
+class _ToLogFiles(logging.Handler):
+    """Hands a record to the run's log files. Ray's loggers get this one rather than the files'
+    own handlers: Ray sets its format on its loggers' handlers, which must not change the files'."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for f in _log_files():
+            if record.levelno >= f.level:
+                f.handle(record)
+
+
+_TO_LOG_FILES = _ToLogFiles()
+
+
+def _worker_lines_to_log(data: dict) -> None:
+    """Ray's forwarded worker output (a batch of lines of one process) as log records."""
+    if data.get("pid") == "autoscaler":  # its periodic status report: in Ray's own session logs
+        return
+    lg = logging.getLogger("ray.workers")
+    who = data.get("actor_name") or data.get("task_name") or f"pid={data.get('pid')}"
+    for text in data.get("lines") or []:
+        lg.log(logging.WARNING if data.get("is_err") else logging.INFO, "(%s) %s", who, text)
+
+
+def route_ray_output() -> bool:
+    """Ray's own log lines, warnings and forwarded worker output go to the run's log file, not the
+    terminal: the ``ray`` loggers write to the log files only (no terminal handler, no propagation
+    to the root's), warnings raised in Ray's code become ``ray`` log records, and the worker lines
+    Ray prints on the driver's stderr become ``ray.workers`` records. Without a log file (a library
+    call, a test) nothing changes: Ray's output then stays visible. True when routed."""
+    import warnings
+
+    files = _log_files()
+    if not files:
+        return False
+    for name in ("ray", "ray.data", "ray.train", "ray.tune"):
+        lg = logging.getLogger(name)
+        for h in list(lg.handlers):  # the terminal ones (Ray Data's own file in the session folder stays)
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                lg.removeHandler(h)
+        if _TO_LOG_FILES not in lg.handlers:
+            lg.addHandler(_TO_LOG_FILES)
+        lg.propagate = False
+    logging.getLogger("ray.workers").setLevel(logging.INFO)
+    if not isinstance(warnings.showwarning, _RayWarnings):
+        warnings.showwarning = _RayWarnings(warnings.showwarning)
+    try:  # Ray's printer of worker lines (log_to_driver) is a handler of this dispatcher (Ray 2.x)
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return True
+    if any(name == "ray_print_logs" for name, _ in dispatcher.handlers):
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("vlpipe_worker_lines", _worker_lines_to_log)
+    return True
+
+
 def ensure_ray(ray_cfg) -> dict:
     """Start (or join) Ray once per process; returns a description for logs and provenance."""
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
+    route_ray_output()  # before the import: its deprecation warnings go to the log file too
     import ray
 
     for name in ("ray", "ray.data", "ray.data._internal"):
@@ -88,6 +163,7 @@ def ensure_ray(ray_cfg) -> dict:
         raise RayStartError(f"ray ({where}) could not start: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
     from ray.data import DataContext
 
+    route_ray_output()  # ray.init and ray.data's import configured terminal handlers and the worker-line printer
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

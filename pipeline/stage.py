@@ -120,6 +120,7 @@ class RunContext:
     limit: int | None = None
     summaries: dict = field(default_factory=dict)
     stage_cfg: object = None  # the running stage's Config, for options run_units applies to every stage
+    units_run: int = 0  # units the running stage computed (0: a no-op rerun; the report keeps the earlier times)
 
     def __post_init__(self):
         from pipeline.io import storage
@@ -374,6 +375,7 @@ def run_units(
         )
     log.info("%s: %d shards to do, %d already complete", writer.artifact, len(pending), done)
     failed: list[tuple[str, str]] = []
+    ctx.units_run += len(pending)
     if pending:
         progress = _Progress(writer.artifact, len(pending), total_rows)
         for result in map_units(
@@ -413,6 +415,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     cfg = getattr(ctx.manifest.stages, spec.key)
     # Ray starts on the first unit that has work (map_units): a rerun with nothing to do starts none.
     ctx.stage_cfg = cfg
+    ctx.units_run = 0
     t0 = time.perf_counter()
     log.info("stage %s: start (output %s)", name, ctx.location)
     try:
@@ -422,6 +425,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     finally:
         release_lock()  # a failed stage leaves no lock behind in this process either
     summary["seconds"] = round(time.perf_counter() - t0, 2)
+    summary["units_run"] = ctx.units_run
     ctx.summaries[name] = summary
     log.info("stage %s: done in %.1fs %s", name, summary["seconds"], {k: v for k, v in summary.items() if k != "seconds"})
     return summary

@@ -64,6 +64,7 @@ def run_units_stream(ctx, writer: ArtifactWriter, units: Iterable[tuple[str, obj
                 counts["done"] += 1
                 continue
             counts["pending"] += 1
+            ctx.units_run += 1
             yield dict(payload, **writer.worker_keys(), unit=name, fingerprint=fp)
 
     failed: list[tuple[str, str]] = []

@@ -65,7 +65,7 @@ def test_concept_ot_on_generated_clip_tokens(tmp_path):
             "--set", "train.concept_ot.eval_splits=[train,val,test]", "--set", "train.concept_ot.eval_max_images=16",
             "--set", "train.concept_ot.heatmaps=1", "--set", f"train.concept_ot.sugarcrepe_dirs=[{root / 'sugarcrepe'}]"]
     runner = CliRunner()
-    r = runner.invoke(app, ["run", "concept-ot", "--manifest", str(man), "--no-progress", *sets])
+    r = runner.invoke(app, ["run", "concept-ot", "--manifest", str(man), "--no-progress", "--json", *sets])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert "sugarcrepe/error" not in res, res

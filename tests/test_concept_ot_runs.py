@@ -47,7 +47,7 @@ def _cli(out, tmp_path, *sets, fresh=False):
 
     man = tmp_path / "m.yaml"
     man.write_text("name: t\n")
-    args = ["run", "concept-ot", "--manifest", str(man), "--no-progress", "--set", f"output={out}",
+    args = ["run", "concept-ot", "--manifest", str(man), "--no-progress", "--json", "--set", f"output={out}",
             "--set", "train.concept_ot.benchmarks_at_end=false"]  # (evaluation-only: no effect on the folder)
     for s in (*SMALL, *sets):
         args += ["--set", s]

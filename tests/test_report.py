@@ -2,7 +2,8 @@
 
 Fast tests run stages in-process (a serial stand-in for the Ray mapper, same payload round trip
 through JSON) on a few generated images. The browser test (slow) renders the whole demo's report
-in headless Chromium: no console errors, every image loads, every section present; it saves a
+in headless Chromium: no console errors, every image loads, every section present, the summary on
+top and the navigation (links that open their section, sections that open on a click); it saves a
 screenshot (``.ci-reports/report.png`` when that folder exists, as under ``.ci/run``, or CI is set; else
 the test's tmp folder).
 """
@@ -109,6 +110,19 @@ def test_metric_panels_split_families(tmp_path):
     assert out and out.stat().st_size > 5000
 
 
+def test_counts_named_by_their_leaf_stay_off_percentage_axes():
+    from pipeline.report.curves import is_count, metric_panels
+
+    rows = [{"kind": "eval", "step": 4, "sugarcrepe/overall": 47.4, "sugarcrepe/skipped_no_image": 3.0,
+             "chance/sugarcrepe": 50.0, "grounding/acc_items": 12.5, "grounding/phrases_total": 16.0}]
+    panels = {p["title"]: p for p in metric_panels(rows)}
+    sc = panels["eval: sugarcrepe (%)"]
+    assert sc["keys"] == ["sugarcrepe/overall"] and sc["counts"] == {"skipped_no_image": 3.0}
+    assert panels["eval: grounding (%)"]["keys"] == ["grounding/acc_items"]  # a metric word wins
+    assert panels["eval: grounding (%)"]["counts"] == {"phrases_total": 16.0}
+    assert is_count("data/train_rows", [5]) and not is_count("similarity/mean_cos_diag", [0.2])
+
+
 def test_no_metrics_no_figure(tmp_path):
     from pipeline.report.curves import plot_metrics
 
@@ -175,6 +189,20 @@ def test_run_all_summary_lines(tmp_path, no_ray, capsys):
     assert "ingest" in text and "samples" in text
     assert "_logs/run-all.log" in text
     assert f"report: {Path(m.output) / 'report' / 'index.html'}" in text
+
+
+def test_noop_rerun_keeps_the_times_of_the_run_that_did_the_work(tmp_path, no_ray):
+    from pipeline.report.build import read_runlog
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=4"])
+    ctx = _run(["ingest"], m)
+    first = read_runlog(m.output)["stages"]["ingest"]
+    assert ctx.summaries["ingest"]["units_run"] > 0 and first["seconds"] is not None
+    ctx = _run(["ingest"], m)  # every shard complete: nothing computed
+    assert ctx.summaries["ingest"]["units_run"] == 0
+    again = read_runlog(m.output)["stages"]["ingest"]
+    assert again["seconds"] == first["seconds"] and again["finished"] == first["finished"]
+    assert again["checked_seconds"] == ctx.summaries["ingest"]["seconds"] and "checked" in again
 
 
 # --------------------------------------------------------------------------- the demo in a real browser
@@ -251,6 +279,36 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
         assert "RANDOM WEIGHTS" in text and "concept-ot" in text
         overview = driver.execute_script("return document.getElementById('overview').innerText")
         assert "Training runs: concept-ot/" in overview, overview  # the runs are named at the top, linked
+        # the summary on top: each run's headline metrics with interval and a verdict against chance
+        verdicts = driver.execute_script(
+            "return Array.from(document.querySelectorAll('#jobs-summary td.verdict')).map(e => e.textContent.trim())")
+        assert verdicts and set(verdicts) <= {"above", "below", "not significant", "—"}, verdicts
+        # navigation: every stage, artifact and run is a fold, closed at first, so the page is short
+        from selenium.webdriver.common.by import By
+
+        folds = driver.find_elements(By.CSS_SELECTOR, "details.fold")
+        assert len(folds) >= len(SECTION_IDS), len(folds)
+        height = driver.execute_script("return document.body.scrollHeight")
+        assert height < 6000, height  # a demo with every artifact and one run: 17,500 px before the folds
+
+        def fold_of(target_id):
+            return driver.execute_script(f"return document.getElementById('{target_id}').closest('details.fold').open")
+
+        run_link = driver.find_element(By.CSS_SELECTOR, "#jobs-summary a[href^='#train-']")
+        target = run_link.get_attribute("href").split("#", 1)[1]
+        assert not fold_of(target)
+        run_link.click()  # a link from the summary opens the run's fold and shows its evaluation table
+        assert fold_of(target) and driver.find_element(By.ID, target).find_elements(By.CSS_SELECTOR, "table")
+        driver.execute_script("window.scrollTo(0, 0)")  # back to the summary (the sticky nav covered the link)
+        stage_link = driver.find_element(By.CSS_SELECTOR, "#overview a[href='#stage-ingest']")
+        assert not fold_of("stage-ingest")
+        stage_link.click()
+        assert fold_of("stage-ingest") and "Errors by reason" in driver.find_element(By.ID, "stage-ingest").text
+        summary = driver.find_element(By.CSS_SELECTOR, "#visual_tokens details.fold > summary")
+        summary.click()  # a section opens on a click of its title
+        assert driver.execute_script("return document.querySelector('#visual_tokens details.fold').open")
+        assert driver.execute_script("return document.body.scrollHeight") > height
+        driver.execute_script("window.scrollTo(0, 0)")
         # .ci/run makes .ci-reports/ (its CI artifacts folder) before the slow suite
         shots = REPO / ".ci-reports" if os.environ.get("CI") or (REPO / ".ci-reports").is_dir() else tmp_path
         shots.mkdir(parents=True, exist_ok=True)
@@ -263,7 +321,7 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
         except TimeoutException:
             driver.set_window_size(1400, 1000)
             driver.save_screenshot(str(shots / "report.png"))
-        for sid in ("visual_tokens", "training"):  # and two sections further down, one screen each
+        for sid in ("visual_tokens", "training"):  # and two opened sections further down, one screen each
             driver.set_window_size(1400, 1300)
             driver.execute_script(f"document.getElementById('{sid}').scrollIntoView()")
             driver.save_screenshot(str(shots / f"report-{sid}.png"))
@@ -312,3 +370,55 @@ def test_report_shows_benchmarks_train_eval_could_not_score(tmp_path, no_ray):
     write_results([row], run / "eval" / "step000003")  # scored again without errors: the old list goes
     assert not (run / "eval" / "step000003" / "errors.json").exists()
     assert "Not scored" not in build_report(Path(m.output), "manifests/demo.yaml", m).read_text()
+
+
+def test_significance_comes_from_the_95_interval_not_value_above_chance():
+    from pipeline.report.significance import interval, verdict, wilson_interval
+
+    lo, hi = wilson_interval(50.0, 100)
+    assert 40.0 < lo < 40.5 and 59.5 < hi < 60.0  # the textbook Wilson interval of 50/100
+    assert wilson_interval(0.0, 52)[0] == 0.0
+    # AUC 0.515 on 45 items: a fraction without an interval column gets no verdict (was green "above chance")
+    assert verdict({"value": 0.515, "n": 45, "chance": 0.5, "unit": "fraction"}) is None
+    assert verdict({"value": 52.0, "n": 274, "chance": 50.0, "unit": "%"}) == "not significant"
+    assert verdict({"value": 60.0, "n": 1000, "chance": 50.0, "unit": "%"}) == "above"
+    assert verdict({"value": 0.0, "n": 52, "chance": 25.0, "unit": "%"}) == "below"
+    # the harness's own interval wins over Wilson
+    row = {"value": 0.6, "n": 45, "chance": 0.5, "unit": "fraction", "ci_low": 0.52, "ci_high": 0.68}
+    assert interval(row) == (0.52, 0.68) and verdict(row) == "above"
+    assert verdict({"value": 60.0, "n": 1000, "chance": None, "unit": "%"}) is None
+
+
+def test_report_summary_on_top_and_a_folded_section_per_stage_and_job(tmp_path, no_ray):
+    from pipeline.report import build_report
+    from train.eval.harness import write_results
+
+    m = make_manifest(tmp_path, ["dataset.synthetic.n_images=4"])
+    _run(["ingest"], m)
+    run = Path(m.output) / "train" / "concept-ot" / "conceptot"
+    base = {"job": "concept-ot", "variant": "conceptot", "checkpoint": "c", "step": 3, "subset": "all", "skipped": 0,
+            "skip_reasons": "{}", "unit": "%", "note": ""}
+    write_results([{**base, "benchmark": "sugarcrepe", "metric": "accuracy", "value": 51.5, "n": 274, "chance": 50.0},
+                   {**base, "benchmark": "winoground", "metric": "text_score", "value": 0.0, "n": 52, "chance": 25.0},
+                   {**base, "benchmark": "synthetic", "metric": "accuracy", "value": 90.0, "n": 200, "chance": 50.0}],
+                  run / "eval" / "step000003")
+    (run / "config.json").write_text(json.dumps({"variant": "conceptot", "seed": 0}))
+    html = build_report(Path(m.output), "manifests/demo.yaml", m).read_text()
+    top = html.split('id="overview"')[1].split("</section>")[0]
+    jobs = top.split('id="jobs-summary"')[1].split("</table>")[0]
+    # the headline metrics with interval and verdict, at the top
+    assert 'href="#train-concept-ot-conceptot"' in jobs
+    for metric, sig in [("sugarcrepe / accuracy", "not significant"), ("winoground / text_score", "below"),
+                        ("synthetic / accuracy", "above")]:
+        cells = jobs.split(metric)[1].split("</tr>")[0]
+        assert f">{sig}<" in cells, (metric, cells)
+    assert "51.5%" in jobs and "45.6% – 57.4%" in jobs  # Wilson of 51.5 % over 274 items
+    # far below chance: the table says why
+    training = html.split('id="training"')[1]
+    assert "ties count as wrong" in training.split("winoground")[1].split("</tr>")[0]
+    assert "ties count as wrong" not in training.split("sugarcrepe")[1].split("</tr>")[0]
+    # navigation: every stage, artifact and run is a collapsible section (static HTML, no script)
+    for target in ("stage-ingest", "train-concept-ot-conceptot"):  # the link target sits inside its fold
+        fold = [f for f in html.split('<details class="fold"')[1:] if f'id="{target}"' in f.split("</details>")[0]]
+        assert len(fold) == 1, target
+    assert html.count('<details class="fold"') >= 1 + 8 + 1 and "<script" not in html

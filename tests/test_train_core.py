@@ -259,7 +259,7 @@ def test_cli_run_eval_and_bad_manifest(planted, tmp_path):
             "--set", "train.concept_ot.sugarcrepe_dirs=[]", "--set", "train.concept_ot.heatmaps=1"]
     man = tmp_path / "m.yaml"
     man.write_text("name: t\n")
-    r = runner.invoke(app, ["run", "concept-ot", "--manifest", str(man), "--no-progress", *sets])
+    r = runner.invoke(app, ["run", "concept-ot", "--manifest", str(man), "--no-progress", "--json", *sets])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert "rerank/i2t_R@1" in res and "global/t2i_R@10" in res

@@ -111,6 +111,7 @@ def run(
     set_: SetOpt = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="ignore an existing checkpoint and start over")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="end with the result as one JSON line instead of a table")] = False,
 ) -> None:
     """Train a job on the manifest's artifacts (resumes from the run's last checkpoint when it has
     the same training configuration; another configuration's checkpoint is refused)."""
@@ -131,8 +132,9 @@ def run(
             raise
         _fail(f"{e.filename or j.run_dir}: {e.strerror}; free space and run again (it resumes from the last complete "
               "checkpoint, if any)")
-    # rounded for people (4 decimals: 40.00000059604645 -> 40.0); metrics.jsonl keeps full precision
-    typer.echo(json.dumps({"job": job, "run_dir": str(j.run_dir), **{k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}}))
+    from train.summary import result_json, summary_table
+
+    typer.echo(result_json(job, j.run_dir, res) if json_out else summary_table(job, j.run_dir, res))
 
 
 @app.command("eval")

@@ -29,17 +29,24 @@ N_EXAMPLES = 4
 # --------------------------------------------------------------------------- run log
 def record_stage(output: str | Path, stage: str, summary: dict, manifest: str | Path | None = None) -> None:
     """Append a finished stage's summary (rows, errors, seconds) to ``<output>/_logs/stages.json``,
-    which the report and ``run all``'s closing summary read."""
+    which the report and ``run all``'s closing summary read.
+
+    A rerun that computed no unit (``units_run == 0``: every shard was complete) keeps the times of
+    the run that did the work and only notes when it was checked (``checked``, ``checked_seconds``)."""
     from pipeline.io.atomic import write_json_atomic
 
     path = Path(output) / RUNLOG
     data = read_runlog(output)
     if manifest is not None:
         data["manifest"] = str(manifest)
-    data.setdefault("stages", {})[stage] = {
-        **{k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None},
-        "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    stages = data.setdefault("stages", {})
+    earlier = stages.get(stage) or {}
+    if summary.get("units_run") == 0 and earlier.get("seconds") is not None:
+        stages[stage] = {**earlier, "checked": now, "checked_seconds": summary.get("seconds")}
+    else:
+        stages[stage] = {**{k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None},
+                         "finished": now}
     write_json_atomic(path, data)
 
 

@@ -73,14 +73,20 @@ def is_fraction_metric(key: str) -> bool:
 
 
 COUNT_WORDS = {"phrases", "skipped", "available", "triples", "items", "n", "count", "scored", "images", "captions",
-               "samples", "pairs", "queries"}
+               "samples", "pairs", "queries", "rows", "total"}
+# a leaf with one of these is a metric even when it names what it counts over (``acc_items``)
+METRIC_WORDS = ("acc", "r@", "recall", "precision", "iou", "auc", "score", "loss", "rate", "mean", "avg", "%")
 
 
 def is_count(key: str, values: list[float]) -> bool:
     """Sizes (items scored or skipped, phrases...), not metrics, by name (a whole number is no sign:
-    an accuracy can be exactly 40 %)."""
+    an accuracy can be exactly 40 %). The leaf's words decide (``skipped_no_image``, ``train_rows``),
+    not its family: ``sugarcrepe/skipped_no_image`` is a count although SugarCrepe's metrics are
+    percentages."""
     leaf = key.rsplit("/", 1)[-1].lower()
-    return leaf in COUNT_WORDS or leaf.startswith(("n_", "num_")) or leaf.endswith(("_count", "_n"))
+    if leaf in COUNT_WORDS or leaf.startswith(("n_", "num_")) or leaf.endswith(("_count", "_n")):
+        return True
+    return bool(COUNT_WORDS & set(leaf.split("_"))) and not any(w in leaf for w in METRIC_WORDS)
 
 
 def _family(key: str) -> str:

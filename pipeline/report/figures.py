@@ -144,7 +144,8 @@ def image_groups_figure(img: np.ndarray, assign: np.ndarray, grid: tuple[int, in
     axes[1].set_title(f"most likely of {K} groups per patch", fontsize=9)
     share = np.bincount(hard.ravel(), minlength=K) / hard.size
     axes[1].legend(handles=[Patch(color=colours[k], label=f"group {k}: {100 * share[k]:.0f}% of patches") for k in range(K)],
-                   fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
+                   fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=min(K, 3), framealpha=0.9,
+                   columnspacing=0.8, handlelength=1.2)  # below its panel: beside it, it covered the next one
     im = axes[2].imshow(conf, cmap="viridis", vmin=1.0 / K, vmax=1.0, extent=(0, w, h, 0), interpolation="nearest")
     flat = abs(float(conf.mean()) - 1.0 / K) < 0.02
     axes[2].set_title(f"probability of that group (mean {conf.mean():.2f}; uniform 1/K = {1 / K:.2f})"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline.report.curves import chance_keys, plot_metrics, read_metrics
 from pipeline.report.formatting import fmt_num, fmt_value
+from pipeline.report.significance import BELOW_CHANCE_NOTE, interval, verdict
 
 
 def eval_tables(run_dir: Path) -> list[dict]:
@@ -30,12 +31,17 @@ def eval_tables(run_dir: Path) -> list[dict]:
                 except ValueError:
                     reasons = {"?": r.get("skip_reasons")}
                 unit = r.get("unit") or ""
+                ci, sig = interval(r), verdict(r)
+                note = r.get("note") or ""
+                if sig == "below":
+                    note = f"{note}; {BELOW_CHANCE_NOTE}" if note else BELOW_CHANCE_NOTE
                 out_rows.append({"benchmark": r.get("benchmark"), "subset": r.get("subset"), "metric": r.get("metric"),
                                  "value": fmt_value(r.get("value"), unit), "chance": fmt_value(r.get("chance"), unit),
-                                 "above": (r.get("value") is not None and r.get("chance") is not None and r["value"] > r["chance"]),
+                                 "ci": f"{fmt_value(ci[0], unit)} – {fmt_value(ci[1], unit)}" if ci else "",
+                                 "verdict": sig or "", "above": sig == "above", "below": sig == "below",
                                  "n": fmt_num(r.get("n")), "skipped": fmt_num(r.get("skipped")),
                                  "reasons": ", ".join(f"{k}: {fmt_num(v)}" for k, v in reasons.items()),
-                                 "note": r.get("note") or "", "unit": unit})
+                                 "note": note, "unit": unit})
             # the overall rows first; per-subset rows (relations, attribute pairs, kinds...) folded below
             # them. A benchmark without an `all` row (retrieval: one row set per protocol) is overall.
             has_all = {r["benchmark"] for r in out_rows if r["subset"] in ("all", "overall")}
@@ -69,10 +75,22 @@ def eval_tables(run_dir: Path) -> list[dict]:
                     continue
                 c = res.get(chance_of[k]) if k in chance_of else None
                 unit = ""  # metrics.json carries no units: numbers as logged (results.parquet has them)
+                # no item count here, so no interval: no verdict either (value > chance is not evidence)
                 out_rows.append({"metric": k, "value": fmt_value(v, unit), "chance": fmt_value(c, unit) if c is not None else
-                                 ("n/a" if unit else ""), "unit": unit, "above": c is not None and v > c})
+                                 ("n/a" if unit else ""), "unit": unit, "above": False, "below": False, "verdict": ""})
             tables.append({"tag": d.name, "source": "metrics.json", "rows": out_rows, "kind": "metrics"})
     return tables
+
+
+def headline(evals: list[dict], limit: int = 6) -> dict | None:
+    """The rows the report's summary shows for a run: the overall rows of its newest evaluation
+    (``final``, else the highest step; a harness table before a job's own metrics.json)."""
+    if not evals:
+        return None
+    pool = [t for t in evals if t["kind"] == "results"] or evals
+    newest = next((t for t in pool if t["tag"] == "final"), None) or max(pool, key=lambda t: t["tag"])
+    rows = [r for r in newest["rows"] if r.get("main", True)]
+    return {"tag": newest["tag"], "rows": rows[:limit], "more": max(0, len(rows) - limit)}
 
 
 def training_section(output: Path, out, manifest_path: str | None) -> dict:
@@ -117,13 +135,14 @@ def training_section(output: Path, out, manifest_path: str | None) -> dict:
                     break
             ckpts = sorted((p.name for p in (run_dir / "checkpoints").glob("*.pt")), key=lambda n: (n == "final.pt", n)) \
                 if (run_dir / "checkpoints").is_dir() else []
+            evals = eval_tables(run_dir)
             tr = [r for r in rows if r.get("kind") == "train"]
             last = tr[-1] if tr else {}
             runs.append({
                 "job": job, "dir": str(run_dir), "curves": curves, "figures": figs, "checkpoints": ckpts,
                 "config": json.dumps(cfg, indent=1, sort_keys=True, default=str) if cfg else "",
-                "steps": last.get("step"), "last_loss": last.get("loss"), "evals": eval_tables(run_dir),
-                "figures_tag": shown_tag, "figures_older": older,
+                "steps": last.get("step"), "last_loss": last.get("loss"), "evals": evals,
+                "figures_tag": shown_tag, "figures_older": older, "headline": headline(evals),
                 "missing_metrics": not rows,
                 "eval_command": f"train eval {job.split('/')[0]} --checkpoint {run_dir / 'checkpoints' / (ckpts[-1] if ckpts else 'final.pt')} "
                                 f"--manifest {manifest_path or '<manifest.yaml>'}",

@@ -373,6 +373,7 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
                              f"({', '.join(names) or 'none configured'})")
         specs = [s for s in specs if s.name in set(only)]
     from pipeline.io.storage import resolve_under
+    from pipeline.progress import progress
 
     samples_dir = resolve_under(manifest.output, manifest.eval.samples_artifact)
     rows: list[Row] = []
@@ -390,7 +391,7 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
             except NotImplementedError as e:
                 errors.append(f"{e}: benchmarks {', '.join(s.name for s in specs)} not scored")
                 specs = []
-        for spec in specs:
+        for spec in progress(specs, "benchmarks", unit="benchmark"):
             try:
                 rows += evaluate_benchmark(job, model, expand_spec(spec, manifest.output), samples_dir, scorable,
                                            manifest.eval.pairs_chunk, log)

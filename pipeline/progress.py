@@ -1,0 +1,44 @@
+"""A progress bar for long loops in the driver (benchmarks of ``train eval``, ...).
+
+On a terminal: a tqdm bar on stderr. Elsewhere (a log file, CI, a pipe): no bar, one plain line
+every ``every`` seconds and a last one at the end (done/total, rate, ETA), so a log is not flooded
+with carriage returns. Stage units have their own rows-and-shards line (``pipeline.stage._Progress``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], desc: str, *, total: int | None = None, unit: str = "it", every: float = 5.0,
+             stream=None) -> Iterator[T]:
+    """Yield ``items``, showing how many are done (``total``: defaults to ``len(items)``)."""
+    stream = stream or sys.stderr
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)  # type: ignore[arg-type]
+    if getattr(stream, "isatty", lambda: False)():
+        from tqdm import tqdm
+
+        yield from tqdm(items, desc=desc, total=total, unit=unit, file=stream, dynamic_ncols=True)
+        return
+    from pipeline.stage import format_seconds
+
+    t0 = last = time.perf_counter()
+    done = 0
+    for x in items:
+        yield x
+        done += 1
+        now = time.perf_counter()
+        if now - last < every and done != total:
+            continue
+        last = now
+        rate = done / max(now - t0, 1e-9)
+        of = f"/{total}" if total is not None else ""
+        eta = f", ETA {format_seconds((total - done) / rate)}" if total is not None and rate > 0 else ""
+        stream.write(f"{desc}: {done}{of} {unit}, {rate:,.2f} {unit}/s{eta}\n")
+        stream.flush()

@@ -1,0 +1,53 @@
+"""`train run` ends with a short aligned table (job, run folder, steps, final loss, headline
+metrics beside chance); `--json` keeps the one JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_faults_train import _cli_run, _Toy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_summary_table_shows_headline_metrics_with_chance(tmp_path):
+    from train.summary import summary_table
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"kind": "train", "step": s, "loss": 1.0 / s} for s in (1, 2, 4)] + [{"kind": "eval", "step": 4}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = {"global/i2t_R@1": 40.00000059604645, "chance/i2t_R@1": 3.125, "sugarcrepe/triples": 104.0,
+           "sugarcrepe/overall": 47.4, "chance/sugarcrepe": 50.0, "eval_images": 64,
+           **{f"extra/m{k}": 0.5 for k in range(30)}}
+    text = summary_table("concept-ot", run, res)
+    lines = text.splitlines()
+    assert lines[0].split() == ["job", "run", "folder", "steps", "final", "loss"]
+    assert lines[1].split() == ["concept-ot", str(run), "4", "0.25"]
+    table = {ln.split()[0]: ln.split()[1:] for ln in lines[3:-1]}
+    assert table["metric"] == ["value", "chance"]
+    assert table["global/i2t_R@1"] == ["40", "3.12"] and table["sugarcrepe/overall"] == ["47.4", "50"]
+    # only the metrics with a chance level, overall figures first (a size such as triples is no metric)
+    assert list(table) == ["metric", "sugarcrepe/overall", "global/i2t_R@1"]
+    assert "30 more metrics" in lines[-1] and str(run / "eval" / "final" / "metrics.json") in lines[-1]
+    # columns line up: every value ends in the same column as its header
+    head, first = lines[3], lines[5]
+    assert head.index("value") + len("value") == first.index("40") + len("40")
+    assert len(text) < 1000
+
+
+def test_train_run_prints_a_table_and_json_on_request(tmp_path, monkeypatch):
+    import train.loop
+
+    monkeypatch.setattr(train.loop, "plot_metrics", lambda *a, **k: None)
+    r = _cli_run(monkeypatch, _Toy(tmp_path / "run"))
+    assert r.exit_code == 0, r.output
+    out = r.stdout.strip().splitlines()
+    assert out[0].split()[:2] == ["job", "run"] and out[1].split()[:3] == ["toy", str(tmp_path / "run"), "8"]
+    assert not any(ln.startswith("{") for ln in out)
+    r = _cli_run(monkeypatch, _Toy(tmp_path / "run2"), "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["job"] == "toy" and res["run_dir"] == str(tmp_path / "run2")
