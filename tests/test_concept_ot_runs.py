@@ -60,7 +60,8 @@ def test_run_folders_per_configuration_and_refused_resume(planted, tmp_path):
     r = _cli(planted, tmp_path)
     assert r.exit_code == 0, r.output
     a = Path(json.loads(r.stdout.strip().splitlines()[-1])["run_dir"])
-    assert a.parent == base and a.name.startswith("conceptot-") and len(a.name) == len("conceptot-") + 6
+    # the folder names the options that differ from the defaults, then their hash
+    assert a.parent == base and a.name.startswith("conceptot-") and len(a.name.rsplit("-", 1)[1]) == 6, a.name
     # the README's variant command: its own folder, trains (no 'Unexpected key anchors')
     r = _cli(planted, tmp_path, "train.concept_ot.variant=dense-uot")
     assert r.exit_code == 0, r.output
