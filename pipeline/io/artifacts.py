@@ -138,23 +138,16 @@ def write_layout_note(artifact_dir: Path, artifact: str, stage: str, tables: lis
 
 
 def code_version() -> str:
+    """The package version, + the git revision (and ``.dirty``) when run from a checkout."""
     from pipeline import __version__
 
+    def git(*args: str):
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              timeout=5)
+
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
         if rev.returncode == 0:
             return f"{__version__}+g{rev.stdout.strip()}" + (".dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
