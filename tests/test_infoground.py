@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from train.eval.intervals import wilson
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -428,3 +430,71 @@ def test_grounding_rows_carry_wilson_intervals():
     for r, (k, n) in zip(rows, want):
         ci = binomtest(k, n).proportion_ci(method="wilson")
         assert (r.ci_low, r.ci_high) == pytest.approx((100 * ci.low, 100 * ci.high)), r.metric
+
+
+# ------------------------------------------------------------- issue 26: IoU convention, prior baseline
+def test_iou_plus_one_flips_a_hit_at_the_border():
+    """IoU of [0,0,9,4] with the ground truth [0,0,9,9]: 36/81 = 0.44 for continuous boxes, 50/100 =
+    0.5 with the reference code's +1-pixel widths: the R@1 hit flips; the default is the reference's."""
+    from train.jobs.infoground import Config
+    from train.jobs.infoground.metrics import phrase_outcome
+
+    boxes = np.array([[0, 0, 9, 4], [50, 50, 60, 60]], float)
+    gt = np.array([[0, 0, 9, 9]], float)
+    score = np.array([0.9, 0.1])
+    assert phrase_outcome(score, boxes, gt, 0.5, plus_one=True)["r1"] == 1
+    assert phrase_outcome(score, boxes, gt, 0.5, plus_one=False)["r1"] == 0
+    assert Config.model_fields["iou_plus_one"].default is True
+
+
+def test_prior_wins_matches_brute_force():
+    """The prior-only scorer on a hand-made vocabulary: ranking all words by training count, the true
+    noun must come first even when ties are ordered against it."""
+    from train.jobs.infoground.metrics import noun_counts, prior_wins
+
+    texts = ["Dog", "dog", "cat", "cat", "man", "red", "dog", "ball"]
+    is_noun = [True, True, True, True, True, False, True, True]
+    counts = noun_counts(texts, is_noun)
+    assert counts == {"dog": 3, "cat": 2, "man": 1, "ball": 1}  # "red" is not a noun
+    cases = [("dog", ["cat", "man"], True), ("cat", ["dog"], False), ("man", ["ball"], False),  # a tie is wrong
+             ("Cat", ["man", "unseen"], True), ("unseen", ["zebra"], False), ("ball", ["red"], True)]
+    for noun, negs, want in cases:
+        assert prior_wins(noun, negs, counts) is want, (noun, negs)
+    rng = random.Random(0)
+    vocab = ["dog", "cat", "man", "ball", "red", "zebra"]
+    for _ in range(200):
+        noun, negs = rng.choice(vocab), rng.sample(vocab, rng.randint(1, 5))
+        negs = [w for w in negs if w != noun] or ["zebra" if noun != "zebra" else "red"]
+        ranked = sorted([(counts.get(w, 0), 0, w) for w in negs] + [(counts.get(noun, 0), -1, noun)], reverse=True)
+        assert prior_wins(noun, negs, counts) is (ranked[0][2] == noun and ranked[0][1] == -1), (noun, negs)
+
+
+def test_noun_vs_negatives_reports_the_prior_baseline(tmp_path):
+    """The job's prior row: counts from the training captions' nouns only, each held-out noun against
+    its valid negatives, recomputed here from the artifact's tables; a Wilson interval as the rest."""
+    import polars as pl
+
+    from infoground_planted import write_planted_grounding
+    from pipeline.io.artifacts import Artifact
+    from train.jobs.infoground import make_job
+    from train.jobs.infoground.metrics import grounding_rows
+
+    write_planted_grounding(tmp_path / "a", n_images=20)
+    m = _manifest(tmp_path / "a")
+    job = make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))
+    g = job.ground(job.build_model(), job.eval_set(job.cfg.test_splits))
+    neg = Artifact(tmp_path / "a" / "negatives")
+    words = neg.scan("words").collect()
+    train = words.filter(pl.col("is_noun") & pl.col("sample_id").is_in(sorted(job.train_ids)))
+    counts: dict = {}
+    for t in train["text"].to_list():
+        counts[t.lower()] = counts.get(t.lower(), 0) + 1
+    test_ids = {im["sample_id"] for im in job.eval_set(job.cfg.test_splits).images}
+    wins = n = 0
+    for r in neg.scan("negatives").collect().filter(pl.col("sample_id").is_in(sorted(test_ids))).iter_rows(named=True):
+        n += 1
+        wins += all(counts.get(r["noun"].lower(), 0) > counts.get(c.lower(), 0) for c in r["candidates"])
+    assert g["nouns"] == n > 0 and g["noun_vs_negatives_prior"] == pytest.approx(100 * wins / n)
+    row = [r for r in grounding_rows(g, "b", "test") if r.metric == "noun vs its negatives[prior]"]
+    assert len(row) == 1 and row[0].n == n and row[0].chance == g["noun_vs_negatives_chance"]
+    assert (row[0].ci_low, row[0].ci_high) == pytest.approx(wilson(wins, n))

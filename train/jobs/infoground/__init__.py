@@ -28,12 +28,14 @@ captions, 1 hidden layer, model selection by the best validation pointing accura
 
 Evaluation (Flickr30k Entities protocol, Sec. 3.1): a phrase's score for a region is the max
 attention any of its words gives the region; R@1/5/10 = one of the top-k regions has IoU >= 0.5
-with a ground-truth box of the phrase; pointing accuracy = the centre of the top region lies in
-one of the phrase's boxes. Exact chance levels (uniformly random ranking of the image's regions)
-are reported beside every figure; phrases without a box, without word features, or of images
-without regions are skipped and counted by reason. Attention heatmaps of a few captions are
-saved as PNG in the eval folder. ``eval_output`` evaluates on another run's artifacts (train on
-COCO, evaluate on Flickr30k Entities).
+with a ground-truth box of the phrase (+1-pixel box widths as the reference code,
+``iou_plus_one``); pointing accuracy = the centre of the top region lies in one of the phrase's
+boxes. Exact chance levels (uniformly random ranking of the image's regions) are reported beside
+every figure, and beside the held-out noun-vs-negatives check also a prior-only baseline (no image:
+the true noun more frequent in the training captions than all its negatives); phrases without a
+box, without word features, or of images without regions are skipped and counted by reason.
+Attention heatmaps of a few captions are saved as PNG in the eval folder. ``eval_output``
+evaluates on another run's artifacts (train on COCO, evaluate on Flickr30k Entities).
 
 Harness scoring (train/eval/interface.py): s(I, text) = mean over the text's noun/adjective words
 of phi(R_I, w). Texts are encoded like the negatives stage does (spaCy tags, ``models.word_encoder``
@@ -59,7 +61,8 @@ READS = ["regions", "negatives", "samples"]
 class Config(TrainerConfig):
     # evaluation-only options: they may change between a run and its resume (train/config.py)
     EVAL_ONLY: ClassVar[frozenset[str]] = getattr(TrainerConfig, "EVAL_ONLY", frozenset()) | {
-        "eval_per_epoch", "val_splits", "test_splits", "eval_output", "eval_max_images", "iou_threshold", "heatmaps"}
+        "eval_per_epoch", "val_splits", "test_splits", "eval_output", "eval_max_images", "iou_threshold", "iou_plus_one",
+        "heatmaps"}
     NAMED: ClassVar[tuple[str, ...]] = ("negatives",)
 
     # the paper's optimisation (Sec. 2.5): Adam lr 1e-5, batches of 50, no schedule/clipping, 10 epochs
@@ -94,6 +97,10 @@ class Config(TrainerConfig):
     eval_output: str | None = Field(None, description="evaluate on another run's output folder (its regions, negatives, samples)")
     eval_max_images: int | None = Field(None, ge=1, description="cap on evaluated images per split")
     iou_threshold: float = Field(0.5, gt=0, le=1, description="R@k hit: IoU with a ground-truth box (paper: 0.5)")
+    iou_plus_one: bool = Field(
+        True, description="IoU of integer-pixel boxes, width x1 - x0 + 1 (the reference code's utils/bbox_utils.py, "
+        "default, so figures compare with the paper's); false: continuous boxes (x1 - x0). Changes R@k only for "
+        "region-box pairs whose IoU lies near iou_threshold")
     heatmaps: int = Field(4, ge=0, description="captions whose attention heatmaps are saved as PNG at each evaluation")
 
 

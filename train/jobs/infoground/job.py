@@ -26,7 +26,7 @@ from train.data import ParquetMultiJoin
 from train.job import Job, Splits, open_artifact
 from train.jobs.infoground.batches import Collate, FilterCaption, read_captions, regions_reader
 from train.jobs.infoground.losses import infoground_loss
-from train.jobs.infoground.metrics import EvalSet, ground, grounding_rows, load_eval_set, split_figures
+from train.jobs.infoground.metrics import EvalSet, ground, grounding_rows, load_eval_set, noun_counts, split_figures
 from train.jobs.infoground.model import InfoGroundModel
 from train.jobs.infoground.scoring import TextWords, score_word_features
 
@@ -59,6 +59,7 @@ class InfoGroundJob(Job):
         self._bpe = None
         self._bs = None
         self._eval_sets: dict = {}
+        self._prior = None
         self._text = None
         if cfg.negatives == "contextual" and int(self.neg_art.manifest.get("negative_feature_k") or 0) == 0:
             raise ValueError(f"infoground: {self.neg_art.dir} has no in-context negative features "
@@ -165,6 +166,15 @@ class InfoGroundJob(Job):
                              f"differ from the training artifacts' {self.d_r}/{self.d_w} (another detector or word encoder)")
         return neg, reg, smp, rr
 
+    @property
+    def noun_prior(self) -> Counter:
+        """The word-frequency prior of the noun-vs-negatives baseline: noun counts of the training captions."""
+        if self._prior is None:
+            t = self.neg_art.read("words", ["sample_id", "text", "is_noun"]).to_pydict()
+            train = [int(s) in self.train_ids for s in t["sample_id"]]
+            self._prior = noun_counts(t["text"], [n and k for n, k in zip(t["is_noun"], train)])
+        return self._prior
+
     def eval_set(self, splits: list[str]) -> EvalSet:
         """The grounding set of ``splits`` (cached per splits)."""
         key = tuple(splits)
@@ -174,7 +184,7 @@ class InfoGroundJob(Job):
             sids = sp.ids[sp.mask(sp.ids, splits)].tolist()
             if self.cfg.eval_max_images:
                 sids = sids[: self.cfg.eval_max_images]
-            self._eval_sets[key] = load_eval_set(sids, neg, smp, rr, self.manifest)
+            self._eval_sets[key] = load_eval_set(sids, neg, smp, rr, self.manifest, self.noun_prior)
         return self._eval_sets[key]
 
     def ground(self, model, es: EvalSet, heat_dir: Path | None = None) -> dict:

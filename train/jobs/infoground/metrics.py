@@ -2,11 +2,12 @@
 
 A phrase's score for a region is the max attention any of its words gives the region; R@1/5/10:
 one of the top-k regions has IoU >= ``iou_threshold`` with a ground-truth box of the phrase
-(continuous boxes, :func:`train.boxes.box_iou` without the +1-pixel convention); pointing
-accuracy: the centre of the top region lies in one of the phrase's boxes. Exact chance levels
-(uniformly random ranking of the image's regions) go beside every figure; the held-out L_lang
-check scores each noun against its stored negatives in context. Heatmaps of a few captions are
-saved as PNG.
+(:func:`train.boxes.box_iou`, by default with the reference code's +1-pixel box widths,
+``iou_plus_one``); pointing accuracy: the centre of the top region lies in one of the phrase's
+boxes. Exact chance levels (uniformly random ranking of the image's regions) go beside every
+figure; the held-out L_lang check scores each noun against its stored negatives in context, beside
+chance and the prior-only baseline (:func:`prior_wins`: no image, the training captions' noun
+counts). Heatmaps of a few captions are saved as PNG.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def recall_chance(n: int, hits: int, k: int) -> float:
     return 1.0 - math.comb(n - hits, k) / math.comb(n, k)
 
 
-def phrase_outcome(score: np.ndarray, boxes: np.ndarray, gt: np.ndarray, iou_thr: float) -> dict:
-    """Grounding of one phrase: score [R] per region, boxes [R, 4], gt [G, 4]. Hits and chances in 0/1."""
+def phrase_outcome(score: np.ndarray, boxes: np.ndarray, gt: np.ndarray, iou_thr: float, plus_one: bool = True) -> dict:
+    """Grounding of one phrase: score [R] per region, boxes [R, 4], gt [G, 4]. Hits and chances in 0/1.
+    ``plus_one``: integer-pixel IoU (width x1 - x0 + 1, the reference code's) or continuous boxes."""
     order = np.argsort(-score, kind="stable")
-    good = box_iou(boxes, gt, plus_one=False).max(1) >= iou_thr
+    good = box_iou(boxes, gt, plus_one=plus_one).max(1) >= iou_thr
     inside = centre_in(boxes, gt)
     n = len(boxes)
     out = {"pointing_accuracy": float(inside[order[0]]), "pointing_accuracy_chance": float(inside.mean())}
@@ -56,6 +58,19 @@ def phrase_outcome(score: np.ndarray, boxes: np.ndarray, gt: np.ndarray, iou_thr
         out[f"r{k}"] = float(good[order[:k]].any())
         out[f"r{k}_chance"] = recall_chance(n, int(good.sum()), k)
     return out
+
+
+def noun_counts(texts, is_noun) -> Counter:
+    """The word-frequency prior: occurrences of each noun (lower-cased surface form) among ``texts``
+    where ``is_noun`` (the training captions' rows of the negatives artifact's ``words`` table)."""
+    return Counter(t.lower() for t, n in zip(texts, is_noun) if n and t)
+
+
+def prior_wins(noun: str, negatives: list[str], counts: Counter) -> bool:
+    """The prior-only scorer of the noun-vs-negatives check: it sees no image and scores each word by
+    its training count; the true noun wins only when strictly above every negative (ties: wrong)."""
+    c = counts.get(noun.lower(), 0)
+    return all(c > counts.get(w.lower(), 0) for w in negatives)
 
 
 class EvalSet:
@@ -70,10 +85,11 @@ class EvalSet:
         return sum(len(c["phrases"]) for im in self.images for c in im["captions"])
 
 
-def load_eval_set(sids, neg, smp, rr, manifest) -> EvalSet:
+def load_eval_set(sids, neg, smp, rr, manifest, prior: Counter | None = None) -> EvalSet:
     """The phrases of the images ``sids`` (sorted) that can be grounded: their ground-truth boxes
     (``samples``' phrases and instances), the word features of their words (``neg``, the negatives
-    artifact), the image's regions (``rr``); the rest is counted by reason."""
+    artifact), the image's regions (``rr``); the rest is counted by reason. With ``prior`` (noun
+    counts, :func:`noun_counts`) each held-out noun also gets its prior-only outcome (``noun_prior``)."""
     skipped: Counter = Counter()
     img_skipped: Counter = Counter()
     if "phrases" not in smp.tables():
@@ -83,6 +99,8 @@ def load_eval_set(sids, neg, smp, rr, manifest) -> EvalSet:
         if "instances" in smp.tables() else None
     words = ParquetMultiJoin(neg, "words", ["caption_id", "word_index", "start", "end", "text"], cache_files=8)
     nreader = NegativesReader(neg.dir)
+    cands = ParquetMultiJoin(neg, "negatives", ["caption_id", "word_index", "noun", "candidates"], cache_files=8) \
+        if prior is not None else None
     images_tbl = smp.read("samples", ["sample_id", "image", "width", "height"]).to_pydict()
     from pipeline.loaders.samples import image_resolver
 
@@ -125,16 +143,27 @@ def load_eval_set(sids, neg, smp, rr, manifest) -> EvalSet:
             c = caps.setdefault(int(cid), {"caption_id": int(cid), "phrases": []})
             c["phrases"].append({"text": text, "rows": np.asarray(rows, np.int64), "gt": np.stack(gt)})
         # held-out L_lang check: each noun with stored negatives against them, in its context
-        nouns = []
+        nouns, noun_prior = [], []
         row_of = {(int(c), int(w)): r for r, (c, w) in enumerate(zip(feats.word_caption_id, feats.word_index))}
+        texts = {}
+        if cands is not None:
+            ct = cands.lookup(sid) or {"caption_id": [], "word_index": [], "noun": [], "candidates": []}
+            texts = {(int(c), int(w)): (n, list(k or [])) for c, w, n, k in
+                     zip(ct["caption_id"], ct["word_index"], ct["noun"], ct["candidates"])}
         if feats.neg_features is not None:
             for j, (c, w, cnt) in enumerate(zip(feats.neg_caption_id, feats.neg_word_index, feats.neg_count)):
                 valid = np.asarray(feats.neg_valid[j][: int(cnt)], bool)
                 if cnt > 0 and valid.any() and (int(c), int(w)) in row_of:
                     nouns.append((row_of[(int(c), int(w))], feats.neg_features[j, : int(cnt)][valid].astype(np.float32)))
+                    if cands is not None:
+                        if (int(c), int(w)) not in texts:
+                            raise ValueError(f"infoground: {neg.dir}: sample {sid} caption {int(c)} word {int(w)} has "
+                                             "negative features but no row in the negatives table")
+                        noun, cl = texts[(int(c), int(w))]
+                        noun_prior.append(float(prior_wins(noun, [cl[i] for i in np.nonzero(valid)[0]], prior)))
         if not caps:
             continue
-        images.append({"nouns": nouns, "sample_id": sid, "boxes": reg_s["boxes"].astype(np.float64),
+        images.append({"nouns": nouns, "noun_prior": noun_prior, "sample_id": sid, "boxes": reg_s["boxes"].astype(np.float64),
                        "features": reg_s["features"], "words": feats.word_features,  # float16 until used
                        "word_text": [span.get((int(c), int(w)), (0, 0, "?"))[2]
                                      for c, w in zip(feats.word_caption_id, feats.word_index)],
@@ -146,7 +175,8 @@ def load_eval_set(sids, neg, smp, rr, manifest) -> EvalSet:
 @torch.no_grad()
 def ground(model, es: EvalSet, device, cfg, heat_dir: Path | None = None) -> dict:
     """Grounding figures (percent) and their exact chance over the phrases of ``es`` (``cfg``: the
-    job's ``max_regions``, ``iou_threshold``, ``heatmaps``); heatmaps go to ``heat_dir``."""
+    job's ``max_regions``, ``iou_threshold``, ``iou_plus_one``, ``heatmaps``); heatmaps go to
+    ``heat_dir``. With the eval set's prior outcomes, ``noun_vs_negatives_prior`` too."""
     was = model.training
     model.eval()
     dev = device
@@ -171,10 +201,12 @@ def ground(model, es: EvalSet, device, cfg, heat_dir: Path | None = None) -> dic
             sums["noun_vs_negatives"] = sums.get("noun_vs_negatives", 0.0) + float(phi_n[0] > phi_n[1:].max())
             sums["noun_vs_negatives_chance"] = sums.get("noun_vs_negatives_chance", 0.0) + 1.0 / len(x)
             n_nouns += 1
+        if im.get("noun_prior"):
+            sums["noun_vs_negatives_prior"] = sums.get("noun_vs_negatives_prior", 0.0) + sum(im["noun_prior"])
         for cap in im["captions"]:
             for ph in cap["phrases"]:
                 score = att[ph["rows"]].max(0)
-                o = phrase_outcome(score, boxes, ph["gt"], cfg.iou_threshold)
+                o = phrase_outcome(score, boxes, ph["gt"], cfg.iou_threshold, cfg.iou_plus_one)
                 for key, val in o.items():
                     sums[key] = sums.get(key, 0.0) + val
                 n += 1
@@ -201,6 +233,8 @@ def split_figures(name: str, g: dict) -> dict:
         if key in g:
             res[f"{name}_{key}"] = g[key]
             res[f"{name}_{key}_chance"] = g[f"{key}_chance"]
+    if "noun_vs_negatives_prior" in g:
+        res[f"{name}_noun_vs_negatives_prior"] = g["noun_vs_negatives_prior"]
     res[f"{name}_phrases"] = g["phrases"]
     res[f"{name}_nouns"] = g["nouns"]
     res[f"{name}_skipped"] = g["skipped"]
@@ -224,6 +258,11 @@ def grounding_rows(g: dict, bench: str, subset: str) -> list:
                         g["noun_vs_negatives_chance"], unit="%",
                         note="phi of the true noun above all its stored negatives in context (held-out L_lang); "
                              "chance 1/(1+negatives) per noun").with_ci(ci(g["noun_vs_negatives"], g["nouns"])))
+        if "noun_vs_negatives_prior" in g:
+            rows.append(Row(bench, subset, "noun vs its negatives[prior]", g["noun_vs_negatives_prior"], g["nouns"],
+                            g["noun_vs_negatives_chance"], unit="%",
+                            note="baseline without the image: the true noun's count in the training captions above "
+                                 "every negative's (ties wrong)").with_ci(ci(g["noun_vs_negatives_prior"], g["nouns"])))
     return rows
 
 
