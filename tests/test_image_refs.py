@@ -112,10 +112,17 @@ def test_absolute_references_of_older_outputs_still_work(tmp_path, local):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from pipeline.io.atomic import sha256_file
+
     for f in Artifact(sdir).files("samples"):  # rewrite as an older version stored them: absolute
         t = pq.read_table(f)
         absolute = [str(root / r) if r else r for r in t.column("image").to_pylist()]
         pq.write_table(t.set_column(t.schema.get_field_index("image"), "image", pa.array(absolute, pa.string())), f)
+        for e in man["shards"]:  # ... and recorded those bytes in its manifest
+            if sdir / e["path"] == f:
+                e.update(bytes=f.stat().st_size, sha256=sha256_file(f))
+    (sdir / "_manifest.json").write_text(json.dumps(man))
+    (sdir / "_cache.json").unlink(missing_ok=True)
     resolve = image_resolver(sdir)  # no recorded root, no manifest
     ref = Artifact(sdir).read("samples", columns=["image"]).column("image").to_pylist()[0]
     assert resolve(ref) == ref and Path(ref).is_file()

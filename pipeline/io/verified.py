@@ -57,12 +57,15 @@ class VerifiedFiles:
     def problem(self, entry: dict, full: bool = False) -> str | None:
         """``None`` when the file of ``entry`` (``path``, ``bytes``, ``sha256``, optionally the
         ``mtime_ns`` its writer saw) holds the recorded bytes, else what is wrong ("missing", a
-        size, a sha256). ``full``: hash it whatever the cache says."""
+        size, a sha256). ``full``: hash it whatever the cache says. An entry that records no size or
+        sha256 (a hand-written manifest) can only be checked for presence."""
         rel = entry["path"]
         try:
             st = (self.folder / rel).stat()
         except OSError:
             return "missing"
+        if "bytes" not in entry or "sha256" not in entry:
+            return None
         if st.st_size != entry["bytes"]:
             return changed(st.st_size, entry)
         if not full and (entry.get("mtime_ns") == st.st_mtime_ns
