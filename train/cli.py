@@ -301,7 +301,7 @@ def sweep(
         _fail(str(e))
     storage = run_folder(job, m, getattr(m.train, key).model_copy(update={"run_dir": None})).parent / "sweeps"
     table, errors = run_sweep(job, manifest, list(set_ or []), grid, seeds, [str(r) for r in runs], storage,
-                              max_concurrent=max_concurrent)
+                              build_job, max_concurrent=max_concurrent)
     typer.echo(table)
     for e in errors:
         typer.echo(f"error: {e}", err=True)

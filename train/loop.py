@@ -69,6 +69,7 @@ from pipeline.io.atomic import remove_stale_tmp, write_bytes_atomic
 from pipeline.io.checkpoint import CheckpointError, save_checkpoint_file
 from pipeline.io.lock import lock_folder, unlock_folder
 from train.job import Job
+from train.ranks import Ranks
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -264,13 +265,11 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
 
     ``resume``: continue from ``checkpoints/last.pt`` when present. ``stop_after``: return after
     this many optimizer steps in this call (a checkpoint is written), as an interruption would.
-    ``dist``: this process's :class:`train.distributed.Ranks` when data-parallel (then ``job.cfg``
+    ``dist``: this process's :class:`train.ranks.Ranks` when data-parallel (then ``job.cfg``
     has the per-worker batch size and ``dist.run_cfg`` is the run's configuration, which the run
     folder and checkpoints record); ranks other than 0 return {}.
     """
     if dist is None:
-        from train.distributed import Ranks
-
         dist = Ranks()
     run_cfg = dist.run_cfg or job.cfg
     run_dir = job.run_dir

@@ -83,13 +83,13 @@ def finished(run_dir: Path) -> bool:
     return (run_dir / "checkpoints" / "final.pt").is_file() and (run_dir / "eval" / "final").is_dir()
 
 
-def _trial(config: dict) -> None:
-    """One Tune trial: the ordinary run of the job with the trial's options, output in <run>/train.log
-    (a finished run folder is skipped)."""
+def _trial(config: dict, build_job=None) -> None:
+    """One Tune trial: the ordinary run of the job with the trial's options (``build_job``, i.e.
+    train.cli.build_job, then the shared loop), output in <run>/train.log (a finished run folder is
+    skipped)."""
     import typer
     from ray import tune
 
-    from train.cli import build_job
     from train.loop import train
 
     trial = config["trial"]
@@ -150,10 +150,11 @@ class _ProgressLines:
 
 
 def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds: int, trial_runs: list[str],
-          storage: Path, max_concurrent: int | None = None, cpus_per_trial: float = 1.0,
+          storage: Path, build_job, max_concurrent: int | None = None, cpus_per_trial: float = 1.0,
           progress_every: float = 30.0) -> tuple[str, list[str]]:
     """Run the grid on Ray Tune; returns (the seeds table, one error line per crashed trial).
-    ``trial_runs[i]``: the run folder of ``trials(...)[i]`` (the caller builds each trial's job once)."""
+    ``trial_runs[i]``: the run folder of ``trials(...)[i]``; ``build_job(job, manifest, overrides)``
+    -> (module, cfg, manifest, Job) builds a trial's job (train.cli.build_job)."""
     from ray import tune
 
     grid = read_grid(grid_path, job)
@@ -163,7 +164,7 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
     configs = [{"job": job, "manifest": str(Path(manifest).resolve()), "sets": list(overrides) + t.sets,
                 "run_dir": t.run_dir, "cwd": os.getcwd(), "label": t.label} for t in ts]
     name = "sweep-" + hashlib.sha1(json.dumps([job, configs], sort_keys=True).encode()).hexdigest()[:8]
-    trainable = tune.with_resources(_trial, {"cpu": cpus_per_trial})
+    trainable = tune.with_resources(tune.with_parameters(_trial, build_job=build_job), {"cpu": cpus_per_trial})
     space = {"trial": tune.grid_search(configs)}
     exp = Path(storage).resolve() / name
     if tune.Tuner.can_restore(str(exp)):
