@@ -55,7 +55,7 @@ def test_sweep_runs_the_grid_reports_a_crash_and_skips_finished_trials(tmp_path,
     assert r2.exit_code == 0 and _seeds_line(r2.stdout, "lr=0.001", "global/avg_R@1")[4] == line[4]
     stamps = {p: (p / "checkpoints" / "final.pt").stat().st_mtime_ns for p in ok}
     r3 = CliRunner().invoke(app, args)
-    assert r3.exit_code == 1 and r3.stdout == r.stdout
+    assert r3.exit_code == 1 and r3.stdout == r.stdout and r.stdout.startswith("| configuration |")
     assert {p: (p / "checkpoints" / "final.pt").stat().st_mtime_ns for p in ok} == stamps  # finished: skipped
 
 

@@ -179,7 +179,8 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
     level = tune_log.level
     tune_log.setLevel(logging.CRITICAL)  # a crashed trial's traceback: reported below as one line
     try:
-        with _ProgressLines(ts, progress_every) as lines:
+        # Tune's own status boxes go to stderr: stdout is the table
+        with _ProgressLines(ts, progress_every) as lines, contextlib.redirect_stdout(sys.stderr):
             results = tuner.fit()
     finally:
         tune_log.setLevel(level)
