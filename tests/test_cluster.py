@@ -7,6 +7,7 @@ duplicated, nothing missing)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -128,14 +129,10 @@ def _samples_rows(out: Path) -> list:
     return rows
 
 
-def test_multinode_cluster_matches_single_node_with_a_killed_node(tmp_path):
-    pytest.importorskip("psutil")
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    for st in STAGES:
-        p = _run(st, single, ["ray.num_cpus=2", "ray.object_store_memory=134217728"])
-        out, _ = p.communicate(timeout=900)
-        assert p.returncode == 0, out[-3000:]
-
+@contextlib.contextmanager
+def two_node_cluster(tmp_path: Path):
+    """(address, second node): a head with 1 CPU and a second node with 1 CPU joined to it, both
+    stopped by their own pids at exit."""
     port = _free_port()
     address = f"127.0.0.1:{port}"
     tmp_ray = Path(f"/tmp/rt{port}")  # unix socket paths must stay short
@@ -147,6 +144,51 @@ def test_multinode_cluster_matches_single_node_with_a_killed_node(tmp_path):
         node2 = Node([f"--address={address}", "--num-cpus=1", "--object-store-memory=120000000",
                       '--resources={"second_node": 1}'], tmp_path / "node2.log")
         _wait_nodes(address, 2)
+        yield address, node2
+    finally:
+        if node2 is not None:
+            node2.stop()
+        head.stop()
+
+
+def test_train_two_workers_on_two_nodes(tmp_path):
+    """`train run concept-ot --workers 2` on the two-node cluster: one worker per node (each node has
+    1 CPU and a worker takes 1), rank 0 writes the run folder, the run trains to its last step and
+    evaluates."""
+    pytest.importorskip("psutil")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cot_planted import write_planted
+
+    write_planted(tmp_path / "data", n_images=64, captions_per_image=2, shard_size=16, seed=3)
+    man = tmp_path / "m.yaml"
+    man.write_text("name: t\n")
+    run = tmp_path / "run"
+    sets = [f"output={tmp_path / 'data'}", "train.concept_ot.max_steps=4", "train.concept_ot.batch_size=16",
+            "train.concept_ot.d_c=16", "train.concept_ot.rank=8", "train.concept_ot.log_every=1",
+            "train.concept_ot.eval_splits=[test]", "train.concept_ot.sugarcrepe_dirs=[]", "train.concept_ot.heatmaps=0",
+            "train.concept_ot.threads=1", f"train.concept_ot.run_dir={run}"]
+    with two_node_cluster(tmp_path) as (address, _):
+        cmd = [str(BIN / "train"), "run", "concept-ot", "--manifest", str(man), "--workers", "2", "--no-progress",
+               "--set", f"ray.address={address}", *sum((["--set", s] for s in sets), [])]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=1500)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert json.loads((run / "config.json").read_text())["workers"] == 2
+    assert (run / "checkpoints" / "final.pt").is_file()
+    assert "global/avg_R@1" in json.loads((run / "eval" / "final" / "metrics.json").read_text())
+
+
+def test_multinode_cluster_matches_single_node_with_a_killed_node(tmp_path):
+    pytest.importorskip("psutil")
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    for st in STAGES:
+        p = _run(st, single, ["ray.num_cpus=2", "ray.object_store_memory=134217728"])
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, out[-3000:]
+
+    with two_node_cluster(tmp_path) as (address, node2):
         killed = 0
         for st in STAGES:
             p = _run(st, multi, [f"ray.address={address}"])
@@ -168,10 +210,6 @@ def test_multinode_cluster_matches_single_node_with_a_killed_node(tmp_path):
             out, _ = p.communicate(timeout=900)
             assert p.returncode == 0, f"{st} on the cluster failed:\n{out[-4000:]}"
         assert killed >= 1, "no worker of the second node was seen running the stage"
-    finally:
-        if node2 is not None:
-            node2.stop()
-        head.stop()
 
     for art in ("concepts", "clip_tokens"):
         a, b = _shards(single, art), _shards(multi, art)

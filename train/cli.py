@@ -1,8 +1,9 @@
 """The `train` command: cached-feature training and evaluation of the jobs in train/jobs/.
 
-    train run <job> --manifest M [--set train.<job>.key=value ...] [--fresh]
+    train run <job> --manifest M [--set train.<job>.key=value ...] [--fresh] [--workers N]
+    train sweep <job> --manifest M --grid GRID.yaml --seeds K [--max-concurrent M]
     train eval <job> --checkpoint C|RUN_DIR --manifest M [--bench NAME ...]
-    train compare RUN_DIR [RUN_DIR ...]
+    train compare RUN_DIR [RUN_DIR ...] [--over-seeds]
     train list
 """
 
@@ -53,11 +54,7 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
     cfg = getattr(m.train, key)
     from train.loop import resolve_device
 
-    from pipeline.io import storage
-
-    storage.configure_from(m)  # artifacts under an object-storage output are read through the cache
-    # an object-storage output: training runs (checkpoints, logs) go to its local mirror
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else storage.local_path(m.output) / "train" / name / cfg.run_tag()
+    run_dir = run_folder(name, m, cfg)
     if checkpoint is not None:
         cfg, run_dir = _config_of_checkpoint(name, cfg, checkpoint, overrides or [])
         setattr(m.train, key, cfg)
@@ -72,6 +69,15 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     return mod, cfg, m, job
+
+
+def run_folder(name: str, m, cfg) -> Path:
+    """``train.<job>.run_dir``, else ``<output>/train/<job>/<run tag>`` (an object-storage output:
+    training runs, checkpoints and logs, go to its local mirror)."""
+    from pipeline.io import storage
+
+    storage.configure_from(m)  # artifacts under an object-storage output are read through the cache
+    return Path(cfg.run_dir) if cfg.run_dir else storage.local_path(m.output) / "train" / name / cfg.run_tag()
 
 
 def _config_of_checkpoint(name: str, cfg, checkpoint: Path, overrides: list[str]):
@@ -112,17 +118,28 @@ def run(
     fresh: Annotated[bool, typer.Option("--fresh", help="ignore an existing checkpoint and start over")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="end with the result as one JSON line instead of a table")] = False,
+    workers: Annotated[Optional[int], typer.Option("--workers", min=1, help="data-parallel workers on Ray Train "
+                                                   "(default train.<job>.workers; 1: in this process, no Ray)")] = None,
+    gpus_per_worker: Annotated[Optional[float], typer.Option("--gpus-per-worker", min=0, help="GPUs per worker "
+                                                             "(default train.<job>.gpus_per_worker)")] = None,
 ) -> None:
     """Train a job on the manifest's artifacts (resumes from the run's last checkpoint when it has
-    the same training configuration; another configuration's checkpoint is refused)."""
+    the same training configuration; another configuration's checkpoint is refused). With
+    ``--workers N`` (N > 1): data-parallel on Ray Train (train/distributed.py)."""
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.io.lock import FolderBusy
     from train.loop import RunMismatch, fresh_hint, train
 
-    _, cfg, _, j = build_job(job, manifest, set_)
+    key = f"train.{job.replace('-', '_')}"
+    set_ = list(set_ or []) + ([f"{key}.workers={workers}"] if workers is not None else []) + \
+        ([f"{key}.gpus_per_worker={gpus_per_worker}"] if gpus_per_worker is not None else [])
+    _, cfg, m, j = build_job(job, manifest, set_)
     typer.echo(f"run folder: {j.run_dir}", err=True)
     try:
-        res = train(j, resume=not fresh, progress=progress)
+        if cfg.workers > 1:
+            res = _train_on_workers(job, manifest, set_, cfg, m, j.run_dir, fresh, progress)
+        else:
+            res = train(j, resume=not fresh, progress=progress)
     except (RunMismatch, FolderBusy) as e:
         _fail(str(e))
     except CheckpointError as e:  # a truncated, foreign or refused checkpoints/last.pt
@@ -135,6 +152,39 @@ def run(
     from train.summary import result_json, summary_table
 
     typer.echo(result_json(job, j.run_dir, res) if json_out else summary_table(job, j.run_dir, res))
+
+
+def _train_on_workers(job: str, manifest: Path, overrides: list[str], cfg, m, run_dir: Path, fresh: bool,
+                      progress: bool) -> dict:
+    """``train run --workers N``: the run on Ray Train workers (the manifest's ``ray``: embedded or a cluster)."""
+    import functools
+
+    from pipeline.runtime import RayStartError, ensure_ray
+    from train.distributed import train_data_parallel
+
+    try:
+        ensure_ray(m.ray)
+    except RayStartError as e:
+        _fail(str(e))
+    make = functools.partial(worker_job, job, manifest, overrides)
+    try:
+        return train_data_parallel(make, cfg, run_dir, cfg.workers, gpus_per_worker=cfg.gpus_per_worker,
+                                   resume=not fresh, progress=progress)
+    except ValueError as e:
+        _fail(str(e).splitlines()[0])
+    except Exception as e:  # ray.train's TrainingFailedError wraps the worker's error
+        cause = e.__cause__ or e
+        _fail(f"{job} on {cfg.workers} workers failed ({type(cause).__name__}: "
+              f"{str(cause).strip().splitlines()[-1][:300] if str(cause).strip() else ''}); the run folder {run_dir} "
+              "resumes from its last checkpoint")
+
+
+def worker_job(name: str, manifest: Path, overrides: list[str], options: dict):
+    """The job of one Ray Train worker: ``build_job`` with ``options`` (per-worker batch size, the
+    run's folder, the worker's device) set over the manifest's training options."""
+    key = f"train.{name.replace('-', '_')}"
+    extra = [f"{key}.{k}={v}" for k, v in options.items() if v is not None]
+    return build_job(name, manifest, list(overrides) + extra)[3]
 
 
 @app.command("eval")
@@ -202,14 +252,63 @@ def _checkpoint_file(path: Path) -> Path:
 def compare(
     runs: Annotated[list[Path], typer.Argument(help="run folders (their newest eval/*/results.parquet), eval "
                                                "folders or results.parquet files")],
+    over_seeds: Annotated[bool, typer.Option("--over-seeds", help="group run folders by configuration: mean +- std "
+                                             "of the final evaluation over their seeds")] = False,
 ) -> None:
     """One table across runs (jobs, variants, seeds), chance level beside each metric."""
     from train.eval.harness import compare as _compare
+    from train.seeds_table import seeds_table
 
     try:
-        typer.echo(_compare(runs))
+        typer.echo(seeds_table(runs) if over_seeds else _compare(runs))
     except FileNotFoundError as e:
         _fail(str(e))
+
+
+@app.command()
+def sweep(
+    job: Annotated[str, typer.Argument(help="job name (train list)")],
+    manifest: ManifestOpt,
+    grid: Annotated[Path, typer.Option("--grid", help="YAML: train.<job>.<option>: [values, ...]")],
+    seeds: Annotated[int, typer.Option("--seeds", min=1, help="seeds 0..K-1 per configuration")] = 1,
+    max_concurrent: Annotated[Optional[int], typer.Option("--max-concurrent", min=1, help="trials at once (default: "
+                                                          "as the cluster's CPUs allow)")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """A grid of ordinary runs as Ray Tune trials (train/sweep.py), ending with the table of
+    `train compare --over-seeds` over them. A rerun skips finished trials."""
+    from pipeline.config import ManifestError, load_manifest
+    from pipeline.runtime import RayStartError, ensure_ray
+    from train.sweep import GridError, read_grid, sweep as run_sweep, trials
+
+    key = job.replace("-", "_")
+    try:
+        ts = trials(read_grid(grid, job), seeds, job)
+        m = load_manifest(manifest, set_ or [])
+        runs = []
+        for t in ts:
+            cfg = getattr(load_manifest(manifest, list(set_ or []) + t.sets).train, key)
+            if cfg.run_dir:
+                _fail(f"train.{key}.run_dir is set ({cfg.run_dir}): a sweep's trials need their own run folders")
+            runs.append(run_folder(job, m, cfg))
+    except (GridError, ManifestError) as e:
+        _fail(str(e))
+    except AttributeError:
+        _fail(f"unknown job {job!r}")
+    if len(set(runs)) < len(runs):
+        _fail(f"grid {grid}: two trials share a run folder (a value equal to the default under two spellings?)")
+    try:
+        ensure_ray(m.ray)
+    except RayStartError as e:
+        _fail(str(e))
+    storage = run_folder(job, m, getattr(m.train, key).model_copy(update={"run_dir": None})).parent / "sweeps"
+    table, errors = run_sweep(job, manifest, list(set_ or []), grid, seeds, [str(r) for r in runs], storage,
+                              build_job, max_concurrent=max_concurrent)
+    typer.echo(table)
+    for e in errors:
+        typer.echo(f"error: {e}", err=True)
+    if errors:
+        raise typer.Exit(1)
 
 
 @app.command("list")

@@ -45,6 +45,11 @@ class TrainerConfig(Section):
                                     "improves it, checkpoints/best.pt is written beside last.pt (None: off)")
     best_mode: Literal["max", "min"] = Field("max", description="whether a larger or a smaller best_metric is better")
     run_dir: str | None = Field(None, description="default <output>/train/<job>")
+    # a training option: with N workers a contrastive loss sees N batches of batch_size // N (the
+    # gradients of the effective batch are averaged), not one batch of batch_size
+    workers: int = Field(1, ge=1, description="data-parallel workers on Ray Train (train run --workers); batch_size "
+                         "stays the effective batch, each worker takes batch_size // workers")
+    gpus_per_worker: float = Field(0, ge=0, description="GPUs per Ray Train worker (0: CPU workers, gloo)")
     benchmarks_at_end: bool = Field(True, description="after training, score the final model on the manifest's "
                                     "eval.benchmarks and the job's own metrics (eval/final/results.parquet)")
 
@@ -60,7 +65,7 @@ class TrainerConfig(Section):
     # options with ``EVAL_ONLY = TrainerConfig.EVAL_ONLY | {...}``.
     EVAL_ONLY: ClassVar[frozenset[str]] = frozenset(
         {"run_dir", "device", "threads", "num_workers", "log_every", "eval_every", "ckpt_every", "best_metric",
-         "best_mode", "benchmarks_at_end"})
+         "best_mode", "benchmarks_at_end", "gpus_per_worker"})
     # Options named in the run folder instead of hashed (a job's ``variant``)
     NAMED: ClassVar[tuple[str, ...]] = ("variant",)
 

@@ -9,7 +9,16 @@ the pieces every job needs and that exist once:
   (absolute paths and object-storage URLs pass through), opened with one error naming the stage
   that writes it;
 - :class:`Splits`: the train/val/test rule (the samples artifact's ``split`` column; without one a
-  stable hash split, ``sample_id % 20``: 18 -> val, 19 -> test, as the generated dataset does).
+  stable hash split, ``sample_id % 20``: 18 -> val, 19 -> test, as the generated dataset does);
+- :func:`rank_batches` / :meth:`Job.steps_per_epoch`: a data-parallel rank's share of an epoch
+  (``train run --workers N``, train/distributed.py).
+
+Data parallelism: a job trained by N workers is built with the per-worker batch size
+(``batch_size // N``) and ``rank`` / ``world_size`` set; its epoch, at that batch size, has ``n``
+batches, and global step ``k`` on rank ``r`` trains on the epoch's batch ``k * N + r``. So the N
+ranks of a step together see exactly the samples of the single-process batch ``k`` of the full batch
+size, every rank reads only its own batches, and ``batches_per_epoch`` (steps, the same on every rank)
+is ``n // N``. ``batches(epoch, start)``'s ``start`` stays a step index.
 """
 
 from __future__ import annotations
@@ -114,11 +123,41 @@ class Splits:
         return np.isin(self.of_many(sample_ids), list(splits))
 
 
+def rank_batches(n_batches: int, start: int, rank: int = 0, world_size: int = 1) -> range:
+    """The epoch's batch indices (of ``n_batches``) that ``rank`` trains on from step ``start`` on:
+    ``start * N + rank, (start + 1) * N + rank, ...`` for the ``n_batches // N`` steps of the epoch."""
+    return range(start * world_size + rank, (n_batches // world_size) * world_size, world_size)
+
+
 class Job:
     """Base class of a training job (see the module docstring)."""
 
+    rank: int = 0        # data-parallel rank and number of ranks (train/distributed.py sets them)
+    world_size: int = 1
+
     def __init__(self, cfg, manifest, run_dir: Path, device: torch.device):
         self.cfg, self.manifest, self.run_dir, self.device = cfg, manifest, Path(run_dir), device
+
+    def rank_batches(self, n_batches: int, start: int) -> range:
+        """This rank's batch indices of an epoch of ``n_batches`` from step ``start`` (:func:`rank_batches`)."""
+        return rank_batches(n_batches, start, self.rank, self.world_size)
+
+    def steps_per_epoch(self, n_batches: int) -> int:
+        """Optimizer steps in an epoch of ``n_batches`` (per-worker) batches: ``n_batches // world_size``."""
+        return n_batches // self.world_size
+
+    def stream_batches(self, stream, epoch: int, start: int, steps: int) -> Iterable[Any]:
+        """This rank's batches of a :class:`pipeline.io.shards.ShardStream` epoch of ``steps`` steps
+        (built for one process: rank 0 of 1), from step ``start``, through ``cfg.num_workers`` loader
+        workers: the stream's batches ``start * N + rank, ...`` (ShardStream's own rank split),
+        cut at the epoch's last full step so every rank takes the same number of steps."""
+        import itertools
+
+        from pipeline.io.shards import loader
+
+        stream.rank, stream.world_size = self.rank, self.world_size
+        it = loader(stream.set_position(epoch, start * self.world_size), getattr(self.cfg, "num_workers", 0))
+        return itertools.islice(it, max(0, steps - start))
 
     def build_model(self) -> torch.nn.Module:
         raise NotImplementedError

@@ -27,6 +27,11 @@ BLAS reductions are not bitwise reproducible from run to run, resumed or not), m
 lines as JSON (``metrics.jsonl``) and a plot (``metrics.png``), periodic evaluation and a
 progress bar with steps/s and samples/s.
 
+Data-parallel (``train run --workers N``, :mod:`train.distributed`): ``train(job, dist=...)`` runs
+on every rank with the rank's share of the data (train/job.py); gradients are averaged over the
+ranks after each backward pass, logged metrics are the ranks' mean, and rank 0 alone takes the lock
+and writes the run folder (checkpoints, metrics, evaluations) while the other ranks wait for it.
+
 Run folder (``cfg.run_dir`` or ``<output>/train/<job>/<variant>[-<hash>]``, see
 :meth:`train.config.TrainerConfig.run_tag`; one configuration per folder: resuming a checkpoint
 of another training configuration raises :class:`RunMismatch` before anything is written)::
@@ -64,6 +69,7 @@ from pipeline.io.atomic import remove_stale_tmp, write_bytes_atomic
 from pipeline.io.checkpoint import CheckpointError, save_checkpoint_file
 from pipeline.io.lock import lock_folder, unlock_folder
 from train.job import Job
+from train.ranks import Ranks
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -253,25 +259,34 @@ def fresh_hint(job_name: str = "") -> str:
     return f"pass --fresh to start over in it, or set {key}.run_dir to another folder"
 
 
-def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> dict:
+def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: int | None = None,
+          dist=None) -> dict:
     """Train ``job`` to ``cfg.max_steps`` (or ``cfg.epochs``); returns the final eval metrics.
 
     ``resume``: continue from ``checkpoints/last.pt`` when present. ``stop_after``: return after
     this many optimizer steps in this call (a checkpoint is written), as an interruption would.
+    ``dist``: this process's :class:`train.ranks.Ranks` when data-parallel (then ``job.cfg``
+    has the per-worker batch size and ``dist.run_cfg`` is the run's configuration, which the run
+    folder and checkpoints record); ranks other than 0 return {}.
     """
-    cfg = job.cfg
+    if dist is None:
+        dist = Ranks()
+    run_cfg = dist.run_cfg or job.cfg
     run_dir = job.run_dir
     ckpt_dir = run_dir / "checkpoints"
     metrics_path = run_dir / "metrics.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
-    taken = lock_folder(run_dir, doing="trained", note=lambda line: print(line, file=sys.stderr))
+    taken = dist.writer and lock_folder(run_dir, doing="trained", note=lambda line: print(line, file=sys.stderr))
     try:
         if resume:
-            check_run_folder(run_dir, cfg, getattr(job, "NAME", ""))  # before anything in the folder is written
-        if n := remove_stale_tmp(run_dir):  # e.g. .last.pt.<random>.tmp of a killed run
-            print(f"{run_dir}: removed {n} temporary file(s) left by an interrupted run", file=sys.stderr)
-        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
-        return _train_with_settings(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after)
+            check_run_folder(run_dir, run_cfg, getattr(job, "NAME", ""))  # before anything in the folder is written
+        if dist.writer:
+            if n := remove_stale_tmp(run_dir):  # e.g. .last.pt.<random>.tmp of a killed run
+                print(f"{run_dir}: removed {n} temporary file(s) left by an interrupted run", file=sys.stderr)
+            (run_dir / "config.json").write_text(json.dumps(run_cfg.model_dump(mode="json"), indent=1))
+        dist.barrier()  # the other ranks read the folder (last.pt) only once rank 0 has cleaned it
+        return _train_with_settings(job, job.cfg, run_dir, ckpt_dir, metrics_path, resume, progress and dist.writer,
+                                    stop_after, dist, run_cfg)
     finally:
         if taken:
             unlock_folder(run_dir)
@@ -292,11 +307,12 @@ def _train_with_settings(job, cfg, *args) -> dict:
             torch.set_flush_denormal(False)
 
 
-def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after) -> dict:
+def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after, dist, run_cfg) -> dict:
     seed_everything(cfg.seed)
     device = job.device
     model = job.build_model().to(device)
     params = [p for p in model.parameters() if p.requires_grad]
+    dist.broadcast_parameters(model)
     bpe = job.batches_per_epoch() if params else 0
     if params and bpe <= 0:
         raise RuntimeError("no training batches: the training split is empty or smaller than one batch")
@@ -338,34 +354,42 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
             raise CheckpointError(f"checkpoint {last}: does not resume this job's model ({type(e).__name__}: {why})") from None
         if (ck.get("best") or {}).get("metric") == best["metric"]:
             best.update(ck["best"])
-        print(f"resumed from {last} at step {step} (epoch {epoch}, batch {pos})", file=sys.stderr)
-        if dropped := _truncate_metrics(metrics_path, step):
-            print(f"{metrics_path}: {dropped}", file=sys.stderr)
-        if step >= total:  # say why nothing trains, and what the rerun does instead
-            print(f"{run_dir}: already trained {step} of {total} steps: nothing to train; the final model is "
-                  "evaluated again with the current evaluation settings (eval_every only acts during training: "
-                  "--fresh retrains in this folder; more epochs or max_steps train in a folder of their own)",
-                  file=sys.stderr)
-    elif not resume or not params:
+        if dist.writer:
+            print(f"resumed from {last} at step {step} (epoch {epoch}, batch {pos})", file=sys.stderr)
+            if dropped := _truncate_metrics(metrics_path, step):
+                print(f"{metrics_path}: {dropped}", file=sys.stderr)
+            if step >= total:  # say why nothing trains, and what the rerun does instead
+                print(f"{run_dir}: already trained {step} of {total} steps: nothing to train; the final model is "
+                      "evaluated again with the current evaluation settings (eval_every only acts during training: "
+                      "--fresh retrains in this folder; more epochs or max_steps train in a folder of their own)",
+                      file=sys.stderr)
+    elif (not resume or not params) and dist.writer:
         metrics_path.unlink(missing_ok=True)
         (ckpt_dir / "best.pt").unlink(missing_ok=True)
 
     def checkpoint(path: Path) -> None:
+        if not dist.writer:
+            return
         save_checkpoint(path, {
             "model": model.state_dict(),
             "optimizer": opt.state_dict() if opt else None,
             "scheduler": sched.state_dict() if sched else None,
             "scaler": scaler.state_dict() if scaler else None,
             "step": step, "epoch": epoch, "batch_in_epoch": pos,
-            "rng": _rng_state(), "config": cfg.model_dump(mode="json"),
+            "rng": _rng_state(), "config": run_cfg.model_dump(mode="json"),
             "job": getattr(job, "NAME", type(job).__name__), "best": dict(best),
         })
 
     def log(row: dict) -> None:
+        if not dist.writer:
+            return
         with metrics_path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
 
     def run_eval(tag: str) -> dict:
+        if not dist.writer:  # rank 0 evaluates; the others wait for it
+            dist.barrier()
+            return {}
         model.eval()
         with torch.no_grad():
             res = job.evaluate(model, run_dir / "eval" / tag)
@@ -373,6 +397,7 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
         log({"kind": "eval", "step": step, "epoch": epoch, **res})
         plot_metrics(metrics_path, run_dir / "metrics.png")
         select_best(res)
+        dist.barrier()
         return res
 
     def select_best(res: dict) -> None:
@@ -406,6 +431,7 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
                 scaler.unscale_(opt)
             else:
                 loss.backward()
+            dist.average_gradients(params)
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
             if scaler is not None:
                 scaler.step(opt)
@@ -423,6 +449,7 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
             bar.update({"loss": f"{float(loss.detach()):.4f}"})
             if step % cfg.log_every == 0 or step == total:
                 dt = max(1e-9, time.perf_counter() - t_last)
+                acc, n_samples = dist.mean(acc), dist.sum(n_samples)  # the ranks' mean; samples of all ranks
                 row = {"kind": "train", "step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
                        **{k: v / n_steps for k, v in acc.items()},
                        "steps_per_s": n_steps / dt, "samples_per_s": n_samples / dt}
@@ -445,15 +472,18 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
     bar.close()
     if interrupted:
         checkpoint(last)
-        plot_metrics(metrics_path, run_dir / "metrics.png")
+        if dist.writer:
+            plot_metrics(metrics_path, run_dir / "metrics.png")
         return {"interrupted_at": step}
     if params:
         checkpoint(last)
         checkpoint(ckpt_dir / "final.pt")
-    else:
+    elif dist.writer:
         save_checkpoint(ckpt_dir / "final.pt", {"model": model.state_dict(), "step": 0, "epoch": 0, "batch_in_epoch": 0,
-                                                 "config": cfg.model_dump(mode="json")})
+                                                 "config": run_cfg.model_dump(mode="json")})
     res = run_eval("final")
+    if not dist.writer:
+        return res
     (run_dir / "eval" / "final").mkdir(parents=True, exist_ok=True)
     (run_dir / "eval" / "final" / "metrics.json").write_text(json.dumps(res, indent=1))
     if getattr(cfg, "benchmarks_at_end", False):

@@ -15,6 +15,8 @@ batch draws its partners and negatives from ``default_rng([seed, epoch, batch, 1
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -134,12 +136,14 @@ class TripletBatches:
         return min(self.cfg.batch_size, len(self.r_cid))
 
     def batches_per_epoch(self) -> int:
+        """Batches in an epoch (all ranks together: train.job.rank_batches splits them)."""
         return len(self.r_cid) // self.batch_size
 
-    def batches(self, epoch: int, start: int):
+    def batches(self, epoch: int, indices: Iterable[int]):
+        """The epoch's batches ``indices`` (pure function of (seed, epoch, index))."""
         order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.r_cid))
         B = self.batch_size
-        for b in range(start, self.batches_per_epoch()):
+        for b in indices:
             yield self.make_batch(order[b * B:(b + 1) * B], np.random.default_rng([self.cfg.seed, epoch, b, 1]))
 
     def draw_non_member(self, cids: np.ndarray, pool: np.ndarray, rng, avoid: np.ndarray | None = None) -> np.ndarray:

@@ -78,10 +78,10 @@ class C3Job(Job):
         return C3Model(self.cfg, self.store.d_v, self.d_t, self.store.P, self.store.N)
 
     def batches_per_epoch(self) -> int:
-        return self.data.batches_per_epoch()
+        return self.steps_per_epoch(self.data.batches_per_epoch())
 
     def batches(self, epoch: int, start: int):
-        return self.data.batches(epoch, start)
+        return self.data.batches(epoch, self.rank_batches(self.data.batches_per_epoch(), start))
 
     def loss(self, model: C3Model, batch: dict):
         return c3_loss(model, batch, self.cfg, self.device)

@@ -12,8 +12,8 @@ import sys
 import numpy as np
 
 from pipeline.loaders.clip_tokens import collate as ct_collate
+from pipeline.io.shards import ShardStream
 from pipeline.loaders.clip_tokens import read_sample, read_shard, sample_index
-from pipeline.io.shards import ShardStream, loader
 from train.jobs.concept_ot.index_negatives import (IndexMissing, IndexNeighbours, IndexNeighbourStream, SampleTable,
                                                    require_index)
 
@@ -166,19 +166,19 @@ class ConceptOTBatches:
 
     def batches_per_epoch(self) -> int:
         if self._bpe is None:
-            self._bpe = self._stream().count_batches()
+            self._bpe = self.steps_per_epoch(self._stream().count_batches())  # steps per image pass
         return self._bpe * self._passes()
 
     def batches(self, epoch: int, start: int):
         R = self._passes()
-        if R == 1:
-            return loader(self._stream().set_position(epoch, start), self.cfg.num_workers)
-        # an epoch over caption pairs: R image passes, pass k shuffled as stream epoch epoch * R + k
         n = self.batches_per_epoch() // R
+        if R == 1:
+            return self.stream_batches(self._stream(), epoch, start, n)
+        # an epoch over caption pairs: R image passes, pass k shuffled as stream epoch epoch * R + k
 
         def passes():
             for k in range(start // n, R):
-                st = self._stream((epoch, k)).set_position(epoch * R + k, start % n if k == start // n else 0)
-                yield from loader(st, self.cfg.num_workers)
+                yield from self.stream_batches(self._stream((epoch, k)), epoch * R + k,
+                                               start % n if k == start // n else 0, n)
 
         return passes()

@@ -20,7 +20,7 @@ from torch import nn
 from pipeline.io.artifacts import Artifact
 from pipeline.io.storage import resolve_under
 from pipeline.io.wds import iter_shard
-from pipeline.io.shards import ShardStream, loader
+from pipeline.io.shards import ShardStream
 from pipeline.loaders.regions import RegionsReader
 from train.data import ParquetMultiJoin
 from train.job import Job, Splits, open_artifact
@@ -134,13 +134,13 @@ class InfoGroundJob(Job):
 
     def batches_per_epoch(self) -> int:
         if self._bpe is None:
-            self._bpe = self._stream().count_batches()
+            self._bpe = self.steps_per_epoch(self._stream().count_batches())
             if self.cfg.eval_every is None and self.cfg.eval_per_epoch and self._bpe > 0:
                 self.cfg.eval_every = self._bpe  # evaluate (and select best.pt) once per epoch
         return self._bpe
 
     def batches(self, epoch: int, start: int):
-        return loader(self._stream().set_position(epoch, start), self.cfg.num_workers)
+        return self.stream_batches(self._stream(), epoch, start, self.batches_per_epoch())
 
     def loss(self, model, batch: dict):
         dev = self.device

@@ -80,11 +80,11 @@ class RelationHeadJob(Job):
         return build_relation_head(**self.head_cfg)
 
     def batches_per_epoch(self):
-        return math.ceil(len(self.train_items) / self.cfg.batch_size)
+        return self.steps_per_epoch(math.ceil(len(self.train_items) / self.cfg.batch_size))
 
     def batches(self, epoch, start):
         order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train_items))
-        for b in range(start, self.batches_per_epoch()):
+        for b in self.rank_batches(math.ceil(len(self.train_items) / self.cfg.batch_size), start):
             chunk = [self.train_items[i] for i in order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size]]
             yield tuple(t.to(self.device) for t in collate(chunk, len(self.vocab), self.d))
 

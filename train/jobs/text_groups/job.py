@@ -122,7 +122,7 @@ class TextGroupsJob(Job):
 
     # --- data -------------------------------------------------------------------------------
     def batches_per_epoch(self) -> int:
-        return len(self.img_ids) // self.batch_size
+        return self.steps_per_epoch(len(self.img_ids) // self.batch_size)
 
     def _batch(self, img_idx: np.ndarray, cap_rows: np.ndarray) -> dict:
         ids, mask = self.tokens.batch(cap_rows, pad_to=self.cfg.max_len if self.cfg.full_logits else None)
@@ -134,7 +134,7 @@ class TextGroupsJob(Job):
         """Pure function of (seed, epoch): a permutation of the training images, one random caption each."""
         B = self.batch_size
         perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.img_ids))
-        for b in range(start, self.batches_per_epoch()):
+        for b in self.rank_batches(len(self.img_ids) // B, start):
             idx = perm[b * B:(b + 1) * B]
             u = np.random.default_rng([self.cfg.seed, epoch, b + 1]).random(len(idx))
             pick = self.cap_first[idx] + np.minimum((u * self.cap_count[idx]).astype(np.int64), self.cap_count[idx] - 1)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pipeline.io.artifacts import ArtifactMissing
-from pipeline.io.shards import ShardStream, fits_in_memory, loader
+from pipeline.io.shards import ShardStream, fits_in_memory
 from pipeline.loaders.visual_tokens import TRAIN_FIELDS, n_tokens
 from pipeline.loaders.visual_tokens import read_shard as vt_read_shard
 from train.data import ShardIndex, ShardJoin
@@ -142,11 +142,11 @@ class VisualTokensJob(VisualTokensScoring, Job):
 
     def batches_per_epoch(self) -> int:
         if self._bpe is None:
-            self._bpe = len(self.train_ids) // self.batch_size
+            self._bpe = self.steps_per_epoch(len(self.train_ids) // self.batch_size)
         return self._bpe
 
     def batches(self, epoch: int, start: int):
-        return loader(self.stream().set_position(epoch, start), self.cfg.num_workers)
+        return self.stream_batches(self.stream(), epoch, start, self.batches_per_epoch())
 
     def _encode_text_batch(self, model, batch) -> torch.Tensor:
         if self.cfg.text == "pooled":

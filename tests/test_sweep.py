@@ -1,0 +1,79 @@
+"""`train sweep`: a seeded grid of ordinary runs as Ray Tune trials, each in its own run folder with
+its log; a crashed trial is reported without stopping the rest; a rerun skips finished trials; the
+table is mean +- std over seeds per configuration (`train compare --over-seeds`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cot_planted import write_planted  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _seeds_line(table: str, config: str, metric: str) -> list[str]:
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
+    hit = [r for r in rows if r[0] == config and r[3] == metric]
+    assert len(hit) == 1, table
+    return hit[0]
+
+
+def test_sweep_runs_the_grid_reports_a_crash_and_skips_finished_trials(tmp_path, ray_session):
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    write_planted(tmp_path, n_images=48, captions_per_image=2, shard_size=20, seed=3)
+    man = tmp_path / "m.yaml"
+    man.write_text("name: t\n")
+    grid = tmp_path / "grid.yaml"
+    # hard_negatives: index without an `index` artifact: those trials crash at start
+    grid.write_text("train.concept_ot.lr: [0.001, 0.002]\ntrain.concept_ot.hard_negatives: [batch, index]\n")
+    sets = [f"output={tmp_path}", "train.concept_ot.max_steps=2", "train.concept_ot.batch_size=8",
+            "train.concept_ot.d_c=16", "train.concept_ot.rank=8", "train.concept_ot.sugarcrepe_dirs=[]",
+            "train.concept_ot.heatmaps=0", "train.concept_ot.threads=1", "train.concept_ot.eval_splits=[test]"]
+    args = ["sweep", "concept-ot", "--manifest", str(man), "--grid", str(grid), "--seeds", "2", "--max-concurrent", "2"]
+    for s in sets:
+        args += ["--set", s]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 1, r.output
+    runs = sorted(p for p in (tmp_path / "train" / "concept-ot").iterdir() if p.name != "sweeps")
+    assert len(runs) == 8 and all((p / "train.log").is_file() for p in runs)
+    ok = [p for p in runs if (p / "checkpoints" / "final.pt").is_file() and (p / "eval" / "final").is_dir()]
+    assert len(ok) == 4
+    failed = [x for x in r.stderr.splitlines() if "failed (" in x]
+    assert len(failed) == 4 and all("hard_negatives=index" in x and "index" in x.split("failed (")[1] for x in failed)
+    line = _seeds_line(r.stdout, "lr=0.001", "global/avg_R@1")
+    assert line[5] == "2"  # seeds
+    # the same table through `train compare --over-seeds`
+    r2 = CliRunner().invoke(app, ["compare", "--over-seeds", *map(str, ok)])
+    assert r2.exit_code == 0 and _seeds_line(r2.stdout, "lr=0.001", "global/avg_R@1")[4] == line[4]
+    stamps = {p: (p / "checkpoints" / "final.pt").stat().st_mtime_ns for p in ok}
+    r3 = CliRunner().invoke(app, args)
+    assert r3.exit_code == 1 and r3.stdout == r.stdout and r.stdout.startswith("| configuration |")
+    assert {p: (p / "checkpoints" / "final.pt").stat().st_mtime_ns for p in ok} == stamps  # finished: skipped
+
+
+@pytest.mark.parametrize("text, words", [("train.c3.lr: [1, 2]\n", "train.c3.lr"), ("train.concept_ot.lr: 0.1\n", "list"),
+                                         ("[1, 2]\n", "mapping"), ("a: [\n", "cannot be read")])
+def test_bad_grid_is_one_line_naming_the_key(tmp_path, text, words):
+    from train.sweep import GridError, read_grid
+
+    grid = tmp_path / "g.yaml"
+    grid.write_text(text)
+    with pytest.raises(GridError) as e:
+        read_grid(grid, "concept-ot")
+    assert words in str(e.value) and str(grid) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_trials_are_the_grid_times_the_seeds():
+    from train.sweep import trials
+
+    ts = trials({"train.concept_ot.lr": [0.1, 0.2], "train.concept_ot.variant": ["filip"]}, 3, "concept-ot")
+    assert [(t.options["train.concept_ot.lr"], t.seed) for t in ts] == [(a, s) for a in (0.1, 0.2) for s in range(3)]
+    assert ts[4].sets == ["train.concept_ot.lr=0.2", 'train.concept_ot.variant="filip"', "train.concept_ot.seed=1"]

@@ -1,0 +1,200 @@
+"""Seeded grids of ordinary runs on Ray Tune: ``train sweep <job> --grid GRID.yaml --seeds K``.
+
+GRID.yaml maps manifest keys of the job to lists of values (``train.concept_ot.lr: [1e-4, 3e-4]``);
+the trials are every combination times the seeds 0..K-1. A trial is a normal ``train run`` in the Tune
+trial's process (:func:`train.cli.build_job` with the trial's ``--set`` options, then
+:func:`train.loop.train`) in its own run folder (the run tag names the options), its output in
+``<run>/train.log``. Trials run in parallel as the cluster's CPUs allow (``max_concurrent``
+at most); a trial that crashes is reported with its error and the others go on. A rerun skips the
+trials whose run folder is finished (``checkpoints/final.pt`` and ``eval/final``) and resumes the
+others from their last checkpoint; the Tune experiment itself (``<output>/train/<job>/sweeps/<name>``,
+named by a hash of the grid) is restored with ``Tuner.restore`` where it exists. The sweep ends with
+:func:`train.seeds_table.seeds_table` over the trials' run folders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class GridError(ValueError):
+    """A grid file that cannot be read (one line naming the file and key)."""
+
+
+def read_grid(path: Path, job: str) -> dict[str, list]:
+    """{manifest key: values} from GRID.yaml; every key under ``train.<job>.``."""
+    try:
+        grid = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise GridError(f"grid {path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    prefix = f"train.{job.replace('-', '_')}."
+    if not isinstance(grid, dict) or not grid:
+        raise GridError(f"grid {path}: expected a mapping of {prefix}<option> to a list of values")
+    out = {}
+    for k, v in grid.items():
+        if not str(k).startswith(prefix):
+            raise GridError(f"grid {path}: key {k!r} is not an option of {job} (expected {prefix}<option>)")
+        if not isinstance(v, list) or not v:
+            raise GridError(f"grid {path}: {k} must be a non-empty list of values")
+        out[str(k)] = v
+    return out
+
+
+def _set_value(v) -> str:
+    """A grid value as a ``--set`` value (YAML-parsed again by the manifest loader)."""
+    return json.dumps(v) if isinstance(v, (list, dict, str)) else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+@dataclass
+class Trial:
+    options: dict  # grid key -> value
+    seed: int
+    run_dir: str = ""
+    sets: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in self.options.items()) + f", seed={self.seed}"
+
+
+def trials(grid: dict[str, list], seeds: int, job: str) -> list[Trial]:
+    key = f"train.{job.replace('-', '_')}"
+    out = []
+    for combo in itertools.product(*grid.values()):
+        opts = dict(zip(grid, combo))
+        for s in range(seeds):
+            out.append(Trial(opts, s, sets=[f"{k}={_set_value(v)}" for k, v in opts.items()] + [f"{key}.seed={s}"]))
+    return out
+
+
+def finished(run_dir: Path) -> bool:
+    return (run_dir / "checkpoints" / "final.pt").is_file() and (run_dir / "eval" / "final").is_dir()
+
+
+def _trial(config: dict, build_job=None) -> None:
+    """One Tune trial: the ordinary run of the job with the trial's options (``build_job``, i.e.
+    train.cli.build_job, then the shared loop), output in <run>/train.log (a finished run folder is
+    skipped)."""
+    import typer
+    from ray import tune
+
+    from train.loop import train
+
+    trial = config["trial"]
+    os.chdir(trial["cwd"])  # Tune starts trials in their own folder: the manifest's relative paths need ours
+    run_dir = Path(trial["run_dir"])
+    if finished(run_dir):
+        tune.report({"skipped": 1})
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "train.log"
+    with log_path.open("a") as log, contextlib.redirect_stderr(log), contextlib.redirect_stdout(log):
+        try:
+            _, _, _, j = build_job(trial["job"], Path(trial["manifest"]), trial["sets"])
+        except typer.Exit:  # build_job's one-line error, written to the log
+            log.flush()
+            lines = [x for x in log_path.read_text().splitlines() if x.startswith("error: ")]
+            raise RuntimeError(lines[-1][len("error: "):] if lines else f"the job could not be built (see {log_path})") from None
+        res = train(j, resume=True, progress=False)
+    tune.report({k: v for k, v in res.items() if isinstance(v, (int, float))})
+
+
+def _latest(run_dir: Path) -> str:
+    """``step N/T, <metric> v`` from the run's metrics.jsonl (its last line)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        last = json.loads(path.read_text().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return "starting"
+    metric = next((k for k in ("loss",) if k in last), None) or next(
+        (k for k, v in last.items() if k not in ("kind", "step", "epoch") and isinstance(v, (int, float))), None)
+    return f"step {last.get('step')}" + (f", {last['kind']} {metric} {last[metric]:.4g}" if metric else "")
+
+
+class _ProgressLines:
+    """One line per trial (configuration, step, latest metric) every ``every`` seconds while Tune runs."""
+
+    def __init__(self, trials: list[Trial], every: float = 30.0):
+        self.trials, self.every = trials, every
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.print()
+
+    def print(self) -> None:
+        for t in self.trials:
+            state = "done" if finished(Path(t.run_dir)) else _latest(Path(t.run_dir))
+            print(f"trial {t.label}: {state}", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
+def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds: int, trial_runs: list[str],
+          storage: Path, build_job, max_concurrent: int | None = None, cpus_per_trial: float = 1.0,
+          progress_every: float = 30.0) -> tuple[str, list[str]]:
+    """Run the grid on Ray Tune; returns (the seeds table, one error line per crashed trial).
+    ``trial_runs[i]``: the run folder of ``trials(...)[i]``; ``build_job(job, manifest, overrides)``
+    -> (module, cfg, manifest, Job) builds a trial's job (train.cli.build_job)."""
+    from ray import tune
+
+    grid = read_grid(grid_path, job)
+    ts = trials(grid, seeds, job)
+    for t, run in zip(ts, trial_runs):
+        t.run_dir = str(run)
+    configs = [{"job": job, "manifest": str(Path(manifest).resolve()), "sets": list(overrides) + t.sets,
+                "run_dir": t.run_dir, "cwd": os.getcwd(), "label": t.label} for t in ts]
+    name = "sweep-" + hashlib.sha1(json.dumps([job, configs], sort_keys=True).encode()).hexdigest()[:8]
+    trainable = tune.with_resources(tune.with_parameters(_trial, build_job=build_job), {"cpu": cpus_per_trial})
+    space = {"trial": tune.grid_search(configs)}
+    exp = Path(storage).resolve() / name
+    if tune.Tuner.can_restore(str(exp)):
+        tuner = tune.Tuner.restore(str(exp), trainable, resume_unfinished=True, restart_errored=True, param_space=space)
+    else:
+        tuner = tune.Tuner(
+            trainable, param_space=space,
+            tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent),
+            run_config=tune.RunConfig(name=name, storage_path=str(Path(storage).resolve()), verbose=0))
+    t0 = time.time()
+    tune_log = logging.getLogger("ray.tune")
+    level = tune_log.level
+    tune_log.setLevel(logging.CRITICAL)  # a crashed trial's traceback: reported below as one line
+    try:
+        # Tune's own status boxes go to stderr: stdout is the table
+        with _ProgressLines(ts, progress_every) as lines, contextlib.redirect_stdout(sys.stderr):
+            results = tuner.fit()
+    finally:
+        tune_log.setLevel(level)
+    lines.print()
+    errors = []
+    for r in results:
+        if r.error is not None:
+            label = (r.config or {}).get("trial", {}).get("label", "?")
+            err = getattr(r.error, "cause", None) or r.error.__cause__ or r.error
+            msg = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+            errors.append(f"trial {label}: failed ({type(err).__name__}: {msg})")
+    print(f"sweep: {len(ts)} trials in {time.time() - t0:.1f}s ({len(errors)} failed); Tune experiment {exp}",
+          file=sys.stderr)
+    from train.seeds_table import seeds_table
+
+    done = [t.run_dir for t in ts if finished(Path(t.run_dir))]
+    return (seeds_table(done) if done else "(no finished trial)"), errors
