@@ -129,7 +129,8 @@ def test_readme_tour_runs_as_written(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     text = (REPO / "README.md").read_text()
     setup = text.split("## Set-up", 1)[1].split("\n## ", 1)[0]
-    run_all = [c for c in commands(FENCE.findall(setup)[0][1]) if c[0].endswith("pipeline")]
+    run_all = [c for c in commands(FENCE.findall(setup)[0][1]) if c[0].endswith(("pipeline", "train"))]
+    assert [c[:2] for c in run_all] == [[".venv/bin/pipeline", "run"], [".venv/bin/train", "run"]], run_all
     tour = text.split("## A five-minute tour", 1)[1].split("\n## ", 1)[0]
     block = shell_blocks_of(tour)[0]
     for argv in run_all:
@@ -138,6 +139,8 @@ def test_readme_tour_runs_as_written(tmp_path):
     r = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, f"the tour failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert (tmp_path / "runs" / "demo" / "report" / "index.html").is_file()
+    trained = sorted(p.parent.parent.parent.name for p in (tmp_path / "runs" / "demo" / "train").glob("*/*/checkpoints/final.pt"))
+    assert {"c3", "concept-ot", "infoground", "relation-head", "text-groups", "visual-tokens"} <= set(trained), trained
 
 
 def shell_blocks_of(text: str) -> list[str]:

@@ -422,3 +422,17 @@ def test_report_summary_on_top_and_a_folded_section_per_stage_and_job(tmp_path, 
         fold = [f for f in html.split('<details class="fold"')[1:] if f'id="{target}"' in f.split("</details>")[0]]
         assert len(fold) == 1, target
     assert html.count('<details class="fold"') >= 1 + 8 + 1 and "<script" not in html
+
+
+def test_a_run_whose_metrics_hold_text_is_drawn(tmp_path):
+    """A job's own metrics.json may hold a message (c3: no held-out triplet on a tiny split): the
+    report shows it as text, beside the numeric rows, instead of failing to render."""
+    from pipeline.report.training import eval_tables
+
+    ev = tmp_path / "run" / "eval" / "final"
+    ev.mkdir(parents=True)
+    (ev / "metrics.json").write_text(json.dumps({"c3_mcp/error": "no held-out triplet", "loss": 1.5}))
+    tables = eval_tables(tmp_path / "run")
+    rows = {r["metric"]: r for t in tables for r in t["rows"]}
+    assert rows["c3_mcp/error"]["value"] == "no held-out triplet" and rows["c3_mcp/error"]["verdict"] == ""
+    assert all({"above", "below", "verdict", "ci"} <= set(r) for r in rows.values())

@@ -51,3 +51,37 @@ def test_train_run_prints_a_table_and_json_on_request(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["job"] == "toy" and res["run_dir"] == str(tmp_path / "run2")
+
+
+def test_runs_table_lists_trained_and_failed_jobs(tmp_path):
+    from train.summary import runs_table
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "loss": 0.5}) + "\n")
+    text = runs_table([("concept-ot", run, {"sugarcrepe/overall": 47.4, "chance/sugarcrepe": 50.0})], ["c3"])
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["job", "steps", "final"]
+    assert lines[1].split()[:6] == ["concept-ot", "20", "0.5", "sugarcrepe/overall", "47.4", "50"]
+    assert lines[2].split()[:3] == ["c3", "-", "-"] and "did not train" in lines[2]
+
+
+def test_train_run_all_goes_on_past_jobs_that_cannot_train(tmp_path):
+    """Every job is tried; one whose artifacts are missing is one line, the others go on; the report
+    is rebuilt; exit 2 because some did not train."""
+    import subprocess
+    import sys
+
+    man = tmp_path / "m.yaml"
+    man.write_text(f"name: t\noutput: {tmp_path / 'out'}\ndataset: {{kind: synthetic}}\n")
+    (tmp_path / "out").mkdir()
+    r = subprocess.run([sys.executable, "-m", "train.cli", "run", "all", "-m", str(man), "--max-steps", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    from train.registry import registry
+
+    for name in registry():
+        assert f"== train run {name}" in r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == len(registry()) and all("pipeline run" in ln or "missing" in ln for ln in errors), errors
+    assert "did not train" in r.stdout and (tmp_path / "out" / "report" / "index.html").is_file()

@@ -112,7 +112,7 @@ def _config_of_checkpoint(name: str, cfg, checkpoint: Path, overrides: list[str]
 
 @app.command()
 def run(
-    job: Annotated[str, typer.Argument(help="job name (train list)")],
+    job: Annotated[str, typer.Argument(help="job name (train list), or `all`: every job, one after another")],
     manifest: ManifestOpt,
     set_: SetOpt = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="ignore an existing checkpoint and start over")] = False,
@@ -122,17 +122,22 @@ def run(
                                                    "(default train.<job>.workers; 1: in this process, no Ray)")] = None,
     gpus_per_worker: Annotated[Optional[float], typer.Option("--gpus-per-worker", min=0, help="GPUs per worker "
                                                              "(default train.<job>.gpus_per_worker)")] = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1, help="stop after N optimizer steps "
+                                                     "(sets train.<job>.max_steps; with `all`, for every job)")] = None,
 ) -> None:
     """Train a job on the manifest's artifacts (resumes from the run's last checkpoint when it has
     the same training configuration; another configuration's checkpoint is refused). With
     ``--workers N`` (N > 1): data-parallel on Ray Train (train/distributed.py)."""
+    if job == "all":
+        return _run_all(manifest, list(set_ or []), fresh, progress, max_steps)
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.io.lock import FolderBusy
     from train.loop import RunMismatch, fresh_hint, train
 
     key = f"train.{job.replace('-', '_')}"
     set_ = list(set_ or []) + ([f"{key}.workers={workers}"] if workers is not None else []) + \
-        ([f"{key}.gpus_per_worker={gpus_per_worker}"] if gpus_per_worker is not None else [])
+        ([f"{key}.gpus_per_worker={gpus_per_worker}"] if gpus_per_worker is not None else []) + \
+        ([f"{key}.max_steps={max_steps}"] if max_steps is not None else [])
     _, cfg, m, j = build_job(job, manifest, set_)
     typer.echo(f"run folder: {j.run_dir}", err=True)
     try:
@@ -152,6 +157,50 @@ def run(
     from train.summary import result_json, summary_table
 
     typer.echo(result_json(job, j.run_dir, res) if json_out else summary_table(job, j.run_dir, res))
+    return j.run_dir, res
+
+
+def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, max_steps: int | None) -> None:
+    """``train run all``: every registered job on the manifest's artifacts, one after another (a job
+    that fails or whose artifacts are missing is reported in one line and the others go on), then
+    the run report rebuilt with the runs in it. Exit 2 when any job did not train."""
+    import gc
+
+    from pipeline.config import ManifestError, load_manifest
+    from pipeline.io import storage
+    from train.registry import registry
+
+    try:
+        m = load_manifest(manifest, overrides)
+    except ManifestError as e:
+        _fail(str(e))
+    done, failed = [], []
+    for name in registry():
+        typer.echo(f"== train run {name}", err=True)
+        try:
+            run_dir, res = run(name, manifest, overrides, fresh=fresh, progress=progress, json_out=False, workers=None,
+                               gpus_per_worker=None, max_steps=max_steps)
+            done.append((name, run_dir, res))
+        except typer.Exit as e:  # build_job / train already printed the one-line error
+            if e.exit_code:
+                failed.append(name)
+        except Exception as e:  # noqa: BLE001 - one job's failure must not stop the others
+            typer.echo(f"error: {name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+                       err=True)
+            failed.append(name)
+        gc.collect()
+    from pipeline.report.build import build_report
+    from train.summary import runs_table
+
+    typer.echo("\n" + runs_table(done, failed))
+
+    try:
+        typer.echo(f"report: {build_report(storage.local_path(m.output), str(manifest), m)}")
+    except (OSError, ValueError) as e:  # the runs stand; only the page is missing
+        typer.echo(f"report: not rebuilt ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})",
+                   err=True)
+    if failed:
+        raise typer.Exit(2)
 
 
 def _train_on_workers(job: str, manifest: Path, overrides: list[str], cfg, m, run_dir: Path, fresh: bool,

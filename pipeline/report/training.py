@@ -71,13 +71,14 @@ def eval_tables(run_dir: Path) -> list[dict]:
                 if "chance" in k:
                     continue
                 if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    out_rows.append({"metric": k, "value": str(v)[:200], "chance": "", "unit": ""})
+                    out_rows.append({"metric": k, "value": str(v)[:200], "chance": "", "unit": "", "ci": "",
+                                     "above": False, "below": False, "verdict": ""})
                     continue
                 c = res.get(chance_of[k]) if k in chance_of else None
                 unit = ""  # metrics.json carries no units: numbers as logged (results.parquet has them)
                 # no item count here, so no interval: no verdict either (value > chance is not evidence)
                 out_rows.append({"metric": k, "value": fmt_value(v, unit), "chance": fmt_value(c, unit) if c is not None else
-                                 ("n/a" if unit else ""), "unit": unit, "above": False, "below": False, "verdict": ""})
+                                 ("n/a" if unit else ""), "unit": unit, "ci": "", "above": False, "below": False, "verdict": ""})
             tables.append({"tag": d.name, "source": "metrics.json", "rows": out_rows, "kind": "metrics"})
     return tables
 

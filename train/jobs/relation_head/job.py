@@ -12,7 +12,7 @@ import torch
 
 from pipeline.models.relations import build_relation_head
 from train.config import TrainerConfig
-from train.job import Job, Splits, resolve_artifact
+from train.job import Job, Splits, open_artifact, resolve_artifact
 from train.jobs.relation_head.batches import collate, load_graphs
 from train.jobs.relation_head.metrics import evaluate_model, recall_rows
 
@@ -58,6 +58,7 @@ class RelationHeadJob(Job):
     def __init__(self, cfg: TrainerConfig, manifest, run_dir, device):
         super().__init__(cfg, manifest, run_dir, device)
         self.art_dir = resolve_artifact(manifest, self.cfg.artifact)
+        open_artifact(manifest, self.cfg.artifact, "visual_tokens", self.NAME)  # missing: one line naming the stage
         items, self.art_man = load_graphs(self.art_dir)
         self.vocab = self.art_man.get("predicates")
         if not self.vocab:

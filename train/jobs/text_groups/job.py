@@ -55,6 +55,7 @@ class TextGroupsJob(Job):
     def __init__(self, cfg, manifest, run_dir, device):
         super().__init__(cfg, manifest, run_dir, device)
         self.tok, self.tok_record = load_tokenizer(getattr(getattr(manifest, "models", None), "groupvit", None))
+        open_artifact(manifest, cfg.groups_artifact, "image_groups", "text-groups")  # missing: one line naming the stage
         self.groups = ImageGroups(resolve_artifact(manifest, cfg.groups_artifact))
         self.d_img = int(self.groups.shape["groups"][-1])
         self.samples = open_artifact(manifest, cfg.samples_artifact, "samples", self.NAME)
