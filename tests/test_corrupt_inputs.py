@@ -147,3 +147,23 @@ def test_flipped_clip_tokens_shard_is_refused_by_build_index_and_redone_by_its_s
     run_stage("build-index", RunContext(m))
     assert artifact_state(Path(m.output), "index").state == "complete"
     assert json.loads((Path(m.output) / "index" / "_manifest.json").read_text())["input_fingerprints"] == {"clip_tokens": _fingerprint(clip)}
+
+
+def test_an_artifact_under_a_relative_output_reads(tmp_path, monkeypatch):
+    """`output: runs/demo` (relative, as the demo manifest has it): files() gives paths under the
+    relative folder, which read() must not join to the folder a second time."""
+    import pyarrow as pa
+
+    from pipeline.io.artifacts import Artifact, ArtifactWriter, unit_name
+
+    monkeypatch.chdir(tmp_path)
+    w = ArtifactWriter("runs/demo", "samples", "ingest", {"v": 1})
+    u = w.unit_writer(unit_name(0), "fp")
+    u.write_table("samples", pa.table({"sample_id": pa.array([1, 2], pa.int64())}))
+    u.commit()
+    w.finalize([unit_name(0)])
+    art = Artifact("runs/demo/samples")
+    assert not art.files("samples")[0].is_absolute()
+    assert art.read("samples").column("sample_id").to_pylist() == [1, 2]
+    assert art.scan("samples").collect().height == 2
+    assert art.read_file("samples/" + art.files("samples")[0].name).num_rows == 2

@@ -205,7 +205,9 @@ class Artifact:
     def read_file(self, path: str | Path, columns: list[str] | None = None) -> pa.Table:
         """One Parquet file of the artifact (a path from :meth:`files`, or relative to the folder);
         an unreadable one raises :class:`CorruptArtifact` naming it and how to redo it."""
-        path = Path(path) if Path(path).is_absolute() else self.local_file(str(path))
+        path = Path(path)
+        if not (path.is_absolute() or path.is_relative_to(self._local)):  # files() gives paths under the folder
+            path = self.local_file(str(path))  # (relative ones when the output is): else relative to the folder
         return self._parquet(path, lambda p: pq.read_table(p, columns=columns))
 
     def _parquet(self, path: Path, read):
