@@ -110,7 +110,7 @@ def test_ivf_recall_and_speed_on_100k_clustered():
         centroids, assign = ivf_lists(ivf, x)
         batched = BatchedIVF(x, ids, centroids, assign, ivf.nprobe)
         t_flat = t_ivf = float("inf")
-        for _ in range(2):  # shared machine: best of two
+        for _ in range(3):  # shared machine: best of three
             t0 = time.perf_counter()
             _, ref = flat.search(q, 10)
             t_flat = min(t_flat, time.perf_counter() - t0)

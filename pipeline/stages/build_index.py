@@ -171,7 +171,15 @@ def ivf_lists(index, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return centroids, assign[:, 0].astype(np.int64)
 
 
-def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, assign: np.ndarray, queries: np.ndarray, k: int, nprobe: int):
+def ivf_layout(x: np.ndarray, ids: np.ndarray, assign: np.ndarray, nlist: int):
+    """The base vectors and ids reordered list by list (each inverted list one contiguous block,
+    so scoring a list reads a view, not a gather), and each list's [start, stop) bounds."""
+    rows = np.argsort(assign, kind="stable")
+    bounds = np.searchsorted(np.asarray(assign)[rows], np.arange(nlist + 1))
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32)[rows]), np.asarray(ids)[rows], bounds
+
+
+def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, assign: np.ndarray, queries: np.ndarray, k: int, nprobe: int, layout=None):
     """The IVF search for a whole batch of queries, list by list with BLAS.
 
     Same candidates as FAISS's ``IndexIVFFlat.search`` with the same ``nprobe`` (the ``nprobe``
@@ -179,8 +187,8 @@ def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, as
     but each inverted list is scored against all queries probing it in one matrix product
     instead of one query at a time: FAISS's per-query scan is memory-bound and on CPU barely
     beats a BLAS flat search, which defeats the point of IVF for offline mining where all
-    queries are known up front. Returns (scores [q, k], ids [q, k]); -1 / -inf where fewer."""
-    x = np.asarray(x, dtype=np.float32)
+    queries are known up front. Returns (scores [q, k], ids [q, k]); -1 / -inf where fewer.
+    ``layout`` is :func:`ivf_layout` of the base, when the same base is searched more than once."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     nq, nlist = len(queries), len(centroids)
     nprobe = min(nprobe, nlist)
@@ -192,9 +200,7 @@ def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, as
     order = np.argsort(flat_lists, kind="stable")
     q_sorted, l_sorted = q_of[order], flat_lists[order]
     q_bounds = np.searchsorted(l_sorted, np.arange(nlist + 1))
-    # base rows grouped by list
-    rows = np.argsort(assign, kind="stable")
-    r_bounds = np.searchsorted(assign[rows], np.arange(nlist + 1))
+    xs, ids_s, r_bounds = layout if layout is not None else ivf_layout(x, ids, assign, nlist)
     cand_q, cand_s, cand_i = [], [], []
     for lst in range(nlist):
         qa, qb = q_bounds[lst], q_bounds[lst + 1]
@@ -202,18 +208,17 @@ def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, as
         if qa == qb or ra == rb:
             continue
         qi = q_sorted[qa:qb]
-        members = rows[ra:rb]
-        sc = queries[qi] @ x[members].T  # [q_l, n_l]
+        sc = queries[qi] @ xs[ra:rb].T  # [q_l, n_l]; the list is one contiguous block
         kk = min(k, sc.shape[1])
         if kk < sc.shape[1]:
             top = np.argpartition(-sc, kk - 1, axis=1)[:, :kk]
             sc = np.take_along_axis(sc, top, axis=1)
-            mi = members[top]
+            mi = ids_s[ra:rb][top]
         else:
-            mi = np.broadcast_to(members, sc.shape)
+            mi = np.broadcast_to(ids_s[ra:rb], sc.shape)
         cand_q.append(np.repeat(qi, kk))
         cand_s.append(sc.reshape(-1))
-        cand_i.append(ids[mi].reshape(-1))
+        cand_i.append(mi.reshape(-1))
     out_s = np.full((nq, k), -np.inf, np.float32)
     out_i = np.full((nq, k), -1, np.int64)
     if not cand_q:
@@ -251,9 +256,10 @@ class BatchedIVF:
 
     def __init__(self, x, ids, centroids, assign, nprobe):
         self.x, self.ids, self.centroids, self.assign, self.nprobe = x, ids, centroids, assign, nprobe
+        self.layout = ivf_layout(x, ids, assign, len(centroids))  # once, not per search
 
     def search(self, queries, k):
-        return ivf_search_batched(self.x, self.ids, self.centroids, self.assign, queries, k, self.nprobe)
+        return ivf_search_batched(self.x, self.ids, self.centroids, self.assign, queries, k, self.nprobe, self.layout)
 
 
 # ---------------------------------------------------------------------------------------------
