@@ -36,7 +36,8 @@ from pipeline.stage import RunContext, StageError, describe_exception
 
 SAMPLE_COLUMNS = ["sample_id", "source_id", "image", "width", "height"]
 # what a unit attaches to its records, and the samples tables each needs
-ATTACH_TABLES = {"captions": "captions", "boxes": "instances", "instances": "instances", "relations": "relations"}
+ATTACH_TABLES = {"captions": "captions", "boxes": "instances", "instances": "instances", "relations": "relations",
+                 "scene": "instances"}  # scene: box, category and attributes of every instance (the scene-oracle's input)
 
 
 @dataclass
@@ -224,6 +225,16 @@ def read_slice(desc: dict) -> list[dict]:
                     by.setdefault(row.pop("sample_id"), []).append(row)
             for r in recs:
                 r["instances"] = by.get(r["sample_id"], [])
+        elif a == "scene":
+            by = {}
+            if files:
+                inst = (scan("instances").select("sample_id", "instance_id", "category", "box", "attributes")
+                        .sort("sample_id", "instance_id").collect())  # fmt: skip
+                for row in inst.to_dicts():
+                    row["box"] = [float(x) for x in row["box"]]
+                    by.setdefault(row.pop("sample_id"), []).append(row)
+            for r in recs:
+                r["scene"] = by.get(r["sample_id"], [])
         elif a == "relations":
             by = {}
             if files:
