@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from pipeline.models.provenance import model_record, state_dict_hash, weights_hash
+from pipeline.models.scene_oracle import OracleClip, is_oracle
 
 TEXT_MAX_TOKENS = 48  # ConceptOT App. G.1: "up to M = 48 tokens"
 RANDOM_SEED = 0
@@ -105,8 +106,13 @@ def build_random_clip(preset: str = "tiny-random"):
 
 
 def load_clip(spec: str, device: str = "cpu"):
-    """Return ``(model, image_processor, tokenizer, record)``; the model is in eval mode on ``device``."""
+    """Return ``(model, image_processor, tokenizer, record)``; the model is in eval mode on ``device``.
+    ``scene-oracle`` (the testbed instrument, :mod:`pipeline.models.scene_oracle`) returns its
+    :class:`~pipeline.models.scene_oracle.OracleClip` with no processor or tokenizer."""
     spec = spec.strip()
+    if is_oracle(spec):
+        oc = OracleClip()
+        return oc, None, None, oc.record()
     if is_random_spec(spec):
         model, processor, tok = build_random_clip(spec.lower())
         record = model_record("clip", spec, random_weights=True, weights_sha256=state_dict_hash(model), seed=RANDOM_SEED)
@@ -128,6 +134,8 @@ def load_clip(spec: str, device: str = "cpu"):
 
 def dims(model) -> dict:
     """Token/embedding sizes: what a consumer needs to size its layers."""
+    if getattr(model, "is_scene_oracle", False):
+        return model.dims()
     v, t = model.config.vision_config, model.config.text_config
     n = (v.image_size // v.patch_size) ** 2
     return {
@@ -179,6 +187,8 @@ def encode_texts(
     project_tokens: bool = False,
     return_offsets: bool = False,
 ) -> dict[str, torch.Tensor]:
+    if getattr(model, "is_scene_oracle", False):
+        return model.encode_texts(texts, max_tokens, project_tokens, return_offsets)
     enc = tokenize(tokenizer, texts, max_tokens, return_offsets)
     device = next(model.parameters()).device
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)

@@ -235,3 +235,79 @@ class SceneOracle:
         if not span:
             return np.zeros(self.d_t, np.float32)
         return np.mean([self.word_vector(ws, len(head) + i) for i in range(len(span))], axis=0).astype(np.float32)
+
+
+# --- as a CLIP (models.clip: scene-oracle) ------------------------------------------------------
+
+
+class _Cfg:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class OracleClip:
+    """The oracle in CLIP's place: ``pipeline.models.clip`` dispatches to it (``load_clip``,
+    ``encode_texts``, ``dims``) and ``extract-clip-tokens`` calls :meth:`encode_records` on a batch
+    of records carrying their ``scene``. Tokens are one per word (BOS .. EOS, as CLIP's), with each
+    word's character span as its offset; ``input_ids`` index the scenes' vocabulary (others -1)."""
+
+    is_scene_oracle = True
+
+    def __init__(self, oracle: SceneOracle | None = None):
+        self.oracle = oracle or SceneOracle()
+        o = self.oracle
+        self.config = _Cfg(projection_dim=o.proj, text_config=_Cfg(hidden_size=o.d_t),
+                           vision_config=_Cfg(hidden_size=o.d_v, image_size=o.grid, patch_size=1))
+
+    def dims(self) -> dict:
+        o = self.oracle
+        return {"image_size": o.grid, "patch_size": 1, "n_patches": o.grid * o.grid, "vision_dim": o.d_v,
+                "text_dim": o.d_t, "projection_dim": o.proj}
+
+    def record(self) -> dict:
+        return {**record("clip", oracle=self.oracle.params()), **self.dims()}
+
+    def encode_records(self, records: list[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(patch tokens float16 [grid^2, d_v], pooled float16 [proj]) per record (``record["scene"]``)."""
+        out = []
+        for r in records:
+            patches, pooled = self.oracle.image(objects_of(r.get("scene") or []), float(r.get("width") or 1),
+                                                float(r.get("height") or 1), int(r["sample_id"]))
+            out.append((patches.astype(np.float16), pooled.astype(np.float16)))
+        return out
+
+    def encode_texts(self, texts, max_tokens: int = 48, project_tokens: bool = False, return_offsets: bool = False) -> dict:
+        """What :func:`pipeline.models.clip.encode_texts` returns, as torch tensors."""
+        import re
+
+        import torch
+
+        if project_tokens:
+            raise ValueError("models.clip: scene-oracle has no joint token space (project_tokens must be false)")
+        o = self.oracle
+        enc, spans = [], []
+        for text in texts:
+            tok, emb = o.text(text)
+            words = [(m.start(), m.end()) for m in re.finditer(r"\S+", text) if m.group().strip(".,:;!?\"'()")]
+            if len(tok) > max_tokens:  # truncate, keeping the EOS, as CLIP's tokenizer does
+                tok = np.concatenate([tok[: max_tokens - 1], tok[-1:]])
+                words = words[: max_tokens - 2]
+            enc.append((tok, emb))
+            spans.append([(0, 0)] + words + [(0, 0)])
+        M = max((len(t) for t, _ in enc), default=0)
+        B = len(enc)
+        tokens = torch.zeros(B, M, o.d_t)
+        mask = torch.zeros(B, M, dtype=torch.bool)
+        ids = torch.zeros(B, M, dtype=torch.long)
+        offsets = torch.zeros(B, M, 2, dtype=torch.long)
+        for i, ((t, _), sp) in enumerate(zip(enc, spans)):
+            tokens[i, : len(t)] = torch.from_numpy(t)
+            mask[i, : len(t)] = True
+            offsets[i, : len(t)] = torch.tensor(sp, dtype=torch.long)
+            ws = ["<bos>"] + [texts[i][a:b].strip(".,:;!?\"'()").lower() for a, b in sp[1:-1]] + ["<eos>"]
+            ids[i, : len(t)] = torch.tensor([o.vocab.get(o.shape_of.get(w, w), -1) for w in ws], dtype=torch.long)
+        out = {"text_tokens": tokens, "text_embed": torch.from_numpy(np.stack([e for _, e in enc])) if B else torch.zeros(0, o.proj),
+               "text_mask": mask, "input_ids": ids}
+        if return_offsets:
+            out["offsets"] = offsets
+        return out

@@ -91,10 +91,15 @@ class ClipTokenWorker(ImageActor):
     def prepare(self, images):
         from pipeline.models.clip import preprocess_images
 
+        if self.processor is None:  # scene-oracle: the image is decoded (the error policy holds) but not used
+            return images
         return preprocess_images(self.processor, images)
 
     def encode(self, records, pixels):
         from pipeline.models.clip import encode_images
+
+        if getattr(self.model, "is_scene_oracle", False):  # the testbed instrument reads the scene, not the pixels
+            return self.model.encode_records(records)
 
         out = encode_images(self.model, pixels, self.project_tokens)
         patches = out["patch_tokens"].float().cpu().numpy().astype(np.float16)
@@ -178,8 +183,13 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.models.clip import load_clip
     from pipeline.models.provenance import cached_info
 
+    from pipeline.models.scene_oracle import is_oracle, require_generated
+
     spec = ctx.manifest.models.clip
-    plan = plan_image_units(ctx, cfg.shard_size, ("captions",))
+    oracle = is_oracle(spec)
+    if oracle:
+        require_generated(ctx.manifest, "clip")
+    plan = plan_image_units(ctx, cfg.shard_size, ("captions", "scene") if oracle else ("captions",))
     # Provenance and dims: computed by a model load once, then cached (a rerun with nothing to do
     # loads no model; see pipeline.models.provenance.cached_info).
     with model_key("models.clip", spec):
