@@ -28,14 +28,15 @@ def _options(run: Path) -> dict:
 
 
 def final_rows(run: Path) -> list[dict]:
-    """The run's final evaluation as rows {benchmark, subset, metric, value, chance} ([] when none):
+    """The run's final evaluation as rows {benchmark, subset, metric, value, chance, ci_low, ci_high, n}
+    ([] when none):
     the harness table's, then the job's evaluate() metrics."""
     rows = []
     table = run / "eval" / "final" / "results.parquet"
     if table.is_file():
         import pyarrow.parquet as pq
 
-        rows += [{k: r.get(k) for k in ("benchmark", "subset", "metric", "value", "chance")}
+        rows += [{k: r.get(k) for k in ("benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n")}
                  for r in pq.read_table(table).to_pylist()]
     metrics = run / "eval" / "final" / "metrics.json"
     if metrics.is_file():

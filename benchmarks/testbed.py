@@ -1,0 +1,186 @@
+"""The testbed end to end: every stage, every job and its control, one table.
+
+    .venv/bin/python benchmarks/testbed.py [--manifest manifests/testbed.yaml] [--jobs concept-ot c3 ...]
+                                           [--seed 0] [--set key=value ...] [--no-stages] [--no-control]
+
+1. ``pipeline run all --manifest M`` (timed; a rerun resumes, so the stages' time is 0 when nothing changed);
+2. per job, the real commands a user types: ``train run <job> --manifest M --json`` and its control,
+   the same job with ``--set train.<job>.control=shuffled`` (pairings shuffled once before training);
+3. one table, printed and written to ``<output>/testbed.md``: job, benchmark/metric, value, 95% interval,
+   chance, the control's value and interval, steps and wall time of the run, and a verdict per row:
+
+   * a row the testbed's features make learnable (``LEARNABLE`` below): ``learned`` when the interval's
+     lower bound is above chance, and the control ``at chance`` when chance lies in its interval;
+   * a row that must stay at chance (word order: the scene-oracle's features carry none): ``at chance``
+     when chance lies in its interval, in the trained run and in the control.
+
+Exit status 1 when any verdict fails, so the script is a check as well as a benchmark. Every figure
+comes from the runs' ``eval/final/results.parquet`` (the harness and the jobs' own metrics with
+``chance``, ``ci_low``, ``ci_high``, ``n``). See docs/testbed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+BIN = Path(sys.executable).parent
+
+JOBS = ["concept-ot", "c3", "infoground", "visual-tokens", "text-groups", "relation-head"]
+
+# (benchmark, subset, metric) -> expectation: "learn" (ci_low > chance) or "chance" (chance in the interval).
+# A subset or metric of None matches any. Rows not named here are shown only with --all-rows.
+LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
+    "concept-ot": [("retrieval", None, "i2t_r1", "learn"), ("retrieval", None, "t2i_r1", "learn"),
+                   ("sugarcrepe", "swap_att", None, "learn"), ("sugarcrepe", "replace_obj", None, "learn"),
+                   ("vg-attribution", None, None, "learn"), ("vg-relation", None, None, "chance")],
+    "c3": [("evaluate", None, "mcp/type1_auc", "learn"), ("evaluate", None, "mcp/type2_random_auc", "learn")],
+    "infoground": [("evaluate", None, "pointing_acc", "learn")],
+    "visual-tokens": [("retrieval", None, "i2t_r1", "learn"), ("vg-relation", None, None, "chance")],
+    "text-groups": [("evaluate", None, "retrieval_r1", "learn")],
+    "relation-head": [("evaluate", None, "recall@20", "learn")],
+}
+
+
+def _cli(tool: str, *args: str) -> tuple[dict | None, float, str]:
+    t0 = time.perf_counter()
+    p = subprocess.run([str(BIN / tool), *args], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    last = None
+    for line in p.stdout.splitlines()[::-1]:
+        if line.startswith("{"):
+            try:
+                last = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
+    if p.returncode != 0:
+        tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return None, wall, tail
+    return last, wall, ""
+
+
+def _matches(row: dict, pat: tuple) -> bool:
+    b, s, m, _ = pat
+    return ((b is None or row["benchmark"] == b) and (s is None or (row.get("subset") or "") == s)
+            and (m is None or row["metric"] == m))
+
+
+def _interval(r: dict | None) -> str:
+    if not r or r.get("ci_low") is None or r.get("ci_high") is None:
+        return "-"
+    return f"[{r['ci_low']:.3g}, {r['ci_high']:.3g}]"
+
+
+def _num(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.4g}"
+
+
+def _in(r: dict | None, x) -> bool:
+    return bool(r) and x is not None and r.get("ci_low") is not None and r["ci_low"] <= x <= r["ci_high"]
+
+
+def _steps(run_dir: Path) -> int | None:
+    from pipeline.report.curves import read_metrics
+
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+    return rows[-1].get("step") if rows else None
+
+
+def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[dict]:
+    from train.seeds_table import final_rows
+
+    got = [r for r in final_rows(run) if isinstance(r.get("value"), (int, float))]
+    ctl = {(r["benchmark"], r.get("subset") or "", r["metric"]): r for r in (final_rows(control) if control else [])}
+    pats = LEARNABLE.get(job, [])
+    out = []
+    for r in got:
+        pat = next((p for p in pats if _matches(r, p)), None)
+        if pat is None and not (all_rows and r.get("chance") is not None):
+            continue
+        c = ctl.get((r["benchmark"], r.get("subset") or "", r["metric"]))
+        expect = pat[3] if pat else "-"
+        chance = r.get("chance")
+        if expect == "learn":
+            ok = r.get("ci_low") is not None and chance is not None and r["ci_low"] > chance
+            verdict = ("learned" if ok else "NOT LEARNED") + ("" if control is None else
+                                                              (", control at chance" if _in(c, chance) else ", CONTROL OFF CHANCE"))
+            ok = ok and (control is None or _in(c, chance))
+        elif expect == "chance":
+            ok = _in(r, chance) and (control is None or _in(c, chance))
+            verdict = "at chance" if ok else "OFF CHANCE"
+        else:
+            ok, verdict = True, ""
+        out.append({"job": job, "row": "/".join(x for x in (r["benchmark"], r.get("subset") or "", r["metric"]) if x),
+                    "value": r["value"], "ci": _interval(r), "chance": chance, "n": r.get("n"),
+                    "control": None if c is None else c["value"], "control_ci": _interval(c),
+                    "verdict": verdict, "ok": ok})
+    if pats and not any(o["verdict"] for o in out):
+        out.append({"job": job, "row": "(no main metric in results.parquet)", "value": None, "ci": "-", "chance": None,
+                    "n": None, "control": None, "control_ci": "-", "verdict": "MISSING", "ok": False})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--manifest", default=str(REPO / "manifests" / "testbed.yaml"))
+    ap.add_argument("--jobs", nargs="*", default=JOBS)
+    ap.add_argument("--seed", type=int, default=None, help="train.<job>.seed for every run")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra manifest override (repeatable)")
+    ap.add_argument("--no-stages", action="store_true", help="the artifacts exist: skip `pipeline run all`")
+    ap.add_argument("--no-control", action="store_true", help="skip the control runs")
+    ap.add_argument("--all-rows", action="store_true", help="every result row with a chance level, not only the main ones")
+    args = ap.parse_args(argv)
+    sets = sum((["--set", s] for s in args.sets), [])
+    t_stages = 0.0
+    if not args.no_stages:
+        _, t_stages, err = _cli("pipeline", "run", "all", "--manifest", args.manifest, *sets)
+        if err:
+            print(f"testbed: pipeline run all failed: {err}", file=sys.stderr)
+            return 1
+    lines = [f"stages: {t_stages:.0f} s (`pipeline run all --manifest {args.manifest}`)", "",
+             "| job | metric | value | 95% interval | chance | n | control | control 95% | verdict | steps | wall s |",
+             "|---|---|---:|---|---:|---:|---:|---|---|---:|---:|"]
+    ok_all = True
+    for job in args.jobs:
+        key = job.replace("-", "_")
+        jsets = sets + (["--set", f"train.{key}.seed={args.seed}"] if args.seed is not None else [])
+        res, wall, err = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets)
+        if err or not res:
+            lines.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | FAILED | | {wall:.0f} |")
+            ok_all = False
+            continue
+        control = None
+        if not args.no_control:
+            cres, _, cerr = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets,
+                                 "--set", f"train.{key}.control=shuffled")
+            if cerr or not cres:
+                lines.append(f"| {job} | control failed: {cerr or 'no result line'} | | | | | | | FAILED | | |")
+                ok_all = False
+            else:
+                control = Path(cres["run_dir"])
+        run = Path(res["run_dir"])
+        steps = _steps(run)
+        for r in job_rows(job, run, control, args.all_rows):
+            ok_all &= r["ok"]
+            lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
+                         f"{_num(r['control'])} | {r['control_ci']} | {r['verdict']} | {_num(steps)} | {wall:.0f} |")
+    text = "\n".join(lines)
+    print(text)
+    from pipeline.config import load_manifest
+
+    out = Path(load_manifest(args.manifest, args.sets).output)
+    if out.is_dir():
+        (out / "testbed.md").write_text(text + "\n")
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
