@@ -85,3 +85,21 @@ def test_train_run_all_goes_on_past_jobs_that_cannot_train(tmp_path):
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == len(registry()) and all("pipeline run" in ln or "missing" in ln for ln in errors), errors
     assert "did not train" in r.stdout and (tmp_path / "out" / "report" / "index.html").is_file()
+
+
+def test_runs_table_takes_chance_from_results_parquet(tmp_path):
+    """A job's own metric (infoground's val_r1) has no chance in metrics.json; its results.parquet row does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from train.summary import runs_table
+
+    run = tmp_path / "run"
+    (run / "eval" / "final").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "loss": 0.5}) + "\n")
+    pq.write_table(pa.table({"benchmark": ["infoground"], "subset": [""], "metric": ["val_r1"], "value": [31.0],
+                             "chance": [4.0], "ci_low": [20.0], "ci_high": [40.0], "n": [64]}),
+                   run / "eval" / "final" / "results.parquet")
+    text = runs_table([("infoground", run, {"val_r1": 31.0})], [])
+    row = text.splitlines()[1].split()
+    assert row[:6] == ["infoground", "20", "0.5", "val_r1", "31", "4"], text

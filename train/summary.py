@@ -43,6 +43,27 @@ def headline_metrics(res: dict, limit: int = HEADLINE_ROWS) -> tuple[list[tuple[
     return rows, len(metrics) - len(chosen)
 
 
+def results_chance(run_dir: Path) -> dict[str, float]:
+    """metric -> chance from the run's final ``results.parquet`` (a job's own metrics carry their
+    chance there, not in metrics.json); keyed by the metric and by ``benchmark/subset/metric``."""
+    from train.seeds_table import final_rows
+
+    out = {}
+    for r in final_rows(Path(run_dir)):
+        if r.get("chance") is not None:
+            full = "/".join(x for x in (r["benchmark"], r.get("subset") or "", r["metric"]) if x)
+            out.setdefault(full, r["chance"])
+            out.setdefault(r["metric"], r["chance"])
+    return out
+
+
+def _with_chance(rows, run_dir: Path):
+    if all(c is not None for _, _, c in rows):
+        return rows
+    known = results_chance(run_dir)
+    return [(k, v, c if c is not None else known.get(k, known.get(k.rsplit("/", 1)[-1]))) for k, v, c in rows]
+
+
 def _align(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
@@ -59,6 +80,7 @@ def summary_table(job: str, run_dir: Path, res: dict) -> str:
     if "interrupted_at" in res:
         return "\n".join([*lines, f"interrupted at step {res['interrupted_at']}: rerun the command to resume"])
     metrics, more = headline_metrics(res)
+    metrics = _with_chance(metrics, run_dir)
     if metrics:
         table = [["metric", "value", "chance"], *([k, fmt_num(v), fmt_num(c) if c is not None else ""] for k, v, c in metrics)]
         lines += ["", *_align(table, right={1, 2})]
@@ -74,7 +96,7 @@ def runs_table(done: list[tuple[str, Path, dict]], failed: list[str]) -> str:
     for job, run_dir, res in done:
         train_rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind") == "train"]
         last = train_rows[-1] if train_rows else {}
-        head, _ = headline_metrics(res, limit=1)
+        head = _with_chance(headline_metrics(res, limit=1)[0], run_dir)
         k, v, c = head[0] if head else ("-", None, None)
         rows.append([job, fmt_num(last.get("step")), fmt_num(last.get("loss")), k, fmt_num(v), fmt_num(c), str(run_dir)])
     rows += [[job, "-", "-", "did not train (see the error above)", "", "", ""] for job in failed]
