@@ -174,3 +174,24 @@ def test_compare_within_seed_std_scale_and_subset_alternatives(tmp_path):
     assert column_value(col, rows)["value"] == 10.0
     rows.append({**rows[0], "subset": "rerank", "value": 20.0})
     assert column_value(col, rows)["value"] == 20.0
+
+
+def test_every_grid_row_is_a_valid_configuration_of_its_job_with_its_own_run_folder():
+    """The rows' options validate against the job's Config on manifests/testbed.yaml (as `train sweep`
+    builds them) and each configuration gets its own run folder."""
+    from pipeline.config import load_manifest
+    from train.cli import run_folder
+    from train.paper_tables import load_table, papers
+    from train.sweep import read_grid, trials
+
+    manifest = ROOT / "manifests" / "testbed.yaml"
+    m = load_manifest(manifest, [])
+    for p in papers():
+        t = load_table(p)
+        key = t.job.replace("-", "_")
+        ts = trials(read_grid(ROOT / "grids" / f"{p}.yaml", t.job), 2, t.job)
+        cfgs = [getattr(load_manifest(manifest, tr.sets).train, key) for tr in ts]
+        for tr, cfg in zip(ts, cfgs):
+            assert all(getattr(cfg, k.rsplit(".", 1)[1]) == v for k, v in tr.options.items()), (p, tr.options)
+        runs = [run_folder(t.job, m, c) for c in cfgs]
+        assert len(set(runs)) == len(runs), p
