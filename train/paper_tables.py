@@ -9,9 +9,10 @@ the row of the run's ``eval/final/results.parquet`` it reads (``benchmark``, ``s
 chance and interval into the paper's unit). ``reference`` names the row the ordering is judged against.
 
 Grouping: a run belongs to the row whose options it has, every key that any row of the table sets
-compared (every runnable row sets the same keys); runs of one row differ only in ``seed``. Every other
-option must be the same across the runs: the options most runs share are kept, and runs with other
-ones (a control, another learning rate) are listed and not counted, as are runs that match no row.
+compared (every runnable row sets the same keys); runs of one row differ only in ``seed``. The options
+the runs set beyond their row's defaults (a sweep's ``--set``: steps, batch size) must be the same
+across the table: the set shared by the runs of most rows is kept and printed, runs with other ones
+(a control, another learning rate) are listed and not counted, as are runs that match no row.
 
 Per row and column the table prints the testbed's mean +- sample std over the row's seeds, the seeds
 counted, chance, and the 95% interval: the mean over the seeds of each run's own interval
@@ -206,21 +207,39 @@ class Collected:
     unmatched: list[str]
     without_eval: list[str]
     other: list[str] = field(default_factory=list)  # "<run> (<key>=<value>, ...)": outside the common options
+    shared: dict = field(default_factory=dict)      # the options the counted runs set outside the rows' keys
 
 
-def _rest(options: dict, keys: list[str]) -> str:
-    return json.dumps({k: v for k, v in options.items() if k not in keys}, sort_keys=True)
+def _defaults(table: PaperTable) -> dict[str, dict]:
+    """Per runnable row, the job's training options at their defaults for that row's options (a
+    default may depend on the row: concept-ot's epochs per variant); {} where the job cannot say."""
+    from train.registry import registry
+
+    cls = getattr(registry().get(table.job), "Config", None)
+    out = {"": {k: None for k in getattr(cls, "EVAL_ONLY", ())}}  # evaluation-only options: never compared
+    for r in table.rows:
+        if r.options is not None:
+            try:
+                out[r.id] = cls.model_validate(r.options).training_config() if cls else {}
+            except ValueError:
+                out[r.id] = {}
+    return out
+
+
+def _set_options(options: dict, keys: list[str], base: dict, eval_only: dict) -> dict:
+    """The run's training options outside the table's keys that are not at the row's defaults."""
+    return {k: v for k, v in options.items() if k not in keys and k not in eval_only and not (k in base and _same(base[k], v))}
 
 
 def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
     """The runs' final evaluations grouped by the table's rows and columns. The runs of a table
-    share every option outside the rows' keys: the options most runs have are kept, runs with other
-    ones (a control, another learning rate) are listed in ``other`` and not counted."""
-    from collections import Counter
-
+    share the options they set outside the rows' keys (``--set`` of the sweep: steps, batch size):
+    the set shared by the runs of most rows (then most runs) is kept, runs with other ones (a
+    control, another learning rate) are listed in ``other`` and not counted."""
     from train.seeds_table import _options, final_rows
 
     out = Collected({}, {}, [], [])
+    defaults = _defaults(table)
     matched = []
     for run in map(Path, runs):
         opts = _options(run)
@@ -228,14 +247,16 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
         if row is None:
             out.unmatched.append(str(run))
         else:
-            matched.append((run, row, opts))
-    rests = [_rest(o, table.keys) for _, _, o in matched]
-    common = Counter(rests).most_common(1)[0][0] if rests else "{}"
-    base = json.loads(common)
-    for (run, row, opts), rest in zip(matched, rests):
-        if rest != common:
-            diff = {k: v for k, v in opts.items() if k not in table.keys and not _same(base.get(k), v)}
-            diff.update({k: None for k in base if k not in opts})
+            matched.append((run, row, _set_options(opts, table.keys, defaults.get(row, {}), defaults[""])))
+    groups: dict[str, list] = {}
+    for m in matched:
+        groups.setdefault(json.dumps(m[2], sort_keys=True), []).append(m)
+    common = max(groups, key=lambda g: (len({m[1] for m in groups[g]}), len(groups[g]))) if groups else "{}"
+    out.shared = json.loads(common)
+    for run, row, rest in matched:
+        if json.dumps(rest, sort_keys=True) != common:
+            diff = {k: v for k, v in rest.items() if not _same(out.shared.get(k), v)}
+            diff.update({k: "(default)" for k in out.shared if k not in rest})
             out.other.append(f"{run} ({', '.join(f'{k}={v}' for k, v in sorted(diff.items()))})")
             continue
         results = final_rows(run)
@@ -339,6 +360,8 @@ def compare_paper(paper: str, runs: list[str | Path]) -> str:
     lines = [f"## {table.paper}: {table.title}", "",
              f"{table.tables}; job `{table.job}`; reference row `{table.reference}`; "
              f"runs per row: {', '.join(f'{k} {v}' for k, v in seeds.items()) or 'none matched'}.",
+             "options the counted runs set besides the rows': "
+             + (", ".join(f"{k}={v}" for k, v in sorted(got.shared.items())) or "none (job defaults)") + ".",
              "mean +- std over seeds (sample std); 95% interval: mean over the seeds of each run's own interval; "
              "rank 1 = highest.", ""]
     for col in table.columns:
