@@ -195,3 +195,21 @@ def test_every_grid_row_is_a_valid_configuration_of_its_job_with_its_own_run_fol
             assert all(getattr(cfg, k.rsplit(".", 1)[1]) == v for k, v in tr.options.items()), (p, tr.options)
         runs = [run_folder(t.job, m, c) for c in cfgs]
         assert len(set(runs)) == len(runs), p
+
+
+def test_compare_keeps_per_row_defaults_and_lists_runs_set_otherwise(tmp_path):
+    """concept-ot's epochs default per variant (8 for global-only, 3 for conceptot): both rows'
+    runs count; a conceptot run trained 8 epochs is set otherwise and listed."""
+    from train.paper_tables import compare_paper
+
+    def res(v):
+        return [("sugarcrepe", "all", "accuracy", v, 50.0, v - 3, v + 3)]
+
+    runs = [_run(tmp_path, "g", {"variant": "global-only", "epochs": 8.0, "max_steps": 5}, res(60.0)),
+            _run(tmp_path, "c", {"variant": "conceptot", "epochs": 3.0, "max_steps": 5}, res(65.0)),
+            _run(tmp_path, "c8", {"variant": "conceptot", "epochs": 8.0, "max_steps": 5}, res(70.0))]
+    out = compare_paper("concept-ot", runs)
+    assert "runs per row: global-only 1, conceptot 1." in out and "set besides the rows': lr=1e-05, max_steps=5." in out
+    assert _line(out, "sugarcrepe", "conceptot")[2:] == ["65.00 +- 0.00", "1", "50.00", "[62.00, 68.00]", "80.50",
+                                                         "1/1", "agrees"]
+    assert f"{runs[2]} (epochs=8.0)" in out
