@@ -210,25 +210,26 @@ class Collected:
     shared: dict = field(default_factory=dict)      # the options the counted runs set outside the rows' keys
 
 
-def _defaults(table: PaperTable) -> dict[str, dict]:
-    """Per runnable row, the job's training options at their defaults for that row's options (a
-    default may depend on the row: concept-ot's epochs per variant); {} where the job cannot say."""
+def _defaults(table: PaperTable) -> tuple[dict[str, dict], frozenset[str]]:
+    """(per runnable row, the job's training options at their defaults for that row's options (a
+    default may depend on the row: concept-ot's epochs per variant), {} where the job cannot say;
+    the job's evaluation-only options, never compared)."""
     from train.registry import registry
 
     cls = getattr(registry().get(table.job), "Config", None)
-    out = {"": {k: None for k in getattr(cls, "EVAL_ONLY", ())}}  # evaluation-only options: never compared
+    out = {}
     for r in table.rows:
         if r.options is not None:
             try:
                 out[r.id] = cls.model_validate(r.options).training_config() if cls else {}
             except ValueError:
                 out[r.id] = {}
-    return out
+    return out, frozenset(getattr(cls, "EVAL_ONLY", ()))
 
 
-def _set_options(options: dict, keys: list[str], base: dict, eval_only: dict) -> dict:
-    """The run's training options outside the table's keys that are not at the row's defaults."""
-    return {k: v for k, v in options.items() if k not in keys and k not in eval_only and not (k in base and _same(base[k], v))}
+def _set_options(options: dict, skip: set[str], base: dict) -> dict:
+    """The run's options outside ``skip`` that are not at the row's defaults ``base``."""
+    return {k: v for k, v in options.items() if k not in skip and not (k in base and _same(base[k], v))}
 
 
 def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
@@ -239,7 +240,8 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
     from train.seeds_table import _options, final_rows
 
     out = Collected({}, {}, [], [])
-    defaults = _defaults(table)
+    defaults, eval_only = _defaults(table)
+    skip = set(table.keys) | eval_only
     matched = []
     for run in map(Path, runs):
         opts = _options(run)
@@ -247,7 +249,7 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
         if row is None:
             out.unmatched.append(str(run))
         else:
-            matched.append((run, row, _set_options(opts, table.keys, defaults.get(row, {}), defaults[""])))
+            matched.append((run, row, _set_options(opts, skip, defaults.get(row, {}))))
     groups: dict[str, list] = {}
     for m in matched:
         groups.setdefault(json.dumps(m[2], sort_keys=True), []).append(m)
@@ -316,8 +318,9 @@ def column_table(table: PaperTable, got: Collected, col: Column) -> list[str]:
     t_rank = ranks({r: got.cells[(r, col.id)].mean for r in both})
     p_rank = ranks({r: table.row(r).published[col.id] for r in both})
     where = f"{col.benchmark} / {'|'.join(col.subset)} / {col.metric}" + (f" x {col.scale:g}" if col.scale != 1 else "")
-    lines = [f"### {col.id}: {col.paper} ({where})", *( [f"note: {col.note}"] if col.note else []), "",
-             "| row | paper's row | testbed mean +- std | seeds | chance | 95% interval | published | rank testbed/paper | vs reference |",
+    lines = [f"### {col.id}: {col.paper} ({where})", *([f"note: {col.note}"] if col.note else []), "",
+             "| row | paper's row | testbed mean +- std | seeds | chance | 95% interval | published | "
+             "rank testbed/paper | vs reference |",
              "|---|---|---:|---:|---:|---|---:|---|---|"]
     for r in table.rows:
         c = got.cells.get((r.id, col.id))

@@ -3,9 +3,9 @@
 GRID.yaml maps manifest keys of the job to lists of values (``train.concept_ot.lr: [1e-4, 3e-4]``);
 the trials are every combination times the seeds 0..K-1. An ablation table's rows are a list of
 configurations rather than a product: ``configurations:`` is a list of {manifest key: value} mappings
-(one configuration each), crossed with the product of the other keys, if any (grids/<paper>.yaml). A trial is a normal ``train run`` in the Tune
-trial's process (:func:`train.cli.build_job` with the trial's ``--set`` options, then
-:func:`train.loop.train`) in its own run folder (the run tag names the options), its output in
+(one configuration each), crossed with the product of the other keys, if any (grids/<paper>.yaml).
+A trial is a normal ``train run`` in the Tune trial's process (:func:`train.cli.build_job` with the
+trial's ``--set`` options, then :func:`train.loop.train`) in its own run folder (the run tag names the options), its output in
 ``<run>/train.log``. Trials run in parallel as the cluster's CPUs allow (``max_concurrent``
 at most); a trial that crashes is reported with its error and the others go on. A rerun skips the
 trials whose run folder is finished (``checkpoints/final.pt`` and ``eval/final``) and resumes the
