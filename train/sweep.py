@@ -5,8 +5,8 @@ the trials are every combination times the seeds 0..K-1. An ablation table's row
 configurations rather than a product: ``configurations:`` is a list of {manifest key: value} mappings
 (one configuration each), crossed with the product of the other keys, if any (grids/<paper>.yaml).
 A trial is a normal ``train run`` in the Tune trial's process (:func:`train.cli.build_job` with the
-trial's ``--set`` options, then :func:`train.loop.train`) in its own run folder (the run tag names the options), its output in
-``<run>/train.log``. Trials run in parallel as the cluster's CPUs allow (``max_concurrent``
+trial's ``--set`` options, then :func:`train.loop.train`) in its own run folder (the run tag names the
+options), its output in ``<run>/train.log``. Trials run in parallel as the cluster's CPUs allow (``max_concurrent``
 at most); a trial that crashes is reported with its error and the others go on. A rerun skips the
 trials whose run folder is finished (``checkpoints/final.pt`` and ``eval/final``) and resumes the
 others from their last checkpoint; the Tune experiment itself (``<output>/train/<job>/sweeps/<name>``,
