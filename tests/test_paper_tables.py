@@ -124,6 +124,8 @@ def test_compare_groups_runs_by_row_and_judges_the_ordering(tmp_path):
             # a control: its other options differ from the table's runs
             _run(tmp_path, "ctx-shuffled", {"negatives": "contextual", "control": "shuffled"}, _pointing(51.0)),
             _run(tmp_path, "vanilla", {"negatives": "sideways"}, _pointing(99.0))]
+    (tmp_path / "sweeps").mkdir()  # Tune's experiment folder beside the runs: `train compare --paper ... <job>/*`
+    runs.append(tmp_path / "sweeps")
     r = CliRunner().invoke(app, ["compare", "--paper", "infoground", *map(str, runs)])
     assert r.exit_code == 0, r.output
     out = r.stdout
@@ -145,6 +147,7 @@ def test_compare_groups_runs_by_row_and_judges_the_ordering(tmp_path):
     assert "| contextual-no-exclusion | - | - | no job option: Contextual negatives without" in summary
     assert "control=shuffled" in out.split("runs whose options outside")[1] and str(runs[6]) in out
     assert f"runs matching no row of the table (not counted; rows set negatives): {runs[7]}" in out
+    assert f"not run folders (no config.json), skipped: {runs[8]}" in out
 
 
 def test_compare_within_seed_std_scale_and_subset_alternatives(tmp_path):

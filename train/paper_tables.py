@@ -208,6 +208,7 @@ class Collected:
     without_eval: list[str]
     other: list[str] = field(default_factory=list)  # "<run> (<key>=<value>, ...)": outside the common options
     shared: dict = field(default_factory=dict)      # the options the counted runs set outside the rows' keys
+    not_runs: list[str] = field(default_factory=list)  # folders without config.json
 
 
 def _defaults(table: PaperTable) -> tuple[dict[str, dict], frozenset[str]]:
@@ -244,6 +245,9 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
     skip = set(table.keys) | eval_only
     matched = []
     for run in map(Path, runs):
+        if not (run / "config.json").is_file():  # e.g. <job>/sweeps (Tune's folder) in a glob of run folders
+            out.not_runs.append(str(run))
+            continue
         opts = _options(run)
         row = match_row(table, opts)
         if row is None:
@@ -376,6 +380,8 @@ def compare_paper(paper: str, runs: list[str | Path]) -> str:
     if got.other:
         lines += ["", "runs whose options outside the table's rows differ from the other runs' (not counted): "
                   + "; ".join(got.other)]
+    if got.not_runs:
+        lines += ["", "not run folders (no config.json), skipped: " + ", ".join(got.not_runs)]
     if got.without_eval:
         lines += ["", "runs without a final evaluation (not counted): " + ", ".join(got.without_eval)]
     return "\n".join(lines)
