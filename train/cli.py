@@ -3,7 +3,7 @@
     train run <job> --manifest M [--set train.<job>.key=value ...] [--fresh] [--workers N]
     train sweep <job> --manifest M --grid GRID.yaml --seeds K [--max-concurrent M]
     train eval <job> --checkpoint C|RUN_DIR --manifest M [--bench NAME ...]
-    train compare RUN_DIR [RUN_DIR ...] [--over-seeds]
+    train compare RUN_DIR [RUN_DIR ...] [--over-seeds | --paper PAPER]
     train list
 """
 
@@ -303,14 +303,19 @@ def compare(
                                                "folders or results.parquet files")],
     over_seeds: Annotated[bool, typer.Option("--over-seeds", help="group run folders by configuration: mean +- std "
                                              "of the final evaluation over their seeds")] = False,
+    paper: Annotated[Optional[str], typer.Option("--paper", help="the paper's ablation table (train/papers/<paper>"
+                                                 ".yaml): run folders grouped by its rows, published numbers beside, "
+                                                 "ordering against the paper's")] = None,
 ) -> None:
-    """One table across runs (jobs, variants, seeds), chance level beside each metric."""
+    """One table across runs (jobs, variants, seeds), chance level beside each metric. With
+    ``--paper``: the paper's ablation table on the runs (train/paper_tables.py)."""
     from train.eval.harness import compare as _compare
+    from train.paper_tables import PaperTableError, compare_paper
     from train.seeds_table import seeds_table
 
     try:
-        typer.echo(seeds_table(runs) if over_seeds else _compare(runs))
-    except FileNotFoundError as e:
+        typer.echo(compare_paper(paper, runs) if paper else seeds_table(runs) if over_seeds else _compare(runs))
+    except (FileNotFoundError, PaperTableError) as e:
         _fail(str(e))
 
 

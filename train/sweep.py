@@ -1,10 +1,12 @@
 """Seeded grids of ordinary runs on Ray Tune: ``train sweep <job> --grid GRID.yaml --seeds K``.
 
 GRID.yaml maps manifest keys of the job to lists of values (``train.concept_ot.lr: [1e-4, 3e-4]``);
-the trials are every combination times the seeds 0..K-1. A trial is a normal ``train run`` in the Tune
-trial's process (:func:`train.cli.build_job` with the trial's ``--set`` options, then
-:func:`train.loop.train`) in its own run folder (the run tag names the options), its output in
-``<run>/train.log``. Trials run in parallel as the cluster's CPUs allow (``max_concurrent``
+the trials are every combination times the seeds 0..K-1. An ablation table's rows are a list of
+configurations rather than a product: ``configurations:`` is a list of {manifest key: value} mappings
+(one configuration each), crossed with the product of the other keys, if any (grids/<paper>.yaml).
+A trial is a normal ``train run`` in the Tune trial's process (:func:`train.cli.build_job` with the
+trial's ``--set`` options, then :func:`train.loop.train`) in its own run folder (the run tag names the
+options), its output in ``<run>/train.log``. Trials run in parallel as the cluster's CPUs allow (``max_concurrent``
 at most); a trial that crashes is reported with its error and the others go on. A rerun skips the
 trials whose run folder is finished (``checkpoints/final.pt`` and ``eval/final``) and resumes the
 others from their last checkpoint; the Tune experiment itself (``<output>/train/<job>/sweeps/<name>``,
@@ -34,7 +36,8 @@ class GridError(ValueError):
 
 
 def read_grid(path: Path, job: str) -> dict[str, list]:
-    """{manifest key: values} from GRID.yaml; every key under ``train.<job>.``."""
+    """{manifest key: values} from GRID.yaml; every key under ``train.<job>.``. The key
+    ``configurations`` (when given) maps to a list of {manifest key: value} mappings."""
     try:
         grid = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
@@ -42,13 +45,29 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
     prefix = f"train.{job.replace('-', '_')}."
     if not isinstance(grid, dict) or not grid:
         raise GridError(f"grid {path}: expected a mapping of {prefix}<option> to a list of values")
+
+    def check_key(k, where: str = "") -> None:
+        if not str(k).startswith(prefix):
+            raise GridError(f"grid {path}: key {k!r}{where} is not an option of {job} (expected {prefix}<option>)")
+
     out = {}
     for k, v in grid.items():
-        if not str(k).startswith(prefix):
-            raise GridError(f"grid {path}: key {k!r} is not an option of {job} (expected {prefix}<option>)")
+        if k == "configurations":
+            if not isinstance(v, list) or not v or not all(isinstance(c, dict) and c for c in v):
+                raise GridError(f"grid {path}: configurations must be a non-empty list of non-empty "
+                                f"{{{prefix}<option>: value}} mappings")
+            for i, c in enumerate(v):
+                for ck in c:
+                    check_key(ck, f" of configurations[{i}]")
+            out[k] = [{str(ck): cv for ck, cv in c.items()} for c in v]
+            continue
+        check_key(k)
         if not isinstance(v, list) or not v:
             raise GridError(f"grid {path}: {k} must be a non-empty list of values")
         out[str(k)] = v
+    clash = {ck for c in out.get("configurations", []) for ck in c} & set(out) - {"configurations"}
+    if clash:
+        raise GridError(f"grid {path}: {', '.join(sorted(clash))} both in configurations and as a list")
     return out
 
 
@@ -69,11 +88,18 @@ class Trial:
         return ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in self.options.items()) + f", seed={self.seed}"
 
 
+def configurations(grid: dict[str, list]) -> list[dict]:
+    """The grid's configurations: each of ``configurations`` (or one empty one) crossed with the
+    product of the other keys' values."""
+    product = {k: v for k, v in grid.items() if k != "configurations"}
+    return [{**c, **dict(zip(product, combo))} for c in grid.get("configurations", [{}])
+            for combo in itertools.product(*product.values())]
+
+
 def trials(grid: dict[str, list], seeds: int, job: str) -> list[Trial]:
     key = f"train.{job.replace('-', '_')}"
     out = []
-    for combo in itertools.product(*grid.values()):
-        opts = dict(zip(grid, combo))
+    for opts in configurations(grid):
         for s in range(seeds):
             out.append(Trial(opts, s, sets=[f"{k}={_set_value(v)}" for k, v in opts.items()] + [f"{key}.seed={s}"]))
     return out
