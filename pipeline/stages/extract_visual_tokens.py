@@ -5,10 +5,14 @@ Per image (see ``pipeline/visual_tokens/graph.py`` for the exact graph rules):
 1. a segmenter (``segmenter``: ``sam`` automatic masks, or ``annotations`` = ground-truth masks)
    gives instances V with masks, boxes, scores and embeddings (SAM decoder token or mask-pooled
    encoder feature, projected to ``width``), and the image feature I (pooled encoder layers);
+   With ``models.sam: scene-oracle`` (the testbed instrument, generated dataset and
+   ``segmenter: annotations`` only) no SAM runs: a tangible token is the oracle's object vector of
+   its ground-truth instance and I the oracle's pooled scene embedding (``pipeline/models/segmenter.py``);
 2. a relation predictor (``relations``: ``learned`` RAM-style head = the paper's RAM,
    ``geometric``, ``annotations``) scores every ordered pair over the predicate vocabulary
    (default the 56 PSG predicates); scores over ``relation_threshold`` become triplets, each
-   distinct predicate an intangible token embedded by the text encoder ``models.predicate_encoder``;
+   distinct predicate an intangible token embedded by the text encoder ``models.predicate_encoder``
+   (``scene-oracle``: a fixed vector per predicate name);
 3. truncation to ``context_length`` (highest-scoring instances kept), 4-NN by box centres and the
    rank matrix over T = (I, V, U).
 
