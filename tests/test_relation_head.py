@@ -16,7 +16,7 @@ from pipeline.stage import RunContext, run_stage
 from tests.conftest import make_manifest
 from train.eval.interface import NoScorableItems
 from train.eval.intervals import mean_interval
-from train.jobs.relation_head.metrics import per_image_recall, recall_at_k, recall_rows
+from train.jobs.relation_head.metrics import per_image_recall, predicate_order, prior_recall, recall_at_k, recall_rows
 
 
 def test_recall_at_k_matches_definition():
@@ -38,16 +38,46 @@ def test_recall_rows_have_chance_interval_and_skips():
     r = np.random.default_rng(0)
     items = [(i, r.random((4, 8), dtype=np.float32), r.random((4, 8), dtype=np.float32),
               np.array([[0, 1, i % 3], [2, 3, 0]]) if i % 5 else np.zeros((0, 3), np.int64)) for i in range(30)]
-    rows = recall_rows(model, items, 3, 8, [5, 10])
+    rank = predicate_order(items, 3)
+    assert rank.tolist() == [0, 1, 2]  # predicate 0 in every graph, then 1 (8 graphs) and 2 (8 graphs, tie: index)
+    rows = recall_rows(model, items, 3, 8, [5, 10], rank)
     assert [r.metric for r in rows] == ["recall@5", "recall@10"]
-    per, chance = per_image_recall(model, items, 3, 8, [5, 10])
+    per, rand, prior = per_image_recall(model, items, 3, 8, [5, 10], rank)
     for row, k in zip(rows, (5, 10)):
         assert row.n == 24 and row.skipped == 6 and row.skip_reasons == {"no_ground_truth_relation": 6}
-        assert row.value == pytest.approx(100 * np.mean(per[k])) and row.chance == pytest.approx(100 * k / 36)
+        assert np.allclose(rand[k], k / 36) and f"a random ranking: {100 * k / 36:.2f}" in row.note
+        assert row.value == pytest.approx(100 * np.mean(per[k])) and row.chance == pytest.approx(100 * np.mean(prior[k]))
         assert (row.ci_low, row.ci_high) == pytest.approx(mean_interval(per[k], 100.0))
         assert row.ci_low <= row.value <= row.ci_high and row.ci_low < row.ci_high
     with pytest.raises(NoScorableItems, match="none of the 2 held-out images"):
-        recall_rows(model, [it for it in items if len(it[3]) == 0][:2], 3, 8, [5])
+        recall_rows(model, [it for it in items if len(it[3]) == 0][:2], 3, 8, [5], rank)
+
+
+def test_prior_recall_is_the_image_blind_ranking():
+    """V = 3 (P = 6 ordered pairs): the most frequent predicate fills ranks 0-5, the next 6-11."""
+    rank = np.array([1, 0, 2])  # predicate 1 most frequent, then 0, then 2
+    trip = np.array([[0, 1, 1], [1, 2, 0], [2, 0, 2]])
+    assert prior_recall(trip, 3, 3, rank) == pytest.approx((0.5 + 0 + 0) / 3)
+    assert prior_recall(trip, 3, 9, rank) == pytest.approx((1 + 0.5 + 0) / 3)
+    assert prior_recall(trip, 3, 18, rank) == pytest.approx(1.0)
+
+
+def test_shuffled_control_permutes_graphs_within_instance_counts():
+    from train.jobs.relation_head.job import shuffle_graphs
+
+    r = np.random.default_rng(0)
+    items = [(i, r.random((2 + i % 3, 4), dtype=np.float32), r.random((2 + i % 3, 8), dtype=np.float32),
+              np.array([[0, 1, i]])) for i in range(30)]
+    out = shuffle_graphs(items, 0)
+    assert all(np.array_equal(a[3], b[3]) for a, b in zip(out, shuffle_graphs(items, 0)))  # fixed by the seed
+    moved = 0
+    for a, b in zip(items, out):
+        assert a[0] == b[0] and a[1] is b[1] and a[2] is b[2]
+        src = int(b[3][0, 2])
+        assert len(items[src][1]) == len(a[1])  # the graph comes from an image with as many instances
+        moved += src != a[0]
+    assert moved >= 20
+    assert sorted(int(b[3][0, 2]) for b in out) == list(range(30))
 
 
 @pytest.mark.slow
@@ -76,7 +106,7 @@ def test_relation_head_learns_scene_graphs(tmp_path, ray_session):
     job = make_job(cfg, m, tmp_path / "rh", torch.device("cpu"))
     res = train(job, resume=False, progress=False)
     assert res["val_images"] >= 10
-    assert res["val_recall@20"] > 60 and res["val_recall@20"] > 5 * res["val_chance_recall@20"], res
+    assert res["val_recall@20"] > 60 and res["val_recall@20"] > 5 * res["val_chance_random_recall@20"], res
     import pyarrow.parquet as pq
 
     table = pq.read_table(tmp_path / "rh" / "eval" / "final" / "results.parquet").to_pylist()

@@ -69,6 +69,26 @@ def test_batches_join_the_right_captions_and_tokens(arts, tmp_path):
     assert b["tokens"].shape[1] <= 12  # pad_to: batch
 
 
+def test_shuffled_control_pairs_each_image_with_other_captions(arts, tmp_path):
+    """control: shuffled: a fixed derangement of the training images; the batches carry the partner's
+    captions, evaluation reads the true ones."""
+    from pipeline.loaders.clip_tokens import read_shard
+
+    job = _job(arts, tmp_path / "r", "control=shuffled")
+    pair = job.pairing
+    assert set(pair) == job.train_ids == set(pair.values()) and all(a != b for a, b in pair.items())
+    assert pair == _job(arts, tmp_path / "r2", "control=shuffled").pairing  # fixed by the seed
+    caps = {s["sample_id"]: np.array(s["caption_ids"]) for p in job.ct_shards for s in read_shard(p, fields=("caption_ids",))}
+    n = 0
+    for b in job.batches(0, 0):
+        for sid, cid in zip(b["sample_id"].tolist(), b["caption_id"].tolist()):
+            assert cid in caps[pair[sid]].tolist() and cid not in caps[sid].tolist()
+            n += 1
+    assert n > 0
+    ev = job._load(job.eval_ids()[:2], captions=True)
+    assert all(np.array_equal(np.asarray(s["caption_ids"]), caps[s["sample_id"]]) for s in ev)
+
+
 def test_variant_transforms(arts, tmp_path):
     from train.jobs.visual_tokens.batches import shuffle_ranks
 

@@ -247,8 +247,23 @@ def make_relation_predictor(name: str, vocabulary, mapper, **kw) -> RelationPred
 
 
 # --------------------------------------------------------------------------- predicate text encoder
+ORACLE_PREDICATES = "a fixed N(0, 1/width) vector per predicate name, seeded by the name's CRC32"
+
+
+def oracle_predicate_vectors(names: list[str], width: int) -> np.ndarray:
+    """``models.predicate_encoder: scene-oracle`` (testbed): one fixed vector per predicate name,
+    independent of every other name (so a predicate token says which predicate and nothing else)."""
+    import zlib
+
+    return np.stack([np.random.default_rng(zlib.crc32(("predicate:" + n).encode())).normal(size=width) / np.sqrt(width)
+                     for n in names]).astype(np.float32) if names else np.zeros((0, width), np.float32)
+
+
 class PredicateEncoder:
     """Embeds predicate names with a text encoder (intangible tokens), projected to ``width``.
+
+    ``scene-oracle`` (the testbed instrument, generated dataset only): no encoder, a fixed random
+    vector per predicate name at ``width`` (:func:`oracle_predicate_vectors`).
 
     ``tiny-random`` / ``base-random`` / any CLIP id or folder: CLIP's pooled, projected text
     embedding (``get_text_features``; 512-d for ViT-B/32, as in the paper). Any other Hugging Face
@@ -287,6 +302,10 @@ class PredicateEncoder:
 
         from pipeline.visual_tokens.project import project
 
+        from pipeline.models.scene_oracle import is_oracle
+
+        if is_oracle(self.spec):
+            return oracle_predicate_vectors(list(names), self.width)
         if self._model is None:
             self._load()
         kind, model, tok = self._model

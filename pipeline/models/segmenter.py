@@ -10,6 +10,12 @@ subclass registered in :data:`SEGMENTERS`:
 * ``annotations``: ground-truth masks and boxes of the samples artifact's ``instances`` table
   (COCO instances, the generated dataset). Instance score = 1. SAM still encodes the image,
   because the image feature and the embeddings come from the segmenter's encoder.
+* ``models.sam: scene-oracle`` with ``annotations`` (:class:`OracleSegmenter`, the testbed
+  instrument of :mod:`pipeline.models.scene_oracle`, generated dataset only): the same
+  ground-truth masks and boxes, but no SAM: an instance's embedding is the oracle's object vector
+  of that instance (``Ev[colour] + Ev[shape]`` plus noise drawn from ``sample_rng(sample_id)``) and
+  the image feature is the oracle's pooled image embedding (a weak bag of the scene's colours and
+  shapes plus noise, the one ``extract-clip-tokens`` stores as ``image_embed``).
 
 Embedding of an instance (``embedding`` option):
 
@@ -131,6 +137,48 @@ class AnnotationSegmenter(Segmenter):
                     scores=np.ones(len(rows), dtype=np.float32),
                     embeddings=self._embed(e, torch.from_numpy(masks), tokens, enc.input_sizes[b]),
                     image_feature=enc.image_features[b],
+                    instance_ids=np.array([r["instance_id"] for r in rows], dtype=np.int64),
+                    categories=[r.get("category") for r in rows],
+                )
+            )
+        return out
+
+
+class OracleSegmenter:
+    """Ground-truth instances embedded by the scene oracle (``models.sam: scene-oracle``)."""
+
+    name = "annotations"
+
+    def __init__(self, *, width: int, seed: int = 0, oracle=None):
+        from pipeline.models.scene_oracle import SceneOracle
+
+        self.oracle = oracle or SceneOracle()
+        self.width, self.seed = width, seed
+
+    def segment(self, images, annotations=None, *, scenes=None, sample_ids=None):
+        """``annotations``: each image's ``instances`` rows (masks); ``scenes``: its ``scene`` rows
+        (category and attributes, same instance ids); ``sample_ids``: the seeds of the noise."""
+        from pipeline.models.scene_oracle import objects_of
+
+        if annotations is None or scenes is None or sample_ids is None:
+            raise ValueError("the scene-oracle segmenter needs the instances and scene rows and the sample ids")
+        o = self.oracle
+        out = []
+        for im, rows, scene, sid in zip(images, annotations, scenes, sample_ids):
+            h, w = im.shape[:2]
+            rows = sorted(rows, key=lambda r: r["instance_id"])
+            by_id = {int(r["instance_id"]): r for r in scene}
+            objs = objects_of([by_id[int(r["instance_id"])] for r in rows])
+            masks, boxes = annotation_masks(rows, h, w)
+            vec = o.object_vectors(objs, o.sample_rng(int(sid)))
+            _, pooled = o.image(objects_of(scene), float(w), float(h), int(sid))
+            out.append(
+                Segmentation(
+                    masks=masks,
+                    boxes=boxes,
+                    scores=np.ones(len(rows), dtype=np.float32),
+                    embeddings=project(vec, self.width, self.seed) if len(rows) else np.zeros((0, self.width), np.float32),
+                    image_feature=pooled.astype(np.float32),
                     instance_ids=np.array([r["instance_id"] for r in rows], dtype=np.int64),
                     categories=[r.get("category") for r in rows],
                 )

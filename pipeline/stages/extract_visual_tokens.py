@@ -5,10 +5,14 @@ Per image (see ``pipeline/visual_tokens/graph.py`` for the exact graph rules):
 1. a segmenter (``segmenter``: ``sam`` automatic masks, or ``annotations`` = ground-truth masks)
    gives instances V with masks, boxes, scores and embeddings (SAM decoder token or mask-pooled
    encoder feature, projected to ``width``), and the image feature I (pooled encoder layers);
+   With ``models.sam: scene-oracle`` (the testbed instrument, generated dataset and
+   ``segmenter: annotations`` only) no SAM runs: a tangible token is the oracle's object vector of
+   its ground-truth instance and I the oracle's pooled scene embedding (``pipeline/models/segmenter.py``);
 2. a relation predictor (``relations``: ``learned`` RAM-style head = the paper's RAM,
    ``geometric``, ``annotations``) scores every ordered pair over the predicate vocabulary
    (default the 56 PSG predicates); scores over ``relation_threshold`` become triplets, each
-   distinct predicate an intangible token embedded by the text encoder ``models.predicate_encoder``;
+   distinct predicate an intangible token embedded by the text encoder ``models.predicate_encoder``
+   (``scene-oracle``: a fixed vector per predicate name);
 3. truncation to ``context_length`` (highest-scoring instances kept), 4-NN by box centres and the
    rank matrix over T = (I, V, U).
 
@@ -108,14 +112,31 @@ class VisualTokenWorker:
         import torch
 
         from pipeline.models.relations import PredicateEncoder, make_relation_predictor
-        from pipeline.models.sam import SamModel
-        from pipeline.models.segmenter import make_segmenter
+        from pipeline.models.scene_oracle import is_oracle
         from pipeline.visual_tokens.predicates import PredicateMapper, resolve_vocabulary
 
         torch.set_num_threads(max(1, threads))
         self.cfg = Config.model_validate(cfg)
         c = self.cfg
-        self.sam = SamModel(models["sam"], device=resolve_device(c.device), feature_layers=c.feature_layers)
+        self.oracle = is_oracle(models["sam"])
+        if self.oracle:  # the testbed instrument: ground-truth instances, no SAM (pipeline/models/segmenter.py)
+            from pipeline.models.segmenter import OracleSegmenter
+
+            self.segmenter = OracleSegmenter(width=c.width, seed=c.seed)
+        else:
+            self._load_sam(c, models["sam"])
+        self.vocab = resolve_vocabulary(c.predicates)
+        self.mapper = PredicateMapper(self.vocab, c.predicate_map)
+        self.predictor = make_relation_predictor(
+            c.relations, self.vocab, self.mapper, checkpoint=models.get("relation_head"), embedding_info=embedding_info(c, models)
+        ) if c.relations == "learned" else make_relation_predictor(c.relations, self.vocab, self.mapper)  # fmt: skip
+        self.pred_emb = PredicateEncoder(models["predicate_encoder"], c.width, c.seed).encode(self.vocab).astype(np.float16)
+
+    def _load_sam(self, c: Config, spec: str) -> None:
+        from pipeline.models.sam import SamModel
+        from pipeline.models.segmenter import make_segmenter
+
+        self.sam = SamModel(spec, device=resolve_device(c.device), feature_layers=c.feature_layers)
         amg = dict(
             points_per_side=c.points_per_side, points_per_batch=c.points_per_batch, pred_iou_thresh=c.pred_iou_thresh,
             stability_score_thresh=c.stability_score_thresh, stability_score_offset=c.stability_score_offset,
@@ -125,12 +146,6 @@ class VisualTokenWorker:
         self.segmenter = make_segmenter(
             c.segmenter, self.sam, embedding=c.embedding, width=c.width, seed=c.seed, **(amg if c.segmenter == "sam" else {})
         )
-        self.vocab = resolve_vocabulary(c.predicates)
-        self.mapper = PredicateMapper(self.vocab, c.predicate_map)
-        self.predictor = make_relation_predictor(
-            c.relations, self.vocab, self.mapper, checkpoint=models.get("relation_head"), embedding_info=embedding_info(c, models)
-        ) if c.relations == "learned" else make_relation_predictor(c.relations, self.vocab, self.mapper)  # fmt: skip
-        self.pred_emb = PredicateEncoder(models["predicate_encoder"], c.width, c.seed).encode(self.vocab).astype(np.float16)
 
     def _decode(self, records):
         from pipeline.readers.images import open_image
@@ -163,7 +178,11 @@ class VisualTokenWorker:
         ann = self.cfg.segmenter == "annotations"
 
         def run(recs, ims):
-            return list(zip(recs, ims, self.segmenter.segment(ims, [r.get("instances", []) for r in recs] if ann else None)))
+            inst = [r.get("instances", []) for r in recs] if ann else None
+            if self.oracle:
+                return list(zip(recs, ims, self.segmenter.segment(ims, inst, scenes=[r.get("scene", []) for r in recs],
+                                                                  sample_ids=[r["sample_id"] for r in recs])))
+            return list(zip(recs, ims, self.segmenter.segment(ims, inst)))
 
         _, out = isolate_failures(w, kept, images, run, reason="segmentation_failed")
         return out or []
@@ -250,6 +269,11 @@ def sample_fields(record: dict, image_hw: tuple[int, int], seg, g, vocab: list[s
 
 def embedding_info(cfg: Config, models: dict) -> dict:
     """What the tangible tokens depend on; stored in / checked against relation-head checkpoints."""
+    from pipeline.models.scene_oracle import is_oracle
+
+    if is_oracle(models["sam"]):  # the embedding option does not apply: the oracle's object vectors
+        return {"sam": models["sam"], "embedding": "object_vector", "width": cfg.width, "seed": cfg.seed,
+                "segmenter_feature": "scene-oracle"}
     return {"sam": models["sam"], "embedding": cfg.embedding, "width": cfg.width, "seed": cfg.seed, "segmenter_feature": "sam"}
 
 
@@ -257,8 +281,16 @@ def model_records(cfg: Config, models: dict) -> dict:
     """Provenance of every model used, computed without loading large checkpoints."""
     from pipeline.models.provenance import is_tiny_random, model_record, weights_hash
 
+    from pipeline.models.scene_oracle import SceneOracle, is_oracle
+    from pipeline.models.scene_oracle import record as oracle_record
+
     recs = {}
-    if is_tiny_random(models["sam"]):
+    if is_oracle(models["sam"]):
+        o = SceneOracle()
+        recs["sam"] = oracle_record("sam", oracle=o.params(), image_feature_dim=o.proj, token_dim=o.d_v,
+                                    tangible="object vector (colour + shape) + noise, projected to width",
+                                    image_feature="pooled scene embedding (bag of colours and shapes) + noise")
+    elif is_tiny_random(models["sam"]):
         from pipeline.models.sam import SamModel
 
         recs["sam"] = SamModel(models["sam"], feature_layers=cfg.feature_layers).record
@@ -272,7 +304,11 @@ def model_records(cfg: Config, models: dict) -> dict:
     spec = models["predicate_encoder"]
     from pipeline.models.clip import is_random_spec
 
-    if is_random_spec(spec):
+    if is_oracle(spec):
+        from pipeline.models.relations import ORACLE_PREDICATES
+
+        recs["predicate_encoder"] = oracle_record("predicate_encoder", predicate_vectors=ORACLE_PREDICATES)
+    elif is_random_spec(spec):
         from pipeline.models.relations import PredicateEncoder
 
         enc = PredicateEncoder(spec, cfg.width, cfg.seed)
@@ -315,7 +351,16 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         cfg = cfg.model_copy(update={"predicates": default_vocabulary(ctx.manifest.dataset.kind)})
     models = {"sam": m.sam, "predicate_encoder": m.predicate_encoder, "relation_head": m.relation_head}
     vocab = _pred_vocab(cfg)
-    attach = (("instances",) if cfg.segmenter == "annotations" else ()) + (("relations",) if cfg.relations == "annotations" else ())
+    from pipeline.models.scene_oracle import is_oracle, require_generated
+
+    oracle = is_oracle(m.sam)
+    for role in ("sam", "predicate_encoder"):
+        if is_oracle(getattr(m, role)):
+            require_generated(ctx.manifest, role)
+    if oracle and cfg.segmenter != "annotations":
+        raise StageError("models.sam: scene-oracle embeds ground-truth instances: set stages.extract_visual_tokens.segmenter: annotations")
+    attach = (("instances",) if cfg.segmenter == "annotations" else ()) + (("relations",) if cfg.relations == "annotations" else ()) \
+        + (("scene",) if oracle else ())
     plan = plan_image_units(ctx, cfg.shard_size, attach, missing_hint="use segmenter: sam / relations: learned|geometric")
     from pipeline.models.provenance import cached_info
 

@@ -8,9 +8,20 @@ valid (subject != object, non-padding) entry, as RAM trains (``loss_type='bce'``
 
 Evaluation is RAM's ``get_recall_N``: per held-out image, the K highest-scoring
 (subject, object, predicate) triples are compared with the ground-truth triplets;
-recall@K = hits / |ground truth|, averaged over images that have ground truth, in percent. *Chance* is the
-expected recall of a uniformly random ranking of the same N = V (V - 1) C candidates,
-min(K, N) / N per image, averaged the same way.
+recall@K = hits / |ground truth|, averaged over images that have ground truth, in percent, with a 95%
+bootstrap interval over images. *Chance* is the expected recall of the best ranking that ignores the
+image: the predicates in the order of their training frequency, the ordered pairs of an image tied
+within a predicate (what a head learns from the graphs alone; see ``metrics.py``). The recall of a
+uniformly random ranking (min(K, N) / N per image, N = V (V - 1) C) is below it and is kept in the
+note and in ``metrics.json`` (``chance_random_recall@K``). Every run's ``eval/final/results.parquet``
+holds the held-out recall@K rows (the job has no image-text scorer, so the manifest's benchmarks
+are not scored by it).
+
+Control (``control: shuffled``): once before training, every training image's ground-truth graph is
+replaced by that of another training image with the same number of instances (a seeded
+permutation within each instance count, so the triplets' indices stay valid); the tokens and boxes
+no longer match their graph, the predicates' frequencies are unchanged. Its held-out recall must
+stay within its interval of chance.
 
 The relation head's inputs are small (V x width per image), so the job holds them in memory.
 
@@ -32,6 +43,8 @@ settings of the artifact it was trained on -- the stage refuses it on other embe
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field
 
@@ -62,6 +75,9 @@ class Config(TrainerConfig):
     use_boxes: bool = Field(True, description="append 8 normalised box numbers to each instance (not in RAM)")
     dropout: float = Field(0.1, ge=0, lt=1)
     recall_k: list[int] = Field(default_factory=lambda: [20, 50, 100])
+    control: Literal["none", "shuffled"] = Field(
+        "none", description="shuffled: the chance control: every training image's scene graph is replaced, once before "
+        "training, by that of another training image with the same number of instances (a fixed seeded permutation)")
 
 
 def make_job(cfg: Config, manifest, run_dir, device):

@@ -14,7 +14,7 @@ from pipeline.models.relations import build_relation_head
 from train.config import TrainerConfig
 from train.job import Job, Splits, open_artifact, resolve_artifact
 from train.jobs.relation_head.batches import collate, load_graphs
-from train.jobs.relation_head.metrics import evaluate_model, recall_rows
+from train.jobs.relation_head.metrics import evaluate_model, predicate_order, recall_rows
 
 
 def _held_out(sample_id: int, frac: float) -> bool:
@@ -30,6 +30,23 @@ def split_ids(manifest, cfg: TrainerConfig, sample_ids: list[int]) -> tuple[set[
                 {i for i, r in zip(sample_ids, rec) if r in cfg.eval_splits})
     held = {i for i in sample_ids if _held_out(i, cfg.val_fraction)}
     return set(sample_ids) - held, held
+
+
+def shuffle_graphs(items: list, seed: int) -> list:
+    """The control: each item's triplets taken from another item with the same instance count
+    (a fixed permutation per count, seeded by ``seed``); tokens and boxes stay."""
+    rng = np.random.default_rng([int(seed), 2027])
+    by_v: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        by_v.setdefault(len(it[1]), []).append(i)
+    out = list(items)
+    for v in sorted(by_v):
+        idx = by_v[v]
+        perm = rng.permutation(len(idx))
+        for a, b in zip(idx, perm):
+            sid, tang, box, _ = items[a]
+            out[a] = (sid, tang, box, items[idx[b]][3])
+    return out
 
 
 def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_man: dict, art_dir: Path, cfg: TrainerConfig, metrics: dict) -> None:
@@ -73,6 +90,9 @@ class RelationHeadJob(Job):
         tr, ev = split_ids(manifest, cfg, [it[0] for it in items])
         self.train_items = [it for it in items if it[0] in tr]
         self.eval_items = [it for it in items if it[0] in ev]
+        self.pred_rank = predicate_order(self.train_items, len(self.vocab))  # the image-blind ranking (chance)
+        if self.cfg.control == "shuffled":
+            self.train_items = shuffle_graphs(self.train_items, self.cfg.seed)
         self.head_cfg = dict(in_dim=self.d, width=self.cfg.width, layers=self.cfg.layers, heads=self.cfg.heads, cls_dim=self.cfg.cls_dim,
                              n_predicates=len(self.vocab), use_boxes=self.cfg.use_boxes, dropout=self.cfg.dropout)  # fmt: skip
         self.export_path = Path(run_dir) / "relation_head.pt"
@@ -99,14 +119,15 @@ class RelationHeadJob(Job):
         """Held-out recall@k (``recall_k``) with chance and a bootstrap interval over images."""
         model = model.cpu()
         try:
-            return recall_rows(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k)
+            return recall_rows(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k, self.pred_rank)
         finally:
             model.to(self.device)
 
     def evaluate(self, model, out_dir):
         model = model.cpu()
-        res = {f"val_{k}": v for k, v in evaluate_model(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k).items()}
-        res.update({f"train_{k}": v for k, v in evaluate_model(model, self.train_items, len(self.vocab), self.d, self.cfg.recall_k[:1]).items()})
+        ks, n_pred, rank = self.cfg.recall_k, len(self.vocab), self.pred_rank
+        res = {f"val_{k}": v for k, v in evaluate_model(model, self.eval_items, n_pred, self.d, ks, rank).items()}
+        res.update({f"train_{k}": v for k, v in evaluate_model(model, self.train_items, n_pred, self.d, ks[:1], rank).items()})
         model.to(self.device)
         out_dir = Path(out_dir)
         if out_dir.name == "final":  # the loop's final evaluation: export the trained model for the stage

@@ -45,6 +45,12 @@ The paper fine-tunes the whole CLIP text encoder: out of scope here (the tower i
 artifact; say so when comparing). Each step takes one of the image's captions at random (seeded
 by (seed, epoch, batch)).
 
+Control (``control: shuffled``): the chance control of the testbed. Once, before training, the
+training images' captions are reassigned by a fixed derangement of the training ids (seeded by
+``seed``: image i is trained against the captions of image perm(i), never its own); the tokens, the
+loss and everything else are unchanged and evaluation uses the true pairs, so every metric of the
+run must stay within its interval of chance.
+
 Loss: symmetric CLIP InfoNCE over the batch with a learnable temperature, logit scale
 initialised at 1/0.07 and clamped to at most 100 as CLIP does.
 
@@ -121,6 +127,9 @@ class Config(TrainerConfig):
     attention: Literal["sdpa", "reference"] = Field(
         "sdpa", description="sdpa: torch scaled_dot_product_attention with the additive mask; reference: plain "
         "matmul + softmax (same function; for tests and the benchmark)")
+    control: Literal["none", "shuffled"] = Field(
+        "none", description="shuffled: the chance control: before training, every training image is paired once with "
+        "the captions of another training image (a fixed seeded derangement); evaluation keeps the true pairs")
     # evaluation
     eval_max_images: int = Field(1000, ge=1)
     swap_dirs: list[str] | None = Field(

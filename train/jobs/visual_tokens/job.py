@@ -51,6 +51,7 @@ class VisualTokensJob(VisualTokensScoring, Job):
             self.samples = None
         self.splits = Splits(self.samples)
         self._inventory()
+        self.pairing = shuffled_pairing(sorted(self.train_ids), cfg.seed) if cfg.control == "shuffled" else {}
         self._bpe = None
         self._bs = None
         self._text_cache: dict[str, dict] = {}
@@ -123,7 +124,8 @@ class VisualTokensJob(VisualTokensScoring, Job):
         cfg = self.cfg
         return ShardStream(self.vt_shards, self._read(), functools.partial(collate_batch, opts=self._opts()),
                            self.batch_size, shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed,
-                           drop_last=True, keep=self._keep_train, joins=[self.join])
+                           drop_last=True, keep=self._keep_train,
+                           joins=[RepairedJoin(self.join, self.pairing) if self.pairing else self.join])
 
     @property
     def batch_size(self) -> int:
@@ -254,6 +256,36 @@ class VisualTokensJob(VisualTokensScoring, Job):
                 rows.append(Row("generated_swaps", kind, "pairwise_acc", r.value, r.n, r.chance, r.skipped, r.skip_reasons,
                                 note="ties count as wrong").with_ci((r.ci_low, r.ci_high)))
         return rows
+
+
+def shuffled_pairing(train_ids: list[int], seed: int) -> dict[int, int]:
+    """The control's pairing: image -> the training image whose captions it is trained with. A
+    derangement (no image keeps its own captions): the ids in a seeded random order, each paired
+    with the next one (the last with the first)."""
+    if len(train_ids) < 2:
+        return {}
+    order = np.random.default_rng([int(seed), 2027]).permutation(np.asarray(train_ids, dtype=np.int64))
+    return {int(a): int(b) for a, b in zip(order, np.roll(order, -1))}
+
+
+class RepairedJoin:
+    """A :class:`train.data.ShardJoin` that attaches the fields of ``pairing[sample_id]`` instead of
+    the sample's own (the shuffled control; module-level: DataLoader workers pickle it)."""
+
+    def __init__(self, join: ShardJoin, pairing: dict[int, int]):
+        self.join, self.pairing = join, pairing
+
+    def keep(self, sample: dict) -> bool:
+        return self.join.keep(sample)
+
+    def __call__(self, sample: dict) -> dict:
+        sid = int(sample["sample_id"])
+        src = self.pairing.get(sid, sid)
+        if src == sid:
+            return self.join(sample)
+        other = self.join({"sample_id": src})
+        sample.update({k: v for k, v in other.items() if k != "sample_id"})
+        return sample
 
 
 def ct_dims_fields(vit: bool) -> tuple[str, ...]:
