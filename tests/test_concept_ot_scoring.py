@@ -1,8 +1,8 @@
 """concept-ot's side of the evaluation harness contract (train/eval/interface.py): score_pairs agrees
 with the in-job SugarCrepe scoring for every variant, boxes restrict the local score to the patches
 they overlap, retrieval_scores reproduces the job's own two-stage retrieval, scorable_sample_ids
-lists the shards' samples. (Planted concept-ot beating global-only through score_pairs:
-tests/test_concept_ot_planted.py.)"""
+lists the shards' samples. (concept-ot beating global-only through the harness on the testbed:
+tests/test_testbed_concept_ot.py.)"""
 
 from __future__ import annotations
 

@@ -29,6 +29,15 @@ global scores of the batch. Defaults are the paper's Tables 6-7 (AdamW lr 1e-4, 
 64, 5% warmup + cosine, clip 1.0, 3 epochs; eps 0.07, tau 0.2, lambda_l 0.5, beta 1e-3,
 tau_l 0.07, L 5, r 32, K_h 4, d_c 256) and Appendix H's stabilisation for the low-rank solver.
 
+Control (``control: shuffled``): the image-text pairings of the training split are shuffled once
+before training: every training sample reads its patch tokens and pooled image embedding from
+another training image, by a permutation of the training images drawn from ``[seed, 777]``
+(:meth:`~train.jobs.concept_ot.batches.ConceptOTBatches.control_partners`), and keeps its own
+captions; batches, mining, loss and evaluation are the same job's. Nothing ties a caption to its
+image any more, so the trained local score carries nothing about the held-out pairs: its metrics
+stay within their interval of chance (the frozen global score's own share stays what it is; see
+docs/jobs/concept-ot.md, Testbed).
+
 Epochs (``epochs``): per variant as the paper (Sec. 3.2, App. G): 3 for the transport variants,
 8 for filip / text-attn / global-patch. ``epoch_unit: captions`` makes an epoch one pass over the
 (image, caption) pairs (round(mean captions per image) image passes; in pass k an image takes
@@ -119,6 +128,10 @@ class Config(TrainerConfig):
     hard_negatives: Literal["batch", "index"] = Field(
         "batch", description="batch: random mini-batches (Alg. 2 as is); index: each batch = seeds + index_neighbours "
         "of each seed's dataset-level hard negatives from the `index` artifact (same in-batch mining and loss)")
+    control: Literal["none", "shuffled"] = Field(
+        "none", description="shuffled: the chance control; each training caption is paired for the whole run with "
+        "another training image's features (a permutation of the training images drawn once from [seed, 777]); "
+        "evaluation is unchanged")
     index_artifact: str = Field("index", description="build-index artifact folder, relative to `output` (or absolute)")
     index_neighbours: int = Field(1, ge=1, description="m: index neighbours brought into the batch per seed "
                                   "(batch_size // (1 + m) seeds per batch)")

@@ -45,6 +45,27 @@ def _collate_random(samples, rng: random.Random, attach=None, caption_pass=None)
     return attach(b) if attach is not None else b
 
 
+IMAGE_FIELDS = ("patch_tokens", "image_embed")
+
+
+def _shuffled_pairs(read, partner: dict, lazy: bool, *args, **kw):
+    """``control: shuffled``: ``read`` (a shard's samples, or one sample) with every training
+    sample's image fields replaced by those of its partner (``partner``: sample_id -> (shard path,
+    position) of the image whose features it takes), so each training caption is paired with
+    another training image's features for the whole run (a module-level function: picklable)."""
+    got = read(*args, **kw)
+    swap = functools.partial(_swap_image, partner=partner, lazy=lazy)
+    return swap(got) if isinstance(got, dict) else map(swap, got)
+
+
+def _swap_image(s: dict, partner: dict, lazy: bool) -> dict:
+    src = partner.get(int(s["sample_id"]))
+    if src is None:
+        return s
+    other = read_sample(src[0], src[1], fields=IMAGE_FIELDS, lazy=lazy)
+    return {**s, **{f: other[f] for f in IMAGE_FIELDS if f in s}}
+
+
 def _index_there(index_dir) -> bool:
     try:
         require_index(index_dir)
@@ -132,18 +153,37 @@ class ConceptOTBatches:
         n = t["ncap"][t["train"]]
         return max(1, int(round(float(n.mean())))) if n.size else 1
 
+    def control_partners(self) -> dict | None:
+        """``control: shuffled``: sample_id -> (shard, position) of the training image whose
+        features that training sample reads, a permutation of the training images drawn once from
+        ``[seed, 777]`` (None without the control)."""
+        if self.cfg.control != "shuffled":
+            return None
+        if getattr(self, "_partners", None) is None:
+            t = self._table()
+            rows = np.flatnonzero(t["train"])
+            perm = rows[np.random.default_rng([self.cfg.seed, 777]).permutation(rows.size)]
+            self._partners = {int(t["ids"][r]): (self.shards[int(t["shard"][p])], int(t["pos"][p]))
+                              for r, p in zip(rows, perm)}
+        return self._partners
+
     def _stream(self, caption_pass: tuple[int, int] | None = None) -> ShardStream:
         cfg = self.cfg
 
         nb = self.neighbours()
         read = functools.partial(read_shard, lazy=self._lazy)
+        one = functools.partial(read_sample, lazy=self._lazy)
+        partners = self.control_partners()
+        if partners is not None:
+            read = functools.partial(_shuffled_pairs, read, partners, self._lazy)
+            one = functools.partial(_shuffled_pairs, one, partners, self._lazy)
         coll = _collate_random
         if caption_pass is not None:
             coll = functools.partial(_collate_random, caption_pass=(cfg.seed, *caption_pass))
         if cfg.hard_negatives == "index":
             return IndexNeighbourStream(self.shards, read, coll, self.batch_size, neighbours=nb,
                                         m=cfg.index_neighbours,
-                                        read_sample=functools.partial(read_sample, lazy=self._lazy),
+                                        read_sample=one,
                                         shuffle=True, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed,
                                         keep=self._keep_train)
         collate = coll if nb is None else functools.partial(coll, attach=nb.attach)

@@ -1,0 +1,71 @@
+"""A reduced testbed, made through the real commands: ``manifests/testbed.yaml`` with fewer images
+and its output in a temporary folder, its stages run by ``pipeline run <stage>`` in a subprocess,
+its jobs by ``train run <job> --json`` (also in a subprocess: the commands a user types).
+
+``testbed`` is a session fixture: the learning tests of several jobs (tests/test_testbed_*.py)
+share one run of the stages; each test asks for the stages it needs (:meth:`Testbed.stages`,
+idempotent: a stage already complete is skipped by the pipeline itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+N_IMAGES = 400  # 20 test + 20 val images (the generator's split: i % 20 == 18 val, == 19 test)
+
+
+class Testbed:
+    def __init__(self, root: Path, n_images: int = N_IMAGES):
+        self.root = Path(root)
+        self.manifest = self.root / "testbed.yaml"
+        m = yaml.safe_load((REPO / "manifests" / "testbed.yaml").read_text())
+        m["output"] = str(self.root / "run")
+        m["dataset"]["synthetic"]["n_images"] = int(n_images)
+        m["ray"] = {**(m.get("ray") or {}), "num_cpus": 2}
+        self.manifest.write_text(yaml.safe_dump(m, sort_keys=False))
+        self.output = self.root / "run"
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        self.done: set[str] = set()
+
+    def _cli(self, tool: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+        p = subprocess.run([sys.executable, "-m", f"{tool}.cli", *args], cwd=REPO, env=self.env, capture_output=True,
+                           text=True, timeout=timeout)
+        assert p.returncode == 0, f"{tool} {' '.join(args)}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        return p
+
+    def stages(self, *names: str) -> None:
+        """``pipeline run <stage> --manifest <reduced testbed>`` for each stage not run yet."""
+        for s in names:
+            if s not in self.done:
+                self._cli("pipeline", "run", s, "--manifest", str(self.manifest))
+                self.done.add(s)
+
+    def train(self, job: str, *sets: str) -> tuple[dict, Path]:
+        """``train run <job> --manifest <reduced testbed> --json --set ...``: (the result line, the
+        final results.parquet)."""
+        args = ["run", job, "--manifest", str(self.manifest), "--no-progress", "--json", "--fresh"]
+        for s in sets:
+            args += ["--set", s]
+        p = self._cli("train", *args)
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        return res, Path(res["run_dir"]) / "eval" / "final" / "results.parquet"
+
+
+def rows(results: Path) -> dict:
+    """{(benchmark, subset, metric): row} of a results.parquet ("" for no subset)."""
+    import polars as pl
+
+    return {(r["benchmark"], r["subset"] or "", r["metric"]): r for r in pl.read_parquet(results).to_dicts()}
+
+
+@pytest.fixture(scope="session")
+def testbed(tmp_path_factory) -> Testbed:
+    return Testbed(tmp_path_factory.mktemp("testbed"))
