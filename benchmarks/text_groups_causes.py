@@ -30,6 +30,11 @@ CONFIGS = {
     "soft": dict(reconstruction_reduction="mean", hard_assignment=False),          # cause 4: soft assignment
     "tau05": dict(reconstruction_reduction="mean", gumbel_tau=0.5),               # cause 4: Gumbel temperature
     "combined": dict(reconstruction_reduction="sum", width=32, pre_assign_attn=False),
+    # everything of cause 4 at once: the caption reaches the groups only through the soft assignment
+    "forced": dict(reconstruction_reduction="sum", width=32, pre_assign_attn=False, isolate_groups=True,
+                   hard_assignment=False),
+    "forced-no-rec": dict(reconstruction_reduction="sum", width=32, pre_assign_attn=False, isolate_groups=True,
+                          hard_assignment=False, variant="no-reconstruction"),
     "sum-no-rec": dict(reconstruction_reduction="sum", variant="no-reconstruction"),
     "combined-no-rec": dict(reconstruction_reduction="sum", width=32, pre_assign_attn=False, variant="no-reconstruction"),
     "sum-no-contrastive": dict(reconstruction_reduction="sum", variant="no-contrastive"),
@@ -47,7 +52,7 @@ def run_one(manifest: str, output: Path, name: str, seed: int) -> tuple[str, int
     if (rd / "eval" / "final" / "results.parquet").exists():
         return name, seed, 0
     opts = dict(REDUCED, **CONFIGS[name], seed=seed, run_dir=str(rd),
-                vanilla_run=str(run_dir(output, "vanilla", seed)))
+                vanilla_run=str(run_dir(output, "vanilla", seed).resolve()))
     cmd = [sys.executable, "-m", "train.cli", "run", "text-groups", "-m", manifest, "--no-progress"]
     for k, v in opts.items():
         cmd += ["--set", f"train.text_groups.{k}={v}"]
@@ -61,7 +66,7 @@ def summary(output: Path, names: list[str], seeds: list[int], subset: str) -> No
     import polars as pl
 
     print(f"\nphrase discovery, captions {subset}; value [95% interval]; held-out R@1 %")
-    print(f"{'config':20s} {'seed':>4s} " + " ".join(f"{m:>18s}" for m in METRICS) + f" {'R@1':>16s}")
+    print(f"{'config':20s} {'seed':>4s} " + " ".join(f"{m:>18s}" for m in METRICS) + f" {'R@1':>16s} assign_stable (last)")
     for name in names:
         for seed in seeds:
             p = run_dir(output, name, seed) / "eval" / "final" / "results.parquet"
@@ -79,9 +84,12 @@ def summary(output: Path, names: list[str], seeds: list[int], subset: str) -> No
 
             ret = df.filter(pl.col("benchmark") == "retrieval/held-out")
             r1 = f"{ret['value'][0]:5.1f} (ch {ret['chance'][0]:.1f})" if ret.height else "-"
-            tag = "vanilla" if name == "vanilla" else name
+            import json
+
+            last = [json.loads(x) for x in (p.parents[2] / "metrics.jsonl").read_text().splitlines() if '"train"' in x][-1]
+            diag = f"stable {last['assign_stable']:.2f}" if "assign_stable" in last else ""
             if name != "vanilla":
-                print(f"{tag:20s} {seed:>4d} " + " ".join(cell(m) for m in METRICS) + f" {r1:>16s}")
+                print(f"{name:20s} {seed:>4d} " + " ".join(cell(m) for m in METRICS) + f" {r1:>16s} {diag}")
             if name in ("vanilla",) or (name == names[0] and seed == seeds[0]):
                 for b in BASELINES:
                     if pd.filter(pl.col("metric") == f"tIoU[{b}]").height:
