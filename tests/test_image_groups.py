@@ -92,3 +92,54 @@ def test_stage_on_ray_and_resume(tmp_path, ray_session):
     markers = {p.name: p.stat().st_mtime_ns for p in (art.dir / "_state").glob("*.json")}
     run_stage("extract-image-groups", RunContext(m))
     assert {p.name: p.stat().st_mtime_ns for p in (art.dir / "_state").glob("*.json")} == markers
+
+
+def test_scene_oracle_groups_are_the_objects():
+    """`scene-oracle` groups: one per object (its vector + the sample's noise), background noise after,
+    merged smallest-first past K; the assignment follows the boxes on the patch grid."""
+    from pipeline.models.groupvit import ORACLE_GROUPS, oracle_groups
+    from pipeline.models.scene_oracle import SceneObject, SceneOracle
+
+    o = SceneOracle()
+    objs = [SceneObject("circle", "red", "large", (0, 0, 60, 60)), SceneObject("square", "blue", "small", (96, 96, 128, 128))]
+    f = oracle_groups(o, objs, 128, 128, sample_id=3)
+    assert f["groups"].shape == (ORACLE_GROUPS, o.d_v) and f["assign"].shape == (ORACLE_GROUPS, o.grid ** 2)
+    assert f["groups_projected"].shape == (ORACLE_GROUPS, o.proj) and f["image_embed"].shape == (o.proj,)
+    cos = lambda a, b: float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
+    assert cos(f["groups"][0], o.object_vector(objs[0])) > 0.8 and cos(f["groups"][1], o.object_vector(objs[1])) > 0.8
+    assert np.linalg.norm(f["groups"][2:], axis=1).max() < 0.5 * np.linalg.norm(o.object_vector(objs[0]))
+    np.testing.assert_allclose(f["assign"].sum(0), 1.0, atol=1e-5)
+    assert f["assign"][:, 0].argmax() == 0 and f["assign"][:, 15].argmax() == 1  # top-left: the circle; bottom-right: the square
+    many = [SceneObject("circle", "red", "small", (0, 0, 10 + i, 10 + i)) for i in range(ORACLE_GROUPS + 2)]
+    g = oracle_groups(o, many, 128, 128, sample_id=1)
+    assert g["groups"].shape[0] == ORACLE_GROUPS  # the two smallest merged, twice
+    np.testing.assert_allclose(g["assign"].sum(0), 1.0, atol=1e-5)
+
+
+def test_scene_oracle_stage(tmp_path, ray_session):
+    from pipeline.errors import StageError
+    from pipeline.models.groupvit import oracle_groups
+    from pipeline.models.scene_oracle import SceneOracle, objects_of
+    from pipeline.stage import RunContext, run_stage
+    from tests.conftest import make_manifest
+
+    m = make_manifest(tmp_path, ["ray.actors=1", "models.groupvit=scene-oracle", "dataset.synthetic.n_images=12",
+                                 "dataset.synthetic.corrupt_images=0", "stages.extract_image_groups.shard_size=6"])
+    run_stage("ingest", RunContext(m))
+    summary = run_stage("extract-image-groups", RunContext(m))
+    assert summary["samples"] == 12
+    art = Artifact(tmp_path / "run" / "image_groups")
+    rec = art.manifest["models"]["groupvit"]
+    assert rec["testbed_instrument"] is True and art.manifest["dims"]["n_groups"] == 8
+    samples = Artifact(tmp_path / "run" / "samples")
+    inst = samples.read("instances", ["sample_id", "instance_id", "category", "box", "attributes"]).to_pylist()
+    wh = {r["sample_id"]: (r["width"], r["height"]) for r in samples.read("samples", ["sample_id", "width", "height"]).to_pylist()}
+    shard = sorted((art.dir / "shards").glob("*.tar"))[0]
+    fields = next(iter(iter_shard(shard)))
+    sid = int(fields["__key__"])
+    want = oracle_groups(SceneOracle(), objects_of(sorted((r for r in inst if r["sample_id"] == sid), key=lambda r: r["instance_id"])),
+                         *wh[sid], sid)
+    np.testing.assert_allclose(fields["groups.npy"].astype(np.float32), want["groups"], atol=2e-3)
+    bad = make_manifest(tmp_path / "f", ["dataset.kind=folder", f"dataset.images={tmp_path}", "models.groupvit=scene-oracle"])
+    with pytest.raises(StageError, match="scene-oracle is a testbed instrument"):
+        run_stage("extract-image-groups", RunContext(bad))

@@ -212,6 +212,11 @@ def test_real_token_logits_equal_full_logits():
     m.set_output_vocab(torch.arange(50))  # the whole vocabulary as "corpus": same loss
     c = reconstruction(*m.reconstruction_logits(ids, mask, out["groups"]))
     assert abs(float(a) - float(c)) < 1e-10
+    # Eq. 10 summed over each caption's tokens, averaged over captions: = mean x (real targets / captions)
+    n_tgt = int(mask[:, 1:].sum())
+    for full in (False, True):
+        s = reconstruction(*m.reconstruction_logits(ids, mask, out["groups"], full=full), reduction="sum")
+        assert abs(float(s) - float(a) * n_tgt / 3) < 1e-9
 
 
 # --- phrase discovery metric ----------------------------------------------------------------

@@ -158,3 +158,14 @@ def test_grouping_options_reach_the_model(tmp_path):
     d = _job(tmp_path / "d", tmp_path / "r2", **dict(SMALL, batch_size=4)).build_model()
     assert not d.isolate_groups and d.grouping.pre_assign and d.grouping.assign.hard and d.grouping.assign.gumbel
     assert float(d.group_tokens.std()) < 0.05 and float(d.pos.std()) < 0.05
+
+
+def test_shuffled_control_pairs_captions_with_another_image(tmp_path):
+    """`control: shuffled`: one fixed seeded permutation of the training images' groups, before training."""
+    write_planted(tmp_path / "d", n_images=40, captions_per_image=1)
+    real = _job(tmp_path / "d", tmp_path / "r", **dict(SMALL, batch_size=4))
+    ctrl = _job(tmp_path / "d", tmp_path / "c", **dict(SMALL, batch_size=4, control="shuffled"))
+    again = _job(tmp_path / "d", tmp_path / "c2", **dict(SMALL, batch_size=4, control="shuffled"))
+    assert sorted(ctrl.img_rows.tolist()) == sorted(real.img_rows.tolist())
+    assert (ctrl.img_rows != real.img_rows).mean() > 0.8 and (ctrl.img_rows == again.img_rows).all()
+    assert (ctrl.img_ids == real.img_ids).all()  # the captions stay; the groups move

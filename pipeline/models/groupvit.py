@@ -123,3 +123,61 @@ def encode_groups(model, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
         "image_embed": model.visual_projection(out.pooler_output),
         "assign": assign.transpose(1, 2),  # [B, K, N]
     }
+
+
+# --- scene-oracle (a testbed instrument on the generated dataset; pipeline/models/scene_oracle.py) ---------------
+ORACLE_GROUPS = 8  # K final groups, as the released GroupViT's second grouping stage
+
+
+def oracle_dims(oracle, image_size: int) -> dict:
+    """``dims`` of the scene-oracle's groups: K = 8, d = the oracle's object width, P its pooled width,
+    the patch grid its ``grid`` (``patch_size`` = image side / grid)."""
+    g = oracle.grid
+    return {"image_size": int(image_size), "patch_size": int(image_size) // g, "grid": [g, g], "n_patches": g * g,
+            "n_groups": ORACLE_GROUPS, "group_dim": oracle.d_v, "projection_dim": oracle.proj}
+
+
+def oracle_projection(oracle):
+    """The fixed linear map [d_v, P] standing for GroupViT's visual projection head (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng([oracle.seed, 4242])
+    return (rng.normal(size=(oracle.d_v, oracle.proj)) / np.sqrt(oracle.d_v)).astype(np.float32)
+
+
+def oracle_groups(oracle, objects, width: float, height: float, sample_id: int, n_groups: int = ORACLE_GROUPS) -> dict:
+    """GroupViT's four fields for one scene from its ground truth (the ``encode_groups`` schema, numpy).
+
+    Groups: one per object (its vector, :meth:`SceneOracle.object_vectors`, with the sample's noise);
+    with more objects than ``n_groups`` the two smallest (box area) are merged until they fit (vectors
+    summed, cells united); the remaining groups are background: noise only, at the oracle's ``noise``
+    scale. ``groups_projected`` = groups @ a fixed linear map; ``image_embed`` = the mean group through
+    it (as ``get_image_features``). ``assign`` [K, N]: each patch-grid cell goes to the groups whose
+    object box covers it (:meth:`SceneOracle.cells`), a cell no object covers to the background groups
+    (to all groups when there is none), 5% spread uniformly, each column normalised to sum 1.
+    """
+    import numpy as np
+
+    rng = oracle.sample_rng(sample_id)
+    vecs = list(oracle.object_vectors(objects, rng)) if objects else []
+    cells = [set(oracle.cells(o.box, width, height)) for o in objects]
+    area = [max(0.0, (o.box[2] - o.box[0]) * (o.box[3] - o.box[1])) for o in objects]
+    while len(vecs) > n_groups:  # merge the two smallest objects
+        i, j = sorted(np.argsort(area, kind="stable")[:2].tolist())
+        vecs[i], cells[i], area[i] = vecs[i] + vecs[j], cells[i] | cells[j], area[i] + area[j]
+        del vecs[j], cells[j], area[j]
+    n_obj = len(vecs)
+    bg = oracle.noise * rng.normal(size=(n_groups - n_obj, oracle.d_v)).astype(np.float32) / np.sqrt(oracle.d_v)
+    groups = np.concatenate([np.stack(vecs) if vecs else np.zeros((0, oracle.d_v), np.float32), bg]).astype(np.float32)
+    N = oracle.grid * oracle.grid
+    assign = np.zeros((n_groups, N), np.float32)
+    for k, cs in enumerate(cells):
+        assign[k, sorted(cs)] = 1.0
+    empty = assign.sum(0) == 0
+    assign[n_obj:, empty] = 1.0
+    if n_obj == n_groups:
+        assign[:, empty] = 1.0
+    assign = assign / assign.sum(0, keepdims=True)
+    assign = 0.95 * assign + 0.05 / n_groups
+    W = oracle_projection(oracle)
+    return {"groups": groups, "groups_projected": groups @ W, "image_embed": groups.mean(0) @ W, "assign": assign}

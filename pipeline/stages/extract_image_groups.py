@@ -2,6 +2,9 @@
 
 Model: ``models.groupvit`` (HF id/folder, ``tiny-random``, ``base-random``); what is taken is
 described in :mod:`pipeline.models.groupvit`. Images are prepared by the model's processor.
+``scene-oracle`` (the generated dataset only; a testbed instrument, :mod:`pipeline.models.scene_oracle`):
+the same fields from the scene's ground truth (:func:`pipeline.models.groupvit.oracle_groups`: one
+group per object, background groups of noise, the patch assignment from the object boxes).
 
 Artifact layout (``<output>/image_groups/``)::
 
@@ -74,11 +77,55 @@ class GroupWorker(ImageActor):
         return {"images": images_table(done, shard, self.model.config.projection_dim)}
 
 
+class OracleGroupWorker(GroupWorker):
+    """Ray actor of ``scene-oracle``: the scene's objects (attached ``scene``) become the groups."""
+
+    def load(self, spec: str, device: str) -> None:
+        from pipeline.models.scene_oracle import SceneOracle
+
+        self.oracle = SceneOracle()
+
+    def prepare(self, images):
+        return [im.size for im in images]
+
+    def encode(self, records, sizes):
+        from pipeline.models.groupvit import oracle_groups
+        from pipeline.models.scene_oracle import objects_of
+
+        out = []
+        for r, (w, h) in zip(records, sizes):
+            f = oracle_groups(self.oracle, objects_of(r["scene"]), r.get("width") or w, r.get("height") or h, r["sample_id"])
+            out.append({f"{k}.npy": v.astype(np.float16) for k, v in f.items()})
+        return out
+
+    def tables(self, done, shard):
+        return {"images": images_table(done, shard, self.oracle.proj)}
+
+
+def _run_oracle(ctx: RunContext, cfg: Config, spec: str) -> dict:
+    from pipeline.models import scene_oracle
+    from pipeline.models.groupvit import oracle_dims
+
+    scene_oracle.require_generated(ctx.manifest, "groupvit")
+    oracle = scene_oracle.SceneOracle()
+    plan = plan_image_units(ctx, cfg.shard_size, attach=("scene",))
+    dims = oracle_dims(oracle, ctx.manifest.dataset.synthetic.image_size)
+    record = scene_oracle.record("groupvit", params=oracle.params(), **dims)
+    _, summary = run_image_stage(
+        ctx, cfg, artifact="image_groups", stage=NAME, plan=plan, actor=OracleGroupWorker, models={"groupvit": record},
+        constructor_kwargs=dict(spec=spec, device=cfg.device, batch_size=cfg.batch_size), extra={"dims": dims}, schema=SCHEMA,
+    )
+    return summary
+
+
 def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.models.groupvit import load_groupvit
     from pipeline.models.provenance import cached_info
+    from pipeline.models.scene_oracle import is_oracle
 
     spec = ctx.manifest.models.groupvit
+    if is_oracle(spec):
+        return _run_oracle(ctx, cfg, spec)
     plan = plan_image_units(ctx, cfg.shard_size)
     with model_key("models.groupvit", spec):  # cached: a rerun with nothing to do loads no model
         record = cached_info(ctx.output, "groupvit", {"groupvit": spec}, lambda: load_groupvit(spec)[2])

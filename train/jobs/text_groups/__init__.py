@@ -10,6 +10,11 @@ cross-attention to the groups, 1 head each, embeddings tied; reconstruction cros
 real tokens). Loss = contrastive + lambda * reconstruction (lambda = 1). One random caption per
 image per step. Model details: :mod:`train.jobs.text_groups.model`.
 
+``control: shuffled`` (the testbed's training-time control) pairs every training image's groups with
+the captions of another image (a fixed seeded permutation drawn once before training); its held-out
+retrieval must stay at chance. ``reconstruction_reduction`` reads Eq. 10 (default ``sum``: a caption's
+cross-entropy sums its tokens; ``mean`` averages over tokens, 1/M of the paper's weight).
+
 Variants (``variant:``): ``grouped`` (the paper's model), ``no-reconstruction``,
 ``no-contrastive`` (Table 5 ablations), ``vanilla`` (the paper's baseline: 9 layers over tokens,
 CLIP's causal mask, pooled at EOT, same objectives; the decoder cross-attends to that one vector).
@@ -74,6 +79,13 @@ class Config(TrainerConfig):
     d_proj: int = Field(256, ge=1, description="joint space width of the Linear projections")
     tau: float = Field(0.07, gt=0, description="InfoNCE temperature (fixed)")
     lambda_rec: float = Field(1.0, ge=0, description="reconstruction weight lambda")
+    reconstruction_reduction: Literal["sum", "mean"] = Field(
+        "sum", description="Eq. 10: sum: each caption's cross-entropy is the sum over its tokens (the paper's CE of a "
+        "caption), averaged over the batch like the InfoNCE of Eq. 6-7; mean: averaged over the batch's real tokens "
+        "(the earlier reading: 1/M of the paper's weight)")
+    control: Literal["none", "shuffled"] = Field(
+        "none", description="shuffled: the training images' groups are paired with another image's captions (one fixed "
+        "permutation drawn from the seed before training); retrieval must stay at chance")
     gumbel: bool = Field(True, description="Gumbel noise on the assignment logits in training (Eq. 2; GroupViT's "
                          "`gumbel`); false: hard argmax of the noiseless softmax over groups, still straight-through")
     gumbel_tau: float = Field(1.0, gt=0, description="Gumbel-softmax temperature (GroupViT's)")

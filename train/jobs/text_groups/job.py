@@ -83,6 +83,10 @@ class TextGroupsJob(Job):
         self.stats["train_images_without_captions"] = len(train_sids) - len(img_ids)
         self.img_rows = self.groups.rows(img_ids) if len(img_ids) else np.zeros(0, np.int64)
         n = len(img_ids)
+        if cfg.control == "shuffled":  # the training-time control: groups of another image, fixed before training
+            perm = np.random.default_rng([cfg.seed, 1887]).permutation(n)
+            self.img_rows = self.img_rows[perm]
+            self.stats["control_shuffled_pairs_kept"] = int((perm == np.arange(n)).sum())
         bs = cfg.batch_size or (4096 if device.type == "cuda" else 64)
         self.batch_size = max(2, min(bs, n)) if n >= 2 else bs
         if cfg.batch_size and self.batch_size != cfg.batch_size:
@@ -157,7 +161,7 @@ class TextGroupsJob(Job):
             extras["acc_i2t"] = 100.0 * float((logits.argmax(1) == target).float().mean())
         if c.variant != "no-reconstruction":
             logits, targets, tm = model.reconstruction_logits(batch["ids"], batch["mask"], out["groups"], full=c.full_logits)
-            lr = reconstruction(logits, targets, tm)
+            lr = reconstruction(logits, targets, tm, c.reconstruction_reduction)
             total = total + c.lambda_rec * lr
             extras["loss_reconstruction"] = float(lr.detach())
         if "assign" in out:
@@ -374,7 +378,16 @@ class TextGroupsJob(Job):
         return rows
 
     def job_metrics(self, model, out_dir):
-        return self._discovery_cached(model, out_dir)
+        rows = list(self._discovery_cached(model, out_dir))
+        r = self._val_retrieval(model, hits=True)
+        if r:
+            from train.eval.intervals import wilson_of
+
+            rows.append(Row(benchmark="retrieval/held-out", subset="i2t", metric="R@1", value=r["val_r1_i2t"],
+                            n=int(r["val_images"]), chance=r["val_r1_chance"], unit="%",
+                            note="image -> text among the held-out images (first caption each); chance 100/N")
+                        .with_ci(wilson_of(r["hits"])))
+        return rows
 
     def evaluate(self, model, out_dir: Path) -> dict[str, float]:
         out_dir = Path(out_dir)
@@ -392,7 +405,7 @@ class TextGroupsJob(Job):
         return res
 
     @torch.no_grad()
-    def _val_retrieval(self, model) -> dict[str, float]:
+    def _val_retrieval(self, model, hits: bool = False) -> dict:
         """Image->text R@1 (%) among up to 1000 eval-split images, first caption each (chance 100/N)."""
         if self.cfg.variant == "no-contrastive":
             return {}
@@ -411,5 +424,6 @@ class TextGroupsJob(Job):
         g = torch.from_numpy(self.groups.gather(sids)).to(self.device)
         ie = model.image_embed(g).float().cpu()
         sim = ie @ te.t()
-        r1 = float((sim.argmax(1) == torch.arange(len(sids))).float().mean()) * 100
-        return {"val_r1_i2t": r1, "val_r1_chance": 100.0 / len(sids), "val_images": float(len(sids))}
+        hit = (sim.argmax(1) == torch.arange(len(sids))).numpy()
+        out = {"val_r1_i2t": float(hit.mean()) * 100, "val_r1_chance": 100.0 / len(sids), "val_images": float(len(sids))}
+        return dict(out, hits=hit) if hits else out

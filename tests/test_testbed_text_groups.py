@@ -1,0 +1,70 @@
+"""text-groups on the reduced testbed, through the real commands (issue 24): `pipeline run all` on
+manifests/testbed-tg.yaml (generated scenes, `models.groupvit: scene-oracle`, whose image groups are
+the scenes' objects) with 300 images, then `train run text-groups` twice, the second with
+`control=shuffled` (the image groups paired with another image's captions, fixed before training).
+
+Learnable here: held-out image -> text retrieval R@1 (30 held-out images, chance 3.3%). Measured
+(reduced encoder of benchmarks/text_groups_causes.py at width 32, 1 + 1 layers; 120 steps of 64),
+seeds 0 / 1 / 2: SEE_CALIBRATION. Asserted: the learnt run's R@1 lower 95% bound is above chance and
+its value >= MARGIN; the control's interval contains chance and its value <= CONTROL_MAX.
+Phrase discovery (tIoU) is reported beside its baselines but not asserted: the grouping does not
+form at this budget (docs/jobs/text-groups.md, issue 27).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+MARGIN = 20.0       # % R@1 the learnt run reaches at least (calibrated: see the docstring)
+CONTROL_MAX = 12.0  # % R@1 the control stays under
+STEPS = 120
+OPTS = dict(width=32, layers_pre=1, layers_post=1, recon_vocab="corpus", max_steps=STEPS, vanilla_run="null",
+            figures=0, threads=2, seed=0)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update({"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})
+    return env
+
+
+def _run(args: list[str]) -> None:
+    p = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def _retrieval(run_dir):
+    import polars as pl
+
+    df = pl.read_parquet(run_dir / "eval" / "final" / "results.parquet")
+    r = df.filter(pl.col("benchmark") == "retrieval/held-out").row(0, named=True)
+    tiou = df.filter((pl.col("benchmark") == "phrase-discovery/samples") & (pl.col("metric") == "tIoU")
+                     & (pl.col("subset") == "ge2_phrases"))
+    assert tiou.height == 1 and tiou["chance"][0] is not None  # reported beside chance (random assignment)
+    return r
+
+
+def test_text_groups_learns_and_control_stays_at_chance(tmp_path):
+    manifest = str(REPO / "manifests" / "testbed-tg.yaml")
+    base = ["--manifest", manifest, "--set", f"output={tmp_path / 'tb'}", "--set", "dataset.synthetic.n_images=300",
+            "--set", "stages.ingest.shard_size=150", "--set", "stages.extract_image_groups.shard_size=150"]
+    _run(["pipeline.cli", "run", "all", *base])
+    sets = [x for k, v in OPTS.items() for x in ("--set", f"train.text_groups.{k}={v}")]
+    runs = {}
+    for name, extra in (("learnt", []), ("control", ["--set", "train.text_groups.control=shuffled"])):
+        rd = tmp_path / name
+        _run(["train.cli", "run", "text-groups", *base, *sets, *extra, "--set", f"train.text_groups.run_dir={rd}",
+              "--no-progress"])
+        runs[name] = _retrieval(rd)
+    learnt, control = runs["learnt"], runs["control"]
+    assert learnt["n"] == 30 and abs(learnt["chance"] - 100 / 30) < 1e-9
+    assert learnt["ci_low"] > learnt["chance"] and learnt["value"] >= MARGIN, learnt
+    assert control["ci_low"] <= control["chance"] <= control["ci_high"] and control["value"] <= CONTROL_MAX, control
