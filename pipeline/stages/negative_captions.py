@@ -17,6 +17,11 @@ in :mod:`pipeline.negatives.core`. Output, the ``negatives`` artifact:
   negatives in context (K = negative_feature_k, zero rows past ``count``), ``negs.json``
   (caption_id, word_index, count, valid per noun).
 
+``models.word_encoder: scene-oracle`` (the testbed instrument, generated dataset only): the
+feature of a word is ``SceneOracle.span_vector`` of its character span in the caption, and a
+negative's the span vector of the candidate in the caption with the noun replaced; the masked LM
+(``models.mlm``, never the oracle) still proposes and re-ranks the candidates.
+
 Rejects: ``empty_caption`` (blank text), ``no_noun`` (nothing to substitute; the adjectives still
 get features), ``caption_truncated`` (words beyond ``max_tokens`` are dropped).
 """
