@@ -3,7 +3,7 @@ loop reference of the same math, and the data path against in-memory batches.
 
     .venv/bin/python benchmarks/bench_infoground.py [--images 300] [--regions 12] [--steps 6] [--rounds 2] [--threads 1]
 
-Writes planted `samples` / `regions` / `negatives` artifacts at the paper's widths (2048-d regions,
+Writes generated `samples` / `regions` / `negatives` artifacts (benchmarks/infoground_artifacts.py) at the paper's widths (2048-d regions,
 768-d words, 25 negatives per noun, batches of 50 captions) into a temporary folder, then measures
 training samples/s (forward + backward + Adam step):
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from infoground_planted import write_planted_grounding
+    from infoground_artifacts import write_grounding_artifacts
     from pipeline.config import load_manifest
     from train.jobs.infoground import make_job
     from train.jobs.infoground.losses import infoground_loss, reference_loss
@@ -49,8 +49,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_ig_"))
     try:
         t0 = time.perf_counter()
-        write_planted_grounding(tmp, n_images=args.images, d_r=2048, d_w=768, distractors=args.regions - 2)
-        print(f"planted artifacts: {args.images} images, {args.regions} regions, 2048-d regions, 768-d words "
+        write_grounding_artifacts(tmp, n_images=args.images, d_r=2048, d_w=768, distractors=args.regions - 2)
+        print(f"artifacts: {args.images} images, {args.regions} regions, 2048-d regions, 768-d words "
               f"({time.perf_counter() - t0:.1f}s)")
         m = load_manifest(None, [f"output={tmp}", f"train.infoground.threads={args.threads}"])
         job = make_job(m.train.infoground, m, tmp / "train", torch.device("cpu"))

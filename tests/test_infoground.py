@@ -17,7 +17,9 @@ import torch
 
 from train.eval.intervals import wilson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# structural fixtures (ids, empty region sets, widths) from the benchmark's artifact generator;
+# learning is shown through the real stages in tests/test_testbed_infoground.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -221,13 +223,13 @@ def _manifest(out, *sets):
 
 
 def test_bad_inputs(tmp_path, monkeypatch):
-    from infoground_planted import write_planted_grounding
+    from infoground_artifacts import write_grounding_artifacts
     from train.jobs.infoground import make_job
     from train.loop import train
 
     a, b = tmp_path / "a", tmp_path / "b"
-    write_planted_grounding(a, n_images=30, empty_regions={3, 4, 5})  # 4 is a test image, 3 a val image
-    write_planted_grounding(b, n_images=30, id_offset=1000)  # another dataset's ids
+    write_grounding_artifacts(a, n_images=30, empty_regions={3, 4, 5})  # 4 is a test image, 3 a val image
+    write_grounding_artifacts(b, n_images=30, id_offset=1000)  # another dataset's ids
     dev = torch.device("cpu")
     import train.loop as loop_module
 
@@ -255,13 +257,13 @@ def test_bad_inputs(tmp_path, monkeypatch):
 
 def test_zero_nouns_is_an_error(tmp_path):
     """A negatives artifact whose captions had no noun or adjective (no word rows) is one clear error."""
-    from infoground_planted import write_planted_grounding
+    from infoground_artifacts import write_grounding_artifacts
     from pipeline.io.artifacts import ArtifactWriter, unit_name
     from pipeline.io.wds import ShardWriter
     from pipeline.stages.negative_captions import NEGATIVES_SCHEMA, WORDS_SCHEMA
     from train.jobs.infoground import make_job
 
-    write_planted_grounding(tmp_path, n_images=10)
+    write_grounding_artifacts(tmp_path, n_images=10)
     import shutil
 
     shutil.rmtree(tmp_path / "negatives")
@@ -283,13 +285,13 @@ def test_exact_resume_and_best(tmp_path, monkeypatch):
     """An interrupted run resumed from last.pt logs the same losses as an uninterrupted one (the
     batches, the per-epoch noun draw and the random variant's negatives are functions of (seed,
     epoch, batch)); best.pt is chosen at the per-epoch evaluations."""
-    from infoground_planted import write_planted_grounding
+    from infoground_artifacts import write_grounding_artifacts
     from train.jobs.infoground import make_job
     from train.loop import load_checkpoint, train
     import train.loop as loop_module
 
     monkeypatch.setattr(loop_module, "plot_metrics", lambda *a, **k: None)
-    write_planted_grounding(tmp_path, n_images=40)
+    write_grounding_artifacts(tmp_path, n_images=40)
     dev = torch.device("cpu")
     for variant in ("contextual", "random"):
         m = _manifest(tmp_path, f"train.infoground.negatives={variant}", "train.infoground.batch_size=8",
@@ -337,11 +339,11 @@ def test_text_words_match_the_stage_features():
 def test_score_word_features_batched_equals_per_pair(tmp_path):
     """The harness score (mean over words of phi), batched per image with per-pair box masks, equals
     a direct per-pair computation; texts without words score NaN."""
-    from infoground_planted import write_planted_grounding
+    from infoground_artifacts import write_grounding_artifacts
     from train.jobs.infoground import make_job
     from train.jobs.infoground.metrics import centre_in
 
-    write_planted_grounding(tmp_path, n_images=20)
+    write_grounding_artifacts(tmp_path, n_images=20)
     m = _manifest(tmp_path)
     job = make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))
     model = job.build_model().eval()
@@ -377,14 +379,14 @@ def test_score_word_features_batched_equals_per_pair(tmp_path):
 def test_eval_on_another_runs_artifacts(tmp_path, monkeypatch):
     """eval_output: train on one run's artifacts, evaluate on another's (its splits, phrases, regions,
     words); widths that differ are one clear error."""
-    from infoground_planted import write_planted_grounding
+    from infoground_artifacts import write_grounding_artifacts
     from train.jobs.infoground import make_job
     import train.loop as loop_module
 
     monkeypatch.setattr(loop_module, "plot_metrics", lambda *a, **k: None)
-    write_planted_grounding(tmp_path / "a", n_images=20)
-    write_planted_grounding(tmp_path / "b", n_images=40, id_offset=500, seed=1)
-    write_planted_grounding(tmp_path / "c", n_images=10, id_offset=900, d_r=16)
+    write_grounding_artifacts(tmp_path / "a", n_images=20)
+    write_grounding_artifacts(tmp_path / "b", n_images=40, id_offset=500, seed=1)
+    write_grounding_artifacts(tmp_path / "c", n_images=10, id_offset=900, d_r=16)
     m = _manifest(tmp_path / "a", f"train.infoground.eval_output={tmp_path / 'b'}")
     job = make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))
     model = job.build_model()
@@ -474,12 +476,12 @@ def test_noun_vs_negatives_reports_the_prior_baseline(tmp_path):
     its valid negatives, recomputed here from the artifact's tables; a Wilson interval as the rest."""
     import polars as pl
 
-    from infoground_planted import write_planted_grounding
+    from infoground_artifacts import write_grounding_artifacts
     from pipeline.io.artifacts import Artifact
     from train.jobs.infoground import make_job
     from train.jobs.infoground.metrics import grounding_rows
 
-    write_planted_grounding(tmp_path / "a", n_images=20)
+    write_grounding_artifacts(tmp_path / "a", n_images=20)
     m = _manifest(tmp_path / "a")
     job = make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))
     g = job.ground(job.build_model(), job.eval_set(job.cfg.test_splits))

@@ -9,7 +9,10 @@ Specs understood by :func:`load_mlm`, :func:`load_word_encoder` and :func:`load_
 * ``tiny-random``: a 2-layer, 32-wide ``BertConfig`` model with seeded random weights and the real
   WordPiece tokenizer (uncased BERT vocabulary, 30,522 entries) shipped with the packaged MiniLM;
 * ``random-bert-base``: a BERT-base-sized (12 x 768) random model with the same tokenizer, for
-  benchmarks where only the cost matters.
+  benchmarks where only the cost matters;
+* ``scene-oracle`` (word encoder only; the testbed instrument of :mod:`pipeline.models.scene_oracle`,
+  generated dataset only): :class:`SpanEncoder`, the contextual feature of a character span of a
+  text is ``SceneOracle.span_vector`` (no tokenizer, no network). It is never a masked LM.
 
 The two random builds are seeded so that the ``tiny-random`` word encoder *is* the encoder of the
 ``tiny-random`` masked LM (same weights): a stage may then share one pass between them. Their
@@ -27,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from pipeline.models.provenance import is_tiny_random, model_record, state_dict_hash, weights_hash
+from pipeline.models.scene_oracle import is_oracle
 
 RANDOM_BERT_BASE = "random-bert-base"
 TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
@@ -132,6 +138,33 @@ class WordEncoder:
         return int(self.model.config.hidden_size)
 
 
+@dataclass
+class SpanEncoder:
+    """A word encoder that maps character spans of a text to features directly (``scene-oracle``):
+    ``span_features(text, [(start, end), ...]) -> float32 [n, hidden_size]``. The negatives miner
+    and the infoground scorer use it in place of a tokenizer + transformer pass."""
+
+    oracle: object
+    record: dict
+    model: object = None  # no network to move between devices
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.oracle.d_t)
+
+    def span_features(self, text: str, spans: list[tuple[int, int]]) -> np.ndarray:
+        if not spans:
+            return np.zeros((0, self.hidden_size), np.float32)
+        return np.stack([self.oracle.span_vector(text, int(a), int(b)) for a, b in spans]).astype(np.float32)
+
+
+def _oracle_encoder(role: str) -> SpanEncoder:
+    from pipeline.models.scene_oracle import SceneOracle, record
+
+    o = SceneOracle()
+    return SpanEncoder(o, record(role, params=o.params(), feature_dim=o.d_t))
+
+
 def mlm_head(model) -> Callable | None:
     """The vocabulary head of a ``*ForMaskedLM`` model as a function of final hidden states."""
     if hasattr(model, "cls") and hasattr(model.cls, "predictions"):  # BERT family
@@ -152,6 +185,8 @@ def mlm_head(model) -> Callable | None:
 
 
 def load_mlm(spec: str, role: str = "mlm") -> MaskedLM:
+    if is_oracle(spec):
+        raise ValueError("scene-oracle is a word encoder, not a masked LM: give models.mlm a masked LM (e.g. tiny-random)")
     if is_random_spec(spec):
         model, tok = _build_random_mlm(spec)
         dims = {k: getattr(model.config, k) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
@@ -170,7 +205,9 @@ def load_mlm(spec: str, role: str = "mlm") -> MaskedLM:
     return MaskedLM(model, tok, model.base_model, mlm_head(model), rec)
 
 
-def load_word_encoder(spec: str, role: str = "word_encoder") -> WordEncoder:
+def load_word_encoder(spec: str, role: str = "word_encoder") -> WordEncoder | SpanEncoder:
+    if is_oracle(spec):
+        return _oracle_encoder(role)
     if is_random_spec(spec):
         # The body of the random masked LM of the same spec: identical weights by construction.
         model, tok = _build_random_mlm(spec)
@@ -188,12 +225,12 @@ def load_word_encoder(spec: str, role: str = "word_encoder") -> WordEncoder:
     return WordEncoder(model, tok, rec)
 
 
-def load_feature_encoder(mlm: str, word_encoder: str) -> WordEncoder:
+def load_feature_encoder(mlm: str, word_encoder: str) -> WordEncoder | SpanEncoder:
     """The encoder whose last hidden states are the negatives stage's word features: the masked
     LM's own body when ``word_encoder`` is the same spec as ``mlm`` (the stage then shares one pass
     between the LM and the features, see ``NegativeMiner``), else :func:`load_word_encoder`.
-    Both may be ``tiny-random``."""
-    if word_encoder == mlm:
+    Both may be ``tiny-random``; ``scene-oracle`` gives a :class:`SpanEncoder`."""
+    if word_encoder == mlm and not is_oracle(word_encoder):
         lm = load_mlm(mlm)
         return WordEncoder(lm.encoder, lm.tokenizer, lm.record)
     return load_word_encoder(word_encoder)
@@ -201,6 +238,8 @@ def load_feature_encoder(mlm: str, word_encoder: str) -> WordEncoder:
 
 def provenance(spec: str, role: str) -> dict:
     """The provenance record of a model without keeping it loaded (driver side)."""
+    if is_oracle(spec):
+        return load_word_encoder(spec, role).record if role == "word_encoder" else load_mlm(spec, role).record
     if is_random_spec(spec):
         if role == "word_encoder":
             return load_word_encoder(spec, role).record

@@ -30,7 +30,9 @@ Choices the paper leaves open (each an option of :class:`MinerOptions`):
 * Word features are the encoder's last hidden layer pooled over a word's subword tokens
   (``word_pool``: ``mean`` default, or ``first``). Negative-noun features are the features of the
   substituted word in the negative caption (the caption text with the noun's character span
-  replaced by the candidate word, re-tokenised by the word encoder's tokenizer).
+  replaced by the candidate word, re-tokenised by the word encoder's tokenizer). A span encoder
+  (``scene-oracle``, :class:`pipeline.models.mlm.SpanEncoder`) gives the features of the same
+  character spans directly, with no tokenizer or forward pass.
 
 Efficiency by construction: one unmasked pass per caption gives q for all of its nouns and, when
 the word encoder is the masked LM's own body, the positive word features; the masked passes of
@@ -247,8 +249,15 @@ class NegativeMiner:
         # word_encoder None: the masked LM's own body gives the word features (one shared pass)
         self.shared = word_encoder is None
         self.we = word_encoder
-        self.we_model = mlm.encoder if self.shared else word_encoder.model
-        self.we_tok = mlm.tokenizer if self.shared else word_encoder.tokenizer
+        # a span encoder (scene-oracle): features of character spans, no tokenizer nor forward pass
+        self.spans_of = getattr(word_encoder, "span_features", None)
+        if self.spans_of is not None:
+            self.H = word_encoder.hidden_size
+            self.we_model, self.we_tok = mlm.encoder, mlm.tokenizer  # unused for features; keeps the limits below
+        else:
+            self.we_model = mlm.encoder if self.shared else word_encoder.model
+            self.we_tok = mlm.tokenizer if self.shared else word_encoder.tokenizer
+            self.H = int(self.we_model.config.hidden_size)
         self.vocab = Vocabulary(self.tok, self.opts, noun_vocab)
         self.mask_id = self.tok.mask_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
@@ -287,17 +296,18 @@ class NegativeMiner:
         results: list[CaptionResult] = []
         for (cid, sid, text), words in zip(captions, tagged):
             fw = [w for w in words if w.pos in o.feature_tags() and any(ch.isalnum() for ch in w.text)]
-            results.append(CaptionResult(int(cid), int(sid), text, fw, np.zeros((0, self.we_model.config.hidden_size), np.float32), []))
+            results.append(CaptionResult(int(cid), int(sid), text, fw, np.zeros((0, self.H), np.float32), []))
         live = [r for r in results if r.words]
         if not live:
             self._flag_nounless(results)
             return results
         enc = self._encode(self.tok, [r.text for r in live], o.max_tokens)
-        we_enc = enc if self.shared else self._encode(self.we_tok, [r.text for r in live], o.max_tokens)
+        same = self.shared or self.spans_of is not None  # word spans of the MLM's encoding serve the features
+        we_enc = enc if same else self._encode(self.we_tok, [r.text for r in live], o.max_tokens)
         spans, we_spans = [], []
         for k, r in enumerate(live):
             sp, trunc = self._align(enc, k, r.words)
-            wsp, wtrunc = (sp, trunc) if self.shared else self._align(we_enc, k, r.words)
+            wsp, wtrunc = (sp, trunc) if same else self._align(we_enc, k, r.words)
             keep = [j for j in range(len(r.words)) if sp[j] is not None and wsp[j] is not None]
             dropped = len(r.words) - len(keep)
             if dropped:
@@ -320,7 +330,7 @@ class NegativeMiner:
         feat_pos: list[list[int]] = [[] for _ in live]
         feat_seg: list[int] = []
         n_feat = 0
-        if o.positive_features:
+        if o.positive_features and self.spans_of is None:
             for k, r in enumerate(live):
                 for j in range(len(r.words)):
                     a, b = we_spans[k][j]
@@ -340,10 +350,13 @@ class NegativeMiner:
         else:
             hq = gather_forward(self.mlm.encoder, ids, q_pos, self.pad_id, o.batch_tokens, o.max_batch, self.stats)
             hf = None
-            if o.positive_features:
+            if o.positive_features and self.spans_of is None:
                 we_ids = [list(x) for x in we_enc["input_ids"]]
                 hf = gather_forward(self.we_model, we_ids, feat_pos, self.we_pad, o.batch_tokens, o.max_batch, self.stats)
-        if o.positive_features and n_feat:
+        if o.positive_features and self.spans_of is not None:
+            for r in live:
+                r.features = self.spans_of(r.text, [(w.start, w.end) for w in r.words])
+        elif o.positive_features and n_feat:
             feats = segment_pool(hf.float(), torch.tensor(feat_seg), n_feat, o.word_pool).numpy()
             f0 = 0
             for r in live:
@@ -351,7 +364,7 @@ class NegativeMiner:
                 f0 += len(r.words)
         for r in live:
             if len(r.features) != len(r.words):  # positive_features off
-                r.features = np.zeros((len(r.words), self.we_model.config.hidden_size), np.float32)
+                r.features = np.zeros((len(r.words), self.H), np.float32)
         if not nouns:
             self._flag_nounless(results)
             return results
@@ -437,7 +450,11 @@ class NegativeMiner:
                 owner.append(nr)
         if not texts:
             return
-        H = self.we_model.config.hidden_size
+        if self.spans_of is not None:
+            feats = np.concatenate([self.spans_of(t, [sp]) for t, sp in zip(texts, spans)])
+            self._assign_negatives(owner, feats, np.ones(len(texts), dtype=bool))
+            return
+        H = self.H
         enc = self._encode(self.we_tok, texts, self.neg_max_tokens)
         seqs, pos, seg, ok = [], [], [], np.zeros(len(texts), dtype=bool)
         n_ok = 0
@@ -456,6 +473,11 @@ class NegativeMiner:
         if n_ok:
             h = gather_forward(self.we_model, seqs, pos, self.we_pad, o.batch_tokens, o.max_batch, self.stats)
             feats[ok] = segment_pool(h.float(), torch.tensor(seg), n_ok, o.word_pool).numpy()
+        self._assign_negatives(owner, feats, ok)
+
+    @staticmethod
+    def _assign_negatives(owner: list, feats: np.ndarray, ok: np.ndarray) -> None:
+        """Each noun's consecutive rows of ``feats`` (texts in ``owner`` order) and their validity."""
         i = 0
         while i < len(owner):
             nr = owner[i]

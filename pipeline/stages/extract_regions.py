@@ -6,6 +6,11 @@ Faster R-CNN from a local weights file, ``tiny-random``, or detectron2) and keep
 ground-truth boxes of the samples' ``instances`` table instead and pools the same detector's
 box-head features for them (up to ``max_boxes``, in instance order).
 
+``models.detector: scene-oracle`` (the testbed instrument of :mod:`pipeline.models.scene_oracle`,
+generated dataset only, ``backend: annotations`` only): each ground-truth box's ROI feature is the
+oracle's object vector (colour + shape embedding + the sample's seeded noise) instead of a
+detector's box-head output; no detector is loaded.
+
 Fields of each WebDataset sample (R regions, D feature width, in ``_manifest.json`` ``dims``)::
 
     boxes.npy         float32 [R, 4]  x0, y0, x1, y1 in original image pixels (float32: fp16
@@ -28,7 +33,7 @@ import numpy as np
 from pydantic import Field
 
 from pipeline.models.device import device_field
-from pipeline.stage import RunContext, StageConfig, model_key
+from pipeline.stage import RunContext, StageConfig, StageError, model_key
 from pipeline.stages._image_actor import ImageActor, run_image_stage
 from pipeline.stages._image_units import plan_image_units
 
@@ -70,7 +75,11 @@ class RegionWorker(ImageActor):
 
     def load(self, spec: str, device: str) -> None:
         from pipeline.models.detector import load_detector
+        from pipeline.models.scene_oracle import SceneOracle, is_oracle
 
+        self.oracle = SceneOracle() if is_oracle(spec) else None
+        if self.oracle is not None:
+            return
         self.det = load_detector(spec, device, score_thresh=self.score_thresh, min_size=self.min_size, max_boxes=self.max_boxes)
 
     def encode(self, kept: list[dict], images: list) -> list[dict]:
@@ -90,7 +99,7 @@ class RegionWorker(ImageActor):
             return results
         gts = [r["instances"] for r in kept]
         boxes = [np.asarray(g["boxes"][: self.max_boxes], np.float32).reshape(-1, 4) for g in gts]
-        feats = self.det.pool(images, boxes)
+        feats = self._oracle_features(kept, boxes) if self.oracle is not None else self.det.pool(images, boxes)
         for im, g, b, f in zip(images, gts, boxes, feats):
             n = len(b)  # 0 for a sample without annotations: stored with R = 0
             fields = {
@@ -105,6 +114,17 @@ class RegionWorker(ImageActor):
             results.append(fields)
         return results
 
+    def _oracle_features(self, kept: list[dict], boxes: list[np.ndarray]) -> list[np.ndarray]:
+        """scene-oracle: each box's feature is its object's vector (the scene's instances, in the
+        same instance_id order as the boxes) plus the sample's seeded noise."""
+        from pipeline.models.scene_oracle import objects_of
+
+        out = []
+        for r, b in zip(kept, boxes):
+            objs = objects_of(r["scene"])[: len(b)]
+            out.append(self.oracle.object_vectors(objs, self.oracle.sample_rng(r["sample_id"])))
+        return out
+
     def complete(self, done, stats):
         stats["boxes"] = sum(len(f["boxes.npy"]) for _, f in done)
         return done
@@ -116,10 +136,23 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     from pipeline.models.detector import load_detector
     from pipeline.models.provenance import cached_info
 
+    from pipeline.models import scene_oracle
+
     spec = ctx.manifest.models.detector
-    plan = plan_image_units(ctx, cfg.shard_size, ("boxes",) if cfg.backend == "annotations" else (),
-                            missing_hint="use backend: detector")
+    oracle = scene_oracle.is_oracle(spec)
+    if oracle:
+        scene_oracle.require_generated(ctx.manifest, "detector")
+        if cfg.backend != "annotations":
+            raise StageError("models.detector: scene-oracle gives features of ground-truth boxes only: "
+                             "set stages.extract_regions.backend: annotations")
+    attach = (("boxes",) if cfg.backend == "annotations" else ()) + (("scene",) if oracle else ())
+    plan = plan_image_units(ctx, cfg.shard_size, attach, missing_hint="use backend: detector")
+
     def probe() -> dict:
+        if oracle:
+            o = scene_oracle.SceneOracle()
+            return {"record": scene_oracle.record("detector", params=o.params(), feature_dim=o.d_v), "dim": o.d_v,
+                    "categories": None}
         det = load_detector(spec, score_thresh=cfg.score_thresh, min_size=cfg.min_size, max_boxes=cfg.max_boxes)
         return {"record": det.record, "dim": det.dim, "categories": det.categories}
 

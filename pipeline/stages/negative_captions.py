@@ -17,6 +17,11 @@ in :mod:`pipeline.negatives.core`. Output, the ``negatives`` artifact:
   negatives in context (K = negative_feature_k, zero rows past ``count``), ``negs.json``
   (caption_id, word_index, count, valid per noun).
 
+``models.word_encoder: scene-oracle`` (the testbed instrument, generated dataset only): the
+feature of a word is ``SceneOracle.span_vector`` of its character span in the caption, and a
+negative's the span vector of the candidate in the caption with the noun replaced; the masked LM
+(``models.mlm``, never the oracle) still proposes and re-ranks the candidates.
+
 Rejects: ``empty_caption`` (blank text), ``no_noun`` (nothing to substitute; the adjectives still
 get features), ``caption_truncated`` (words beyond ``max_tokens`` are dropped).
 """
@@ -143,7 +148,7 @@ class NegativeCaptionsWorker:
             head = self.mlm.head  # the miner hands it CPU hidden states and reads CPU logits
             self.mlm = dataclasses.replace(self.mlm, head=lambda h: head(h.to(self.device)).float().cpu())
         self.we = None if word_encoder == mlm else load_word_encoder(word_encoder)
-        if self.we is not None:
+        if getattr(self.we, "model", None) is not None:
             self.we.model.to(self.device)
         self.tagger = Tagger(spacy)
         self.miner = NegativeMiner(self.mlm, self.we, opts, vocab)
@@ -290,8 +295,14 @@ def _noun_vocab(ctx: RunContext, entries: list[dict], samples, cfg: Config, mode
 
 
 def run(ctx: RunContext, cfg: Config) -> dict:
+    from pipeline.models import scene_oracle
     from pipeline.models.mlm import provenance
 
+    if scene_oracle.is_oracle(ctx.manifest.models.word_encoder):
+        scene_oracle.require_generated(ctx.manifest, "word_encoder")
+    if scene_oracle.is_oracle(ctx.manifest.models.mlm):
+        raise StageError("models.mlm: scene-oracle is a word encoder, not a masked LM: give a masked LM (e.g. tiny-random) "
+                         "to propose the negatives")
     if cfg.keep > cfg.top_k:
         raise StageError(f"stages.negative_captions: keep ({cfg.keep}) must not exceed top_k ({cfg.top_k})")
     samples = ctx.artifact("samples")
@@ -363,6 +374,10 @@ def _feature_dim(models) -> int | None:
     from pipeline.models.provenance import is_tiny_random
 
     spec = models.word_encoder
+    from pipeline.models.scene_oracle import SceneOracle, is_oracle
+
+    if is_oracle(spec):
+        return SceneOracle().d_t
     if is_random_spec(spec):
         return (TINY_BERT if is_tiny_random(spec) else BERT_BASE)["hidden_size"]
     try:

@@ -26,6 +26,12 @@ Defaults (paper Sec. 2.5 and the reference ``exp/ground``): Adam (AdamW with wei
 captions, 1 hidden layer, model selection by the best validation pointing accuracy
 (``best_metric: val_pointing_accuracy`` -> ``checkpoints/best.pt``).
 
+Control (``control: shuffled``, not in the paper): before training, the training images' region
+sets are permuted once against their captions (a fixed permutation seeded by ``seed``; each image's
+captions are trained with another training image's regions), so nothing ties words to regions;
+evaluation is unchanged. Grounding metrics (pointing accuracy, R@k) must then stay within their
+interval of chance; ``noun vs its negatives`` may still rise by the word prior alone.
+
 Evaluation (Flickr30k Entities protocol, Sec. 3.1): a phrase's score for a region is the max
 attention any of its words gives the region; R@1/5/10 = one of the top-k regions has IoU >= 0.5
 with a ground-truth box of the phrase (+1-pixel box widths as the reference code,
@@ -81,6 +87,9 @@ class Config(TrainerConfig):
     negatives: Literal["contextual", "random", "none"] = Field(
         "contextual", description="L_lang negatives: contextual (paper), random (Table 2 ablation: nouns of other "
         "captions in their own context), none (L_img only)")
+    control: Literal["none", "shuffled"] = Field(
+        "none", description="shuffled: the training images' region sets permuted once against their captions (seeded; "
+        "the chance control)")
     hidden_layers: int = Field(1, ge=0, le=2, description="hidden layers of k_r, v_r, q_w, v_w (paper: 1; Fig. 4: 0, 1, 2)")
     d: int | None = Field(None, ge=1, description="output width of the four MLPs (None: word width / 2, paper 384)")
     n_negatives: int = Field(25, ge=1, description="negatives per noun in L_lang (paper: 25)")

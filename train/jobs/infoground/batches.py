@@ -59,9 +59,11 @@ class Collate:
     """Caption items -> a batch (see train/jobs/infoground/losses.py for the layout). A picklable
     object (DataLoader workers); the regions are joined here, one read per distinct image."""
 
-    def __init__(self, regions_path: str, variant: str, n_neg: int, max_words: int | None, max_regions: int | None):
+    def __init__(self, regions_path: str, variant: str, n_neg: int, max_words: int | None, max_regions: int | None,
+                 region_of: dict[int, int] | None = None):
         self.regions_path, self.variant, self.n_neg = regions_path, variant, n_neg
         self.max_words, self.max_regions = max_words, max_regions
+        self.region_of = region_of or {}  # control: shuffled: whose regions each training image gets
         self._reader = None
 
     @property
@@ -76,7 +78,8 @@ class Collate:
     def __call__(self, samples: list[dict], rng: random.Random) -> dict:
         sids = list(dict.fromkeys(int(s["sample_id"]) for s in samples))
         pos = {s: i for i, s in enumerate(sids)}
-        regs = collate_regions([self.reader.get(s, ("boxes.npy", "features.npy")) for s in sids], self.max_regions)
+        regs = collate_regions([self.reader.get(self.region_of.get(s, s), ("boxes.npy", "features.npy")) for s in sids],
+                               self.max_regions)
         B = len(samples)
         wlist = [s["wf"] if self.max_words is None else s["wf"][: self.max_words] for s in samples]
         T = max(1, max(len(w) for w in wlist))
@@ -144,6 +147,15 @@ class Collate:
                 lw[b, 1 + m] = samples[c]["wf"][r]
                 lm[b, 1 + m] = True
         return lw, lm
+
+
+def shuffled_regions(train_ids, seed: int) -> dict[int, int]:
+    """``control: shuffled``: a fixed permutation of the training images' region sets with respect
+    to their captions (image ``s`` is trained with the regions of image ``region_of[s]``), seeded
+    by ``seed`` and drawn once before training."""
+    ids = np.asarray(sorted(int(s) for s in train_ids), np.int64)
+    perm = np.random.default_rng([int(seed), 777]).permutation(len(ids))
+    return dict(zip(ids.tolist(), ids[perm].tolist()))
 
 
 class FilterCaption:

@@ -24,7 +24,7 @@ from pipeline.io.shards import ShardStream
 from pipeline.loaders.regions import RegionsReader
 from train.data import ParquetMultiJoin
 from train.job import Job, Splits, open_artifact
-from train.jobs.infoground.batches import Collate, FilterCaption, read_captions, regions_reader
+from train.jobs.infoground.batches import Collate, FilterCaption, read_captions, regions_reader, shuffled_regions
 from train.jobs.infoground.losses import infoground_loss
 from train.jobs.infoground.metrics import EvalSet, ground, grounding_rows, load_eval_set, noun_counts, split_figures
 from train.jobs.infoground.model import InfoGroundModel
@@ -108,7 +108,11 @@ class InfoGroundJob(Job):
         if cfg.negatives == "random":
             joins.append(ParquetMultiJoin(self.neg_art, "words", ["word_index", "is_noun", "text", "caption_id"],
                                           prefix="w_", cache_files=4))
-        collate = Collate(str(self.reg_art.dir), cfg.negatives, cfg.n_negatives, cfg.max_words_per_caption, cfg.max_regions)
+        region_of = None
+        if cfg.control == "shuffled":  # the chance control: images' regions permuted against their captions
+            region_of = shuffled_regions([s for s in self.train_ids if (self.regions.n_regions(s) or 0) > 0], cfg.seed)
+        collate = Collate(str(self.reg_art.dir), cfg.negatives, cfg.n_negatives, cfg.max_words_per_caption, cfg.max_regions,
+                          region_of)
         if joins:
             collate = FilterCaption(collate)
         return ShardStream(self.neg_shards, read_captions, collate, self.batch_size, shuffle=True,

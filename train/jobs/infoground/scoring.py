@@ -18,7 +18,8 @@ class TextWords:
     """Word features of arbitrary texts, computed as the negatives stage computes them: spaCy POS
     tags (``models.spacy``), words with the negatives artifact's feature tags (NOUN, ADJ and, with
     its ``include_propn``, PROPN), each the mean of its word pieces' last hidden states of
-    ``models.word_encoder`` (the MLM's body when the artifact shared it). Results are cached per text."""
+    ``models.word_encoder`` (the MLM's body when the artifact shared it; a ``scene-oracle`` span
+    encoder gives each word's feature from its character span). Results are cached per text."""
 
     def __init__(self, manifest, params: dict):
         self.manifest, self.params = manifest, params
@@ -33,12 +34,14 @@ class TextWords:
 
             m = self.manifest.models
             we = load_feature_encoder(m.mlm, m.word_encoder)
-            model, tok = we.model, we.tokenizer
+            spans_of = getattr(we, "span_features", None)
+            model, tok = (spans_of, None) if spans_of is not None else (we.model, we.tokenizer)
             p = self.params
             opts = MinerOptions(noun_pos=tuple(p.get("noun_pos", ["NOUN"])),
                                 feature_pos=tuple(p.get("feature_pos", ["NOUN", "ADJ"])),
                                 include_propn=bool(p.get("include_propn", False)))
-            model.eval()
+            if spans_of is None:
+                model.eval()
             self._loaded = (Tagger(m.spacy), model, tok, opts.feature_tags(), int(p.get("max_tokens", 128)),
                             p.get("word_pool", "mean"))
         return self._loaded
@@ -51,6 +54,10 @@ class TextWords:
 
             tagger, model, tok, tags, max_tokens, pool = self._load()
             tagged = tagger.tag(todo)
+            if tok is None:  # a span encoder: model(text, spans) -> [n, d]
+                for t, words in zip(todo, tagged):
+                    self.cache[t] = model(t, [(w.start, w.end) for w in words if w.pos in tags and any(ch.isalnum() for ch in w.text)])
+                return [self.cache[t] for t in texts]
             enc = tok(todo, return_offsets_mapping=True, return_special_tokens_mask=True, truncation=True,
                       max_length=max_tokens, add_special_tokens=True, padding=True, return_tensors="pt")
             hidden = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state.float()

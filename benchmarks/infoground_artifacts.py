@@ -1,13 +1,16 @@
-"""`samples` + `regions` + `negatives` artifacts with a planted word-region signal, written with the
-schemas of ingest, extract-regions and negative-captions (test helper for the InfoGround trainer).
+"""`samples` + `regions` + `negatives` artifacts of arbitrary widths, written with the schemas of
+ingest, extract-regions and negative-captions: the input of ``bench_infoground.py`` (the paper's
+2048-d regions and 768-d words, which the testbed's real stages do not produce) and the structural
+fixtures of tests/test_infoground.py (foreign ids, empty region sets, short negative lists, another
+width). Not evidence of learning: that is shown through the real stages on the generated dataset
+(tests/test_testbed_infoground.py, docs/jobs/infoground.md "Testbed").
 
 Scene: each image holds 2 objects (a colour and a shape each) in distinct cells of a 4x4 grid of a
 128 x 128 image plus ``distractors`` boxes in other cells. Region features (d_r) of an object are
 E_r[colour] + E_r[shape] + noise; a distractor's are E_r[another colour] + E_r[a background
-class] (never named in a caption nor used as a negative; same norm as an object) + noise. Word features (d_w) are E_w[word] + a caption
-context vector + noise; the 25 negatives of a noun are other nouns' E_w in the same context.
-Captions: "a <c1> <s1> and a <c2> <s2>" (and the objects swapped); phrases "<c> <s>" link to their
-object's box. Chance of R@1 / pointing = 1 / (2 + distractors) per phrase (cells never overlap).
+class] + noise. Word features (d_w) are E_w[word] + a caption context vector + noise; the 25
+negatives of a noun are other nouns' E_w in the same context. Captions: "a <c1> <s1> and a <c2>
+<s2>" (and the objects swapped); phrases "<c> <s>" link to their object's box.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def split_of(sid: int) -> str:
     return "test" if sid % 5 == 4 else "val" if sid % 5 == 3 else "train"
 
 
-class PlantedGrounding:
+class GroundingGenerator:
     def __init__(self, d_r=32, d_w=24, seed=0, noise_r=0.5, noise_w=0.3, context=0.5, distractors=3):
         self.rng = np.random.default_rng(seed)
         vocab = COLORS + NOUNS + BACKGROUND
@@ -49,14 +52,14 @@ class PlantedGrounding:
         return self.Er[self.idx[c]] + self.Er[self.idx[s]] + self.noise_r * self.rng.normal(size=self.d_r) / np.sqrt(self.d_r)
 
 
-def write_planted_grounding(out: Path, n_images=300, shard_size=64, seed=0, short_negatives_every=7, id_offset=0,
+def write_grounding_artifacts(out: Path, n_images=300, shard_size=64, seed=0, short_negatives_every=7, id_offset=0,
                             empty_regions=(), **kw):
     """Write <out>/samples, <out>/regions and <out>/negatives (sample ids id_offset + 1, 2, ...;
     the ids in ``empty_regions`` get 0 regions). Returns the generator."""
     from pipeline.stages.negative_captions import NEGATIVES_SCHEMA, WORDS_SCHEMA
 
     out = Path(out)
-    pg = PlantedGrounding(seed=seed, **kw)
+    pg = GroundingGenerator(seed=seed, **kw)
     rng = pg.rng
     ids = list(range(id_offset + 1, id_offset + n_images + 1))
     scenes = {}
