@@ -11,10 +11,25 @@ same command with ``control=shuffled`` (the graphs permuted once among training 
 same instance count). Chance is the image-blind ranking (predicates by training frequency, pairs
 tied), which a head that learns only the graphs' statistics reaches. Asserted from each run's
 ``eval/final/results.parquet``: recall@3 and recall@5 have ci_low above chance by a margin; the
-control's recall@1/3/5 have chance inside their interval.
+control's recall@1/3/5 are not above chance (ci_low <= chance + SLACK, 2 points: one-sided, as in
+tests/test_testbed_visual_tokens.py; a control can land below chance with an interval that excludes
+it, seed 1: recall@1 2.8 [0.0, 6.1] against 10.6).
 
 Calibration over training seeds 0, 1, 2 (numbers as value [ci_low, ci_high], chance):
-CALIBRATION
+==============  ==================  ==================  ==================
+seed            0                   1                   2
+==============  ==================  ==================  ==================
+recall@1 (10.6) 37.8 [25.6, 51.1]   35.6 [23.9, 48.3]   31.1 [20.6, 43.9]
+recall@3 (33.3) 67.2 [56.7, 77.8]   67.8 [56.7, 79.4]   59.4 [47.2, 72.8]
+recall@5 (51.1) 80.0 [72.8, 87.8]   83.9 [75.0, 91.7]   75.0 [64.4, 85.6]
+control @1      12.2 [3.3, 24.4]    2.8 [0.0, 6.1]      19.4 [8.9, 31.7]
+control @3      39.4 [26.1, 55.0]   23.9 [12.2, 36.7]   33.9 [21.1, 48.9]
+control @5      48.3 [34.4, 62.8]   43.9 [30.0, 58.3]   46.7 [33.3, 61.1]
+==============  ==================  ==================  ==================
+
+(n = 30 held-out images with relations.) Smallest learned margins (ci_low - chance): 13.9
+(recall@3), 13.3 (recall@5); the test asks for 8. Wall time per `train run` (900 steps): 83-275 s
+on the shared reference machine under load from four other sessions (~30 s of CPU).
 """
 
 from __future__ import annotations
@@ -23,10 +38,12 @@ import pytest
 
 from tests.testbed_reduced import reduced_testbed, run_stages, train_run
 
-MARGIN = {"recall@3": 15.0, "recall@5": 10.0}  # ci_low - chance, points (calibrated minimum minus a safety gap)
+MARGIN = {"recall@3": 8.0, "recall@5": 8.0}  # ci_low - chance, points (calibrated minimum 13.3, minus a safety gap)
+SLACK = 2.0  # points: the control's allowance for three simultaneous 95% intervals
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 6-7 min on the shared 2-core machine under load from four other sessions
 def test_relation_head_learns_on_the_testbed_and_control_stays_at_chance(tmp_path, ray_session):
     man = reduced_testbed(tmp_path, 400, [])
     run_stages(man, ["ingest", "extract-visual-tokens"])
@@ -37,4 +54,4 @@ def test_relation_head_learns_on_the_testbed_and_control_stays_at_chance(tmp_pat
     ctl, _ = train_run(man, "relation-head", tmp_path / "rh-control", "epochs=75", "control=shuffled")
     for k in (1, 3, 5):
         r = ctl[("relation-head", "held_out", f"recall@{k}")]
-        assert r["ci_low"] <= r["chance"] <= r["ci_high"], (k, r)
+        assert r["ci_low"] <= r["chance"] + SLACK, (k, r)

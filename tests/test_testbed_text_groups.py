@@ -3,10 +3,15 @@ manifests/testbed-tg.yaml (generated scenes, `models.groupvit: scene-oracle`, wh
 the scenes' objects) with 300 images, then `train run text-groups` twice, the second with
 `control=shuffled` (the image groups paired with another image's captions, fixed before training).
 
-Learnable here: held-out image -> text retrieval R@1 (30 held-out images, chance 3.3%). Measured
-(reduced encoder of benchmarks/text_groups_causes.py at width 32, 1 + 1 layers; 120 steps of 64),
-seeds 0 / 1 / 2: SEE_CALIBRATION. Asserted: the learnt run's R@1 lower 95% bound is above chance and
-its value >= MARGIN; the control's interval contains chance and its value <= CONTROL_MAX.
+Learnable here: held-out image -> text retrieval R@1 (30 held-out images, chance 3.3%). Measured with
+exactly these commands and options (width 32, 1 + 1 layers, 120 steps of 64, corpus softmax) on the
+300-image testbed: learnt R@1 56.7% [39.2, 72.6] (seed 0) and 63.3% [45.5, 78.1] (seed 1); control
+6.7% [1.8, 21.3] (seed 0). Seed 2 and the control's seeds 1-2 were not run (the shared machine was at
+load ~40 when this was calibrated: each run took ~10 min instead of ~1). Asserted: the learnt run's
+R@1 lower 95% bound is above chance and its value >= MARGIN = 20% (less than half the lowest seed);
+the control's Wilson interval contains chance (<= 3 of 30 hits: a pairing-blind model fails that with
+probability 1.7%) and its value <= CONTROL_MAX = 14%. The test runs seed 0 (deterministic on one
+machine).
 Phrase discovery (tIoU) is reported beside its baselines but not asserted: the grouping does not
 form at this budget (docs/jobs/text-groups.md, issue 27).
 """
@@ -24,10 +29,10 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 MARGIN = 20.0       # % R@1 the learnt run reaches at least (calibrated: see the docstring)
-CONTROL_MAX = 12.0  # % R@1 the control stays under
+CONTROL_MAX = 14.0  # % R@1 the control stays under
 STEPS = 120
 OPTS = dict(width=32, layers_pre=1, layers_post=1, recon_vocab="corpus", max_steps=STEPS, vanilla_run="null",
-            figures=0, threads=2, seed=0)
+            figures=0, threads=1, seed=0)
 
 
 def _env() -> dict:
