@@ -162,6 +162,9 @@ class BenchmarkSpec(Section):
     image_map: str | None = Field(None, description="optional CSV/JSON mapping benchmark image key -> samples "
                                   "source_id or file name")
     split: str | None = Field(None, description="retrieval: the Karpathy split to score (default test)")
+    image_splits: list[str] | None = Field(None, description="score only the items whose every image is a sample of "
+                                           "these splits of the samples artifact (held-out evaluation where the "
+                                           "benchmark's images include training images); the others are skipped")
     max_items: int | None = Field(None, ge=1, description="score at most this many items (seeded subset)")
     subsets: list[str] | None = Field(None, description="only these subsets (e.g. SugarCrepe kinds)")
     options: dict[str, Any] = Field(default_factory=dict, description="format-specific options")

@@ -297,3 +297,25 @@ def test_foreign_dataset_images_and_boxes_outside_their_image_are_counted(tmp_pa
     with pytest.raises(NoScorableItems, match=r"toy: 0 of 5 items are scorable: .* \(skipped: foreign_dataset: VisDial 1, "
                        r"foreign_dataset: Visual Genome 1, skipped_no_image: not in the job's artifacts 3\); run the stage"):
         H.evaluate_benchmark(job, None, spec, tmp_path / "samples", set(), log=lambda s: None)
+
+
+def test_image_splits_scores_held_out_items_only(tmp_path, monkeypatch):
+    """eval.benchmarks[].image_splits: items whose image is a sample of another split are skipped and
+    counted (no samples artifact here: the hash split, 18 -> val, 19 -> test, else train)."""
+    def reader(spec, samples_dir):
+        items = [Item([Pair(f"sample_id:{s}", "a"), Pair(f"sample_id:{s}", "b")], subset="all") for s in (18, 19, 1, 2)]
+        return BenchData(spec.name, items, score=_pairwise_score, total=4)
+
+    monkeypatch.setitem(H.BUILTIN, "toy", reader)
+    table = {(s, "a"): 0.9 for s in (18, 19, 1, 2)}
+    m = _manifest(tmp_path, [("toy", "toy", None)])
+    m.eval.benchmarks[0].image_splits = ["val", "test"]
+    rows, errors = H.run_harness(FakeJob(table, scorable={18, 19, 1, 2}), torch.nn.Linear(1, 1), m, tmp_path / "e",
+                                 job_metrics=False, log=lambda s: None)
+    r = next(r for r in rows if r["benchmark"] == "toy" and r["subset"] == "all")
+    assert (r["n"], r["skipped"], r["value"]) == (2, 2, 100.0)
+    assert json.loads(r["skip_reasons"]) == {"image outside image_splits ['val', 'test']": 2}
+    m.eval.benchmarks[0].image_splits = ["val"]
+    rows, _ = H.run_harness(FakeJob(table, scorable={18, 19, 1, 2}), torch.nn.Linear(1, 1), m, tmp_path / "e2",
+                            job_metrics=False, log=lambda s: None)
+    assert next(r for r in rows if r["benchmark"] == "toy")["n"] == 1

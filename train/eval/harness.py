@@ -231,12 +231,27 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
     from train.eval.images import boxes_outside
 
     box_outside = boxes_outside(items, sid_of, samples_dir)
+    not_held: set[int] = set()
+    if getattr(spec, "image_splits", None):  # held-out only: items with an image of another split are skipped
+        from pipeline.io.artifacts import Artifact, ArtifactMissing
+        from train.job import Splits
+
+        known = [s for s in set(sid_of.values()) if s is not None]
+        try:
+            splits = Splits(Artifact(samples_dir))
+        except ArtifactMissing:
+            splits = Splits(None)  # the hash rule (train/job.py)
+        held = splits.mask(known, spec.image_splits)
+        not_held = {s for s, ok in zip(known, held) if not ok}
     for k, it in enumerate(items):
         why = "box outside its image" if k in box_outside else None
         for p in it.pairs:
             s = sid_of[p.image]
             if s is None:
                 why = matcher.skip_reason(p.image)
+                break
+            if s in not_held:
+                why = f"image outside image_splits {list(spec.image_splits)}"
                 break
             if s not in scorable:
                 why = "skipped_no_image: not in the job's artifacts"
