@@ -8,10 +8,15 @@ permuted against their captions). Held-out figures are read from each run's
 ``eval/final/results.parquet``: pointing accuracy on the val + test phrases (no model selection,
 so val is held out too), beside its exact chance and Wilson 95% interval.
 
-Calibrated over training seeds 0, 1, 2 of this reduced setting (MARGINS): the learning run's
-ci_low exceeded chance by {LEARN_MEASURED} points, so the test asserts ci_low > chance +
-LEARN_MARGIN; the control's interval held chance every time (its value within CONTROL_MEASURED
-points of chance), asserted as ci_low <= chance <= ci_high.
+Margins. On the full testbed (manifests/testbed-ig.yaml, 900 training images, 392 held-out test
+phrases, chance 54.6%) training seeds 0, 1, 2 gave test pointing accuracy 80.4 / 86.7 / 83.9% after
+90 steps (Wilson ci_low 76.1 / 83.0 / 80.0: 21.5 to 28.4 points above chance) and 87.8 / 86.2 / 88.8%
+after 180 (ci_low 84.1 / 82.5 / 85.3); the control 50.0 / 50.5 / 57.1% at 90 steps and 52.3
+[47.4, 57.2] / 50.8 [45.8, 55.7] / 57.4 [52.5, 62.2] at 180: chance inside every interval. Here
+(360 training images, 108 steps, ~330 val + test phrases) the test asserts ci_low > chance + LEARN_MARGIN = 15 points (two thirds of the smallest measured
+excess) and ci_low <= chance <= ci_high for the control. The reduced setting itself could not be
+run over 3 seeds before this was committed (the shared machine's load stalled its pipeline): a
+first run of this test should confirm the margin.
 """
 
 from __future__ import annotations
