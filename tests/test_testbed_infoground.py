@@ -8,10 +8,13 @@ permuted against their captions). Held-out figures are read from each run's
 ``eval/final/results.parquet``: pointing accuracy on the val + test phrases (no model selection,
 so val is held out too), beside its exact chance and Wilson 95% interval.
 
-Calibrated over training seeds 0, 1, 2 of this reduced setting (MARGINS): the learning run's
-ci_low exceeded chance by {LEARN_MEASURED} points, so the test asserts ci_low > chance +
-LEARN_MARGIN; the control's interval held chance every time (its value within CONTROL_MEASURED
-points of chance), asserted as ci_low <= chance <= ci_high.
+Margins, calibrated on exactly this setting (360 training images, 108 steps, 332 val + test
+phrases, chance 51.5%) over training seeds 0, 1, 2: pointing accuracy 81.9 [77.4, 85.7] /
+79.5 [74.9, 83.5] / 81.0 [76.5, 84.9] (ci_low 23.4 to 26.0 points above chance), so the test asserts
+ci_low > chance + LEARN_MARGIN = 18 points; the control 55.1 [49.7, 60.4] / 52.1 [46.7, 57.4] /
+47.6 [42.3, 53.0], chance inside every interval, asserted as ci_low <= chance <= ci_high. Each
+training took 3 min 25 s with six side by side on the shared 2-core machine; the stages about a
+minute on a quiet one. The full testbed's numbers are in docs/jobs/infoground.md.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "manifests" / "testbed-ig.yaml"
-LEARN_MARGIN = 15.0  # points of ci_low above chance (calibrated: see the module docstring)
+LEARN_MARGIN = 18.0  # points of ci_low above chance (calibrated: see the module docstring)
 TRAIN = ["train.infoground.epochs=3", "train.infoground.test_splits=[val,test]", "train.infoground.best_metric=null",
          "train.infoground.eval_per_epoch=false", "train.infoground.heatmaps=0", "train.infoground.threads=1"]
 
@@ -74,7 +77,7 @@ def runs(tmp_path_factory):
 
 def test_infoground_learns_on_the_testbed(runs):
     r = runs["none"]
-    assert r["n"] >= 250  # held-out phrases of 40 val + test images
+    assert r["n"] >= 250  # held-out phrases of the 40 val + test images (332 when calibrated)
     assert r["ci_low"] > r["chance"] + LEARN_MARGIN, r
 
 

@@ -35,7 +35,7 @@ class Testbed:
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
         self.done: set[str] = set()
 
-    def _cli(self, tool: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    def _cli(self, tool: str, *args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
         p = subprocess.run([sys.executable, "-m", f"{tool}.cli", *args], cwd=REPO, env=self.env, capture_output=True,
                            text=True, timeout=timeout)
         assert p.returncode == 0, f"{tool} {' '.join(args)}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
