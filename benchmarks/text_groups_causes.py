@@ -3,7 +3,7 @@ configuration (each cause alone, then combined; see docs/jobs/text-groups.md) an
 phrase discovery (tIoU / P / R / F1 with 95% intervals, captions with >= 2 gold phrases and all)
 beside the baselines, and held-out retrieval R@1.
 
-    .venv/bin/python benchmarks/text_groups_causes.py --manifest manifests/testbed-tg.yaml \
+    .venv/bin/python benchmarks/text_groups_causes.py --manifest manifests/testbed.yaml \
         [--configs base sum ...] [--seeds 0 1 2] [--parallel 2] [--summary-only]
 
 Every run is the real command (`python -m train.cli run text-groups -m M --set ...`), in its own
@@ -98,7 +98,7 @@ def summary(output: Path, names: list[str], seeds: list[int], subset: str) -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--manifest", default="manifests/testbed-tg.yaml")
+    ap.add_argument("--manifest", default="manifests/testbed.yaml")
     ap.add_argument("--configs", nargs="*", default=["vanilla", "base", "sum", "narrow", "no-preassign", "combined",
                                                      "sum-no-rec"])
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])

@@ -1,6 +1,6 @@
 """InfoGround learns through the real commands on a reduced testbed, and its control stays at chance.
 
-`pipeline run all --manifest manifests/testbed-ig.yaml` (400 generated images: ingest,
+`pipeline run ingest / negative-captions / extract-regions --manifest manifests/testbed.yaml` (400 generated images: ingest,
 extract-regions and negative-captions with the scene-oracle detector and word encoder, see
 docs/jobs/infoground.md "Testbed"), then `train run infoground` twice, as a user would: the
 testbed defaults, and `--set train.infoground.control=shuffled` (the training images' region sets
@@ -30,7 +30,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-MANIFEST = ROOT / "manifests" / "testbed-ig.yaml"
+MANIFEST = ROOT / "manifests" / "testbed.yaml"
 LEARN_MARGIN = 18.0  # points of ci_low above chance (calibrated: see the module docstring)
 TRAIN = ["train.infoground.epochs=3", "train.infoground.test_splits=[val,test]", "train.infoground.best_metric=null",
          "train.infoground.eval_per_epoch=false", "train.infoground.heatmaps=0", "train.infoground.threads=1"]
@@ -59,9 +59,10 @@ def _pointing(run_dir: str) -> dict:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("testbed_ig")
     py = sys.executable
-    r = subprocess.run([py, "-m", "pipeline.cli", "run", "all", "--manifest", str(MANIFEST), "--no-report", *_sets(out)],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for stage in ("ingest", "negative-captions", "extract-regions"):  # what infoground reads
+        r = subprocess.run([py, "-m", "pipeline.cli", "run", stage, "--manifest", str(MANIFEST), *_sets(out)],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     procs = {}
     for control in ("none", "shuffled"):  # the two trainings side by side (one thread each)
         argv = [py, "-m", "train.cli", "run", "infoground", "--manifest", str(MANIFEST), "--no-progress", "--json",

@@ -13,9 +13,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-# the testbed manifest holding the visual-tokens / relation-head settings (the h-vt proposal; the
-# lead merges it into manifests/testbed.yaml)
-TESTBED = REPO / "manifests" / "testbed-vt.yaml"
+# the testbed manifest (its train.visual_tokens / train.relation_head settings)
+TESTBED = REPO / "manifests" / "testbed.yaml"
 
 
 def reduced_testbed(tmp_path: Path, n_images: int, benchmarks: list[str], shard_size: int = 200) -> Path:
