@@ -13,8 +13,9 @@ phrases, chance 51.5%) over training seeds 0, 1, 2: pointing accuracy 81.9 [77.4
 79.5 [74.9, 83.5] / 81.0 [76.5, 84.9] (ci_low 23.4 to 26.0 points above chance), so the test asserts
 ci_low > chance + LEARN_MARGIN = 18 points; the control 55.1 [49.7, 60.4] / 52.1 [46.7, 57.4] /
 47.6 [42.3, 53.0], chance inside every interval, asserted as ci_low <= chance <= ci_high. Each
-training took 3 min 25 s with six side by side on the shared 2-core machine; the stages about a
-minute on a quiet one. The full testbed's numbers are in docs/jobs/infoground.md.
+training took 3 min 25 s with six side by side on the shared 2-core machine; the whole test (stages
+and both trainings) 102 s on a quiet moment of it. The full testbed's numbers are in
+docs/jobs/infoground.md.
 """
 
 from __future__ import annotations
