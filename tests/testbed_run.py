@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-N_IMAGES = 400  # 20 test + 20 val images (the generator's split: i % 20 == 18 val, == 19 test)
+N_IMAGES = 1000  # 50 test + 50 val images (i % 20 == 18 val, == 19 test): the benchmarks score held-out images only
 
 
 class Testbed:
