@@ -39,9 +39,10 @@ JOBS = ["concept-ot", "c3", "infoground", "visual-tokens", "text-groups", "relat
 # (benchmark, subset, metric) -> expectation: "learn" (ci_low > chance) or "chance" (chance in the interval).
 # A subset or metric of None matches any. Rows not named here are shown only with --all-rows.
 LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
-    "concept-ot": [("retrieval", "rerank", "i2t_R@1", "learn"), ("retrieval", "rerank", "t2i_R@1", "learn"),
-                   ("sugarcrepe", "swap_att", "accuracy", "learn"), ("sugarcrepe", "replace_obj", "accuracy", "learn"),
-                   ("vg-attribution", "all", "macro_accuracy", "learn"),
+    # concept-ot's score adds a trained local term to the *frozen* global score g, and the oracle's g already
+    # retrieves (R@1 60 vs chance 2) and tells replaced objects apart: its control sits at g there, not at
+    # chance. Its rows here are where g is at chance, i.e. what training adds (docs/jobs/concept-ot.md).
+    "concept-ot": [("sugarcrepe", "swap_att", "accuracy", "learn"), ("vg-attribution", "all", "macro_accuracy", "learn"),
                    ("vg-relation", "all", "macro_accuracy", "chance"), ("coco-order", "all", "accuracy", "chance")],
     "c3": [("c3", None, "mcp_auc", "learn")],
     "infoground": [(None, None, "pointing accuracy", "learn")],
