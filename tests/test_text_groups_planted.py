@@ -46,7 +46,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 VANILLA = dict(variant="vanilla", width=32, heads=2, vanilla_layers=3, recon_vocab="corpus", threads=1,
                vanilla_run=None, figures=0, baselines=False, benchmarks_at_end=False, batch_size=32, lr=5e-3,
-               max_steps=400, log_every=100, discovery_splits=["val", "test"])
+               max_steps=400, log_every=100, discovery_splits=["val", "test"],
+               reconstruction_reduction="mean")  # calibrated before Eq. 10 became a sum over tokens
 
 
 def _swap_accuracy(job, model, items, sids) -> float:
@@ -93,7 +94,7 @@ ISOLATED = dict(variant="no-contrastive", width=32, heads=2, layers_pre=2, layer
                 recon_vocab="corpus", threads=1, vanilla_run=None, figures=0, baselines=False,
                 benchmarks_at_end=False, batch_size=32, lr=5e-3, max_steps=600, log_every=100,
                 discovery_splits=["val", "test"], pre_assign_attn=False, isolate_groups=True, gumbel=False,
-                hard_assignment=False)
+                hard_assignment=False, reconstruction_reduction="mean")  # as calibrated
 
 
 @torch.no_grad()
