@@ -214,7 +214,8 @@ def test_demo_end_to_end_cli(tmp_path, ray_session):
     for st in ("ingest", "extract-visual-tokens", "extract-clip-tokens"):
         run_stage(st, RunContext(m))
     sets = ["--set", f"output={m.output}", "--set", "train.visual_tokens.max_steps=2", "--set", "train.visual_tokens.threads=1",
-            "--set", "train.visual_tokens.layers=2", "--set", "train.visual_tokens.benchmarks_at_end=false"]
+            "--set", "train.visual_tokens.layers=2", "--set", "train.visual_tokens.benchmarks_at_end=false",
+            "--set", "train.visual_tokens.eval_splits=[val,test]"]  # the demo has 1 test image; the paper: test only
     for extra in ([], ["--set", "train.visual_tokens.variant=vit"]):
         r = CliRunner().invoke(app, ["run", "visual-tokens", "--manifest", str(REPO / "manifests" / "demo.yaml"),
                                      "--no-progress", "--json", *sets, *extra])
