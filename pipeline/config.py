@@ -88,6 +88,8 @@ class SyntheticConfig(Section):
     max_objects: int = Field(4, ge=1)
     corrupt_images: int = Field(0, ge=0, description="write this many broken image files (error-path demo)")
     empty_captions: int = Field(0, ge=0, description="blank this many captions (error-path demo)")
+    heldout: float = Field(0.1, description="fraction of images in val + test, half each (a multiple of 0.1; the testbed "
+                                            "holds out more so its held-out intervals are narrow)")
     root: str | None = Field(None, description="where to write it; default <output>/source/synthetic")
 
 

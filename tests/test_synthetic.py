@@ -31,7 +31,7 @@ def tree_hashes(root: Path) -> dict[str, str]:
 def gen(tmp_path_factory):
     root = tmp_path_factory.mktemp("syn")
     paths = generate(root, **PARAMS, corrupt_images=2, empty_captions=3)
-    syn = types.SimpleNamespace(**PARAMS, corrupt_images=2, empty_captions=3, root=str(root))
+    syn = types.SimpleNamespace(**PARAMS, corrupt_images=2, empty_captions=3, heldout=0.1, root=str(root))
     ds = types.SimpleNamespace(kind="synthetic", synthetic=syn, split=None)
     records = list(read_dataset(ds, root / "unused"))
     return paths, records
@@ -201,12 +201,34 @@ def test_sugarcrepe_files(gen):
 
 def test_split_filter_and_bad_params(tmp_path, gen):
     paths, recs = gen
-    syn = types.SimpleNamespace(**PARAMS, corrupt_images=2, empty_captions=3, root=str(paths["root"]))
+    syn = types.SimpleNamespace(**PARAMS, corrupt_images=2, empty_captions=3, heldout=0.1, root=str(paths["root"]))
     val = list(read_dataset(types.SimpleNamespace(kind="synthetic", synthetic=syn, split="val"), tmp_path))
     assert val and all(r.split == "val" for r in val)
     assert len(val) == sum(r.split == "val" for r in recs)
     with pytest.raises(ValueError):
         generate(tmp_path / "bad", **{**PARAMS, "min_objects": 5, "max_objects": 2})
+
+
+def test_heldout_fraction_moves_only_the_splits(tmp_path, gen):
+    """``heldout`` 0.4: 8 of every 20 images held out (12-15 val, 16-19 test); the scenes and captions
+    are the same images as the default's, only their split changes; bad fractions are refused."""
+    from pipeline.synthetic.generate import split_of
+
+    assert [split_of(i) for i in range(20)] == ["train"] * 18 + ["val", "test"]
+    assert [split_of(i, 0.4) for i in range(20)] == ["train"] * 12 + ["val"] * 4 + ["test"] * 4
+    p = generate(tmp_path / "h", **{**PARAMS, "n_images": 40}, heldout=0.4)
+    imgs = json.loads(p["captions"].read_text())["images"]
+    counts = {s: sum(im["split"] == s for im in imgs) for s in ("train", "val", "test")}
+    assert counts == {"train": 24, "val": 8, "test": 8}
+    assert json.loads(p["params"].read_text())["params"]["heldout"] == 0.4
+    karpathy = json.loads(p["karpathy"].read_text())["images"]
+    assert [k["split"] for k in karpathy] == [im["split"] for im in imgs]
+    assert (p["flickr30k_entities"] / "test.txt").read_text().split() == [f"{i + 1:012d}" for i in range(40) if i % 20 >= 16]
+    base = tree_hashes(gen[0]["root"])
+    assert tree_hashes(p["root"])["images/000000000013.jpg"] == base["images/000000000013.jpg"]
+    for bad in (0.15, 0.0, 1.0, 0.05):
+        with pytest.raises(ValueError, match="heldout"):
+            generate(tmp_path / "bad2", **PARAMS, heldout=bad)
 
 
 def test_empty_scenes_and_crowded_scenes(tmp_path):

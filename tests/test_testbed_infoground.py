@@ -42,7 +42,7 @@ def _env() -> dict:
 
 
 def _sets(out: Path, extra=()) -> list[str]:
-    sets = [f"output={out}", "dataset.synthetic.n_images=400", "stages.ingest.shard_size=200",
+    sets = [f"output={out}", "dataset.synthetic.n_images=400", "dataset.synthetic.heldout=0.1", "stages.ingest.shard_size=200",
             "stages.negative_captions.shard_size=200", "stages.extract_regions.shard_size=200", *extra]
     return [a for s in sets for a in ("--set", s)]
 

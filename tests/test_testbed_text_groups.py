@@ -60,6 +60,7 @@ def _retrieval(run_dir):
 def test_text_groups_learns_and_control_stays_at_chance(tmp_path):
     manifest = str(REPO / "manifests" / "testbed.yaml")
     base = ["--manifest", manifest, "--set", f"output={tmp_path / 'tb'}", "--set", "dataset.synthetic.n_images=300",
+            "--set", "dataset.synthetic.heldout=0.1",
             "--set", "stages.ingest.shard_size=150", "--set", "stages.extract_image_groups.shard_size=150"]
     for stage in ("ingest", "extract-image-groups"):  # what text-groups reads
         _run(["pipeline.cli", "run", stage, *base])

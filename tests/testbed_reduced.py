@@ -23,6 +23,7 @@ def reduced_testbed(tmp_path: Path, n_images: int, benchmarks: list[str], shard_
     m["output"] = str(tmp_path / "testbed")
     m["ray"] = {"address": None, "num_cpus": 2, "object_store_memory": 134217728}
     m["dataset"]["synthetic"]["n_images"] = n_images
+    m["dataset"]["synthetic"]["heldout"] = 0.1  # the split the margins were calibrated on
     for st in m["stages"].values():
         if isinstance(st, dict) and "shard_size" in st:
             st["shard_size"] = shard_size

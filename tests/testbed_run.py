@@ -29,6 +29,7 @@ class Testbed:
         m = yaml.safe_load((REPO / "manifests" / "testbed.yaml").read_text())
         m["output"] = str(self.root / "run")
         m["dataset"]["synthetic"]["n_images"] = int(n_images)
+        m["dataset"]["synthetic"]["heldout"] = 0.1  # the split the margins were calibrated on
         m["ray"] = {**(m.get("ray") or {}), "num_cpus": 2}
         self.manifest.write_text(yaml.safe_dump(m, sort_keys=False))
         self.output = self.root / "run"

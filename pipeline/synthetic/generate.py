@@ -19,8 +19,9 @@ Layout under ``root``::
 
 Ids: image index i (0-based) has image id i + 1; its instance and caption annotation ids are
 ``image_id * 1000 + n`` (n = 1, 2, ...; the stride grows if max_objects or captions_per_image
-reach 1000), so they do not depend on other images. Splits: i % 20 == 18 -> val, == 19 -> test,
-else train.
+reach 1000), so they do not depend on other images. Splits by i % 20: with the default ``heldout``
+0.1, 18 -> val, 19 -> test, else train; ``heldout`` h (a multiple of 0.1) holds out the last 20h
+residues, the first half val and the second half test (0.4: 12-15 val, 16-19 test).
 Phrase -> instance links: a phrase naming several objects ("two circles") links all of them; in the
 Flickr files each distinct set of objects is one entity, and a box lists every entity it belongs to.
 Injected errors: ``corrupt_images`` image files are truncated (even picks) or random bytes (odd
@@ -53,8 +54,18 @@ BENCHMARK_DIRS = ["aro", "winoground", "valse", "vl_checklist", "svo_probes", "f
 _OWNED = ["images", "annotations", "flickr30k_entities", "sugarcrepe", "karpathy.json", *BENCHMARK_DIRS]
 
 
-def split_of(index: int) -> str:
-    return {18: "val", 19: "test"}.get(index % 20, "train")
+def heldout_residues(heldout: float) -> int:
+    """How many of every 20 images are val + test for a held-out fraction (a multiple of 0.1 in [0.1, 0.9])."""
+    h = round(float(heldout) * 20)
+    if h % 2 or not 2 <= h <= 18 or abs(h - float(heldout) * 20) > 1e-6:
+        raise ValueError(f"synthetic: heldout must be a multiple of 0.1 in [0.1, 0.9] (got {heldout})")
+    return h
+
+
+def split_of(index: int, heldout: float = 0.1) -> str:
+    h = heldout_residues(heldout)
+    r = index % 20 - (20 - h)
+    return "train" if r < 0 else ("val" if r < h // 2 else "test")
 
 
 def output_paths(root: str | Path) -> dict[str, Path]:
@@ -126,7 +137,7 @@ def _render_range(cfg: dict, start: int, stop: int) -> dict:
         image_id = i + 1
         stem = f"{image_id:012d}"
         fname = f"{stem}.jpg"
-        split = split_of(i)
+        split = split_of(i, cfg["heldout"])
         rng = np.random.default_rng([seed, i])
         n_obj = int(rng.integers(cfg["min_objects"], cfg["max_objects"] + 1))
         scene = make_scene(rng, S, n_obj, (grid[0], grid[1]))
@@ -211,11 +222,13 @@ def generate(
     max_objects: int = 4,
     corrupt_images: int = 0,
     empty_captions: int = 0,
+    heldout: float = 0.1,
     *,
     workers: int | None = None,
 ) -> dict[str, Path]:
     """Write the dataset under ``root`` (see the module doc) unless it is already there with the
-    same parameters; return the paths of what was written. ``workers``: processes to render with
+    same parameters; return the paths of what was written. ``heldout``: the fraction of images in val + test
+    (half each; module doc). ``workers``: processes to render with
     (default: all cores, up to 8, from 2000 images on); the output does not depend on it."""
     paths = output_paths(root)
     root = paths["root"]
@@ -225,6 +238,9 @@ def generate(
         "min_objects": int(min_objects), "max_objects": int(max_objects),
         "corrupt_images": int(corrupt_images), "empty_captions": int(empty_captions),
     }
+    heldout_residues(heldout)
+    if float(heldout) != 0.1:  # recorded only when set, so datasets generated before the option stay valid
+        params["heldout"] = float(heldout)
     if paths["params"].is_file():
         try:
             old = json.loads(paths["params"].read_text())
@@ -257,7 +273,8 @@ def generate(
     corrupt = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images, corrupt_images, replace=False)))}
     blank = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images * cpi, empty_captions, replace=False)))}
     cfg = dict(root=str(root), seed=int(seed), S=int(image_size), cpi=cpi, min_objects=int(min_objects),
-               max_objects=int(max_objects), stride=id_stride(max_objects, cpi), corrupt=corrupt, blank=blank)
+               max_objects=int(max_objects), stride=id_stride(max_objects, cpi), corrupt=corrupt, blank=blank,
+               heldout=float(heldout))
 
     if workers is None:
         workers = min(os.cpu_count() or 1, 8) if n_images >= 2000 else 1
@@ -309,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     sig = inspect.signature(generate)
     for name, p in sig.parameters.items():
         if name != "root":
-            ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=p.default)
+            ap.add_argument(f"--{name.replace('_', '-')}", type=float if name == "heldout" else int, default=p.default)
     args = vars(ap.parse_args(argv))
     for k, v in generate(**args).items():
         print(f"{k}: {v}")
