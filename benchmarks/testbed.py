@@ -44,7 +44,7 @@ LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
     # chance. Its rows here are where g is at chance, i.e. what training adds (docs/jobs/concept-ot.md).
     "concept-ot": [("sugarcrepe", "swap_att", "accuracy", "learn"), ("vg-attribution", "all", "macro_accuracy", "learn"),
                    ("vg-relation", "all", "macro_accuracy", "chance"), ("coco-order", "all", "accuracy", "chance")],
-    "c3": [("c3", None, "mcp_auc", "learn")],
+    "c3": [("c3_mcp", None, "auc", "learn")],  # held-out MCP AUC per negative type (docs/jobs/c3.md, Testbed)
     "infoground": [(None, None, "pointing accuracy", "learn")],
     "visual-tokens": [("eval-split-retrieval", "all", "i2t_R@1", "learn"), ("eval-split-retrieval", "all", "t2i_R@1", "learn"),
                       ("sugarcrepe", "replace_att", "accuracy", "learn"), ("sugarcrepe", "replace_obj", "accuracy", "learn"),

@@ -79,6 +79,8 @@ def check_properties(samples, concepts: pa.Table, vocab: pa.Table, params: M.Min
             assert len(partners) == min(params.k1, holders - 1)
         if params.skip_stopword_only:
             assert not all(w.lower() in stops for w in g)
+        if params.skip_stopword_edge:
+            assert g[0].lower() not in stops and g[-1].lower() not in stops, text
         per_sample[sid].append(g)
     for sid, gs in per_sample.items():
         assert len(gs) <= params.k2
@@ -128,7 +130,8 @@ def test_sugarcrepe_real_captions_vs_reference():
     M.MiningParams(n_max=3, coverage="none", skip_stopword_only=False, stopwords="none"),
     M.MiningParams(subset_size=40, seed=3),
     M.MiningParams(stopwords="spacy", lowercase=False),
-], ids=["paper-defaults", "small-k-chunks", "n3-no-coverage", "subset-Ds", "spacy-stop-cased"])
+    M.MiningParams(skip_stopword_edge=True, k2=7, chunk_samples=37),
+], ids=["paper-defaults", "small-k-chunks", "n3-no-coverage", "subset-Ds", "spacy-stop-cased", "stopword-edge"])
 def test_generated_captions_vs_reference(params):
     df = coco_like_captions(2500, seed=1, n_nouns=3000, n_adjs=400, n_verbs=400)
     samples = [(int(s) * 3 + 5, list(g["text"])) for (s,), g in df.group_by("sample_id", maintain_order=True)]

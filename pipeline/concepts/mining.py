@@ -14,6 +14,9 @@ Semantics (shared exactly with :mod:`pipeline.concepts.reference`):
 * Coverage ("the longer concept covers the shorter one"): a candidate that is a contiguous
   sub-sequence of a concept already accepted for the same sample is skipped (``coverage="contained"``;
   ``"none"`` is Algorithm 1 verbatim).  Candidates made only of stopwords are skipped (option).
+  Not in the paper (option ``skip_stopword_edge``, default off): candidates whose first or last word is
+  a stopword ("in the center of the", "a red circle") are skipped before coverage, so the phrase
+  inside them ("red circle") is the concept: a phrase-boundary filter for templated captions.
 * At most ``k2`` concepts per sample (early termination in Algorithm 1), each with up to ``k1``
   partner samples drawn uniformly without replacement from the other samples containing it (the
   first K1 hits of a randomly ordered scan, as in Algorithm 1).
@@ -63,6 +66,7 @@ class MiningParams:
     subset_size: int | None = None  # None = exact whole-dataset index; S = paper's random D_s
     coverage: str = "contained"  # "contained" | "none"
     skip_stopword_only: bool = True
+    skip_stopword_edge: bool = False  # not in the paper: skip candidates that begin or end with a stopword
     stopwords: str | tuple[str, ...] = "nltk"
     lowercase: bool = True
     unicode_form: str | None = "NFKC"
@@ -332,6 +336,10 @@ def select_range(idx: NgramIndex, a: int, b: int, params: MiningParams) -> Selec
     covered: dict[int, list[np.ndarray]] = {n: [] for n in range(1, params.n_max + 1)}
     out = []
     S = idx.n_samples
+    edge_stop = None
+    if params.skip_stopword_edge:
+        stops = stopword_set(params.stopwords)
+        edge_stop = np.fromiter((w.lower() in stops for w in idx.words), dtype=bool, count=len(idx.words))
     for n in range(params.n_max, 0, -1):
         lv = idx.levels[n - 1]
         if lv.count == 0:
@@ -340,6 +348,10 @@ def select_range(idx: NgramIndex, a: int, b: int, params: MiningParams) -> Selec
         m = ids >= 0
         if params.skip_stopword_only:
             m &= ~lv.stop[np.where(m, ids, 0)]
+        if edge_stop is not None:
+            t0 = idx.tokens[P0:P1]
+            t1 = idx.tokens[np.minimum(np.arange(P0, P1) + (n - 1), len(idx.tokens) - 1)]
+            m &= ~(edge_stop[t0] | edge_stop[t1])  # only positions with ids >= 0 matter (whole n-grams)
         pos = np.flatnonzero(m)
         if len(pos) == 0:
             continue

@@ -70,6 +70,7 @@ def mine_reference(samples: Iterable[tuple[int, Sequence[str]]], params: MiningP
     frequent = sorted((g for g, s in index.items() if len(s) >= 2), key=lambda g: (len(g), g))
     cid_of = {g: i for i, g in enumerate(frequent)}
     stops = stopword_set(params.stopwords) if params.skip_stopword_only else frozenset()
+    edge_stops = stopword_set(params.stopwords) if params.skip_stopword_edge else frozenset()
     n_total = len(sids)
     if params.subset_size is not None:
         from scipy.stats import hypergeom
@@ -93,6 +94,8 @@ def mine_reference(samples: Iterable[tuple[int, Sequence[str]]], params: MiningP
             if len(holders) < 2:
                 continue  # no other sample contains it
             if params.skip_stopword_only and all(w.lower() in stops for w in g):
+                continue
+            if params.skip_stopword_edge and (g[0].lower() in edge_stops or g[-1].lower() in edge_stops):
                 continue
             if params.coverage == "contained" and any(len(c) > len(g) and _contains(c, g) for c in accepted):
                 continue  # covered by a longer accepted concept

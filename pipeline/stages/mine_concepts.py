@@ -56,6 +56,7 @@ class Config(StageConfig):
     subset_size: int | None = Field(None, ge=1, description="null: exact index over the whole dataset; S: the paper's random subset D_s of S samples per candidate")
     coverage: Literal["contained", "none"] = Field("contained", description="contained: skip a candidate lying inside a concept already accepted for the sample (longer covers shorter); none: Algorithm 1 verbatim")
     skip_stopword_only: bool = Field(True, description="skip candidates made only of stopwords")
+    skip_stopword_edge: bool = Field(False, description="not in the paper: skip candidates whose first or last word is a stopword ('in the center of the', 'a red circle'), so the phrase inside ('red circle') is the concept (a phrase-boundary filter for templated captions; docs/jobs/c3.md, Testbed)")
     stopwords: str | list[str] = Field("nltk", description="nltk (179 function words) | spacy | none | a list of words")
     lowercase: bool = Field(True, description="lower-case captions before tokenising")
     unicode_form: Literal["NFC", "NFKC", "NFD", "NFKD"] | None = Field("NFKC", description="Unicode normalisation (null: none)")
@@ -76,7 +77,7 @@ class Config(StageConfig):
     def mining_params(self) -> M.MiningParams:
         return M.MiningParams(
             n_max=self.n_max, k1=self.k1, k2=self.k2, seed=self.seed, subset_size=self.subset_size,
-            coverage=self.coverage, skip_stopword_only=self.skip_stopword_only,
+            coverage=self.coverage, skip_stopword_only=self.skip_stopword_only, skip_stopword_edge=self.skip_stopword_edge,
             stopwords=self.stopwords if isinstance(self.stopwords, str) else tuple(self.stopwords),
             lowercase=self.lowercase, unicode_form=self.unicode_form, token_pattern=self.token_pattern,
             chunk_samples=self.chunk_samples,
