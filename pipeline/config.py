@@ -89,6 +89,9 @@ class SyntheticConfig(Section):
     corrupt_images: int = Field(0, ge=0, description="write this many broken image files (error-path demo)")
     empty_captions: int = Field(0, ge=0, description="blank this many captions (error-path demo)")
     root: str | None = Field(None, description="where to write it; default <output>/source/synthetic")
+    vocabulary: Literal["small", "large"] = Field(
+        "small", description="captions' surface words: small = the templated grammar (~40 words); large = the same "
+        "captions re-worded with synonyms and paraphrases (pipeline/synthetic/lexicon.py; issue 27)")
 
 
 DatasetKind = Literal["coco", "karpathy", "flickr30k_entities", "cc3m_tsv", "webdataset", "folder", "synthetic"]

@@ -45,6 +45,7 @@ from PIL import Image
 from pipeline.masks import rle_encode
 from pipeline.synthetic.benchmarks import write_benchmarks
 from pipeline.synthetic.captions import make_captions, make_negatives
+from pipeline.synthetic.lexicon import VOCABULARIES, Lexicon
 from pipeline.synthetic.scene import PREDICATES, SHAPES, make_scene, relations
 
 GENERATOR_VERSION = 2
@@ -131,7 +132,9 @@ def _render_range(cfg: dict, start: int, stop: int) -> dict:
         n_obj = int(rng.integers(cfg["min_objects"], cfg["max_objects"] + 1))
         scene = make_scene(rng, S, n_obj, (grid[0], grid[1]))
         rels = relations(scene)
-        caps = make_captions(scene, rels, cpi, rng)
+        # vocabulary "large": the same captions re-worded from their own stream (scenes, negatives unchanged)
+        lex = Lexicon(np.random.default_rng([seed, i, 0x1E71C]) if cfg["vocabulary"] == "large" else None)
+        caps = make_captions(scene, rels, cpi, rng, lex)
         negs = make_negatives(scene, rels, rng)
 
         buf = io.BytesIO()
@@ -211,12 +214,14 @@ def generate(
     max_objects: int = 4,
     corrupt_images: int = 0,
     empty_captions: int = 0,
+    vocabulary: str = "small",
     *,
     workers: int | None = None,
 ) -> dict[str, Path]:
     """Write the dataset under ``root`` (see the module doc) unless it is already there with the
     same parameters; return the paths of what was written. ``workers``: processes to render with
-    (default: all cores, up to 8, from 2000 images on); the output does not depend on it."""
+    (default: all cores, up to 8, from 2000 images on); the output does not depend on it.
+    ``vocabulary``: the captions' surface words, ``small`` or ``large`` (:mod:`pipeline.synthetic.lexicon`)."""
     paths = output_paths(root)
     root = paths["root"]
     params = {
@@ -225,6 +230,8 @@ def generate(
         "min_objects": int(min_objects), "max_objects": int(max_objects),
         "corrupt_images": int(corrupt_images), "empty_captions": int(empty_captions),
     }
+    if vocabulary != "small":  # recorded only when not the default, so existing datasets stay valid
+        params["vocabulary"] = str(vocabulary)
     if paths["params"].is_file():
         try:
             old = json.loads(paths["params"].read_text())
@@ -236,6 +243,8 @@ def generate(
         raise ValueError("synthetic: need n_images >= 1, captions_per_image >= 1, image_size >= 32")
     if not 0 < max(min_objects, 1) <= max_objects:
         raise ValueError(f"synthetic: need 1 <= max_objects and min_objects <= max_objects (got {min_objects}, {max_objects})")
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f"synthetic: vocabulary must be one of {VOCABULARIES} (got {vocabulary!r})")
     if corrupt_images > n_images or empty_captions > n_images * captions_per_image:
         raise ValueError("synthetic: more corrupt images / empty captions requested than exist")
 
@@ -257,7 +266,8 @@ def generate(
     corrupt = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images, corrupt_images, replace=False)))}
     blank = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images * cpi, empty_captions, replace=False)))}
     cfg = dict(root=str(root), seed=int(seed), S=int(image_size), cpi=cpi, min_objects=int(min_objects),
-               max_objects=int(max_objects), stride=id_stride(max_objects, cpi), corrupt=corrupt, blank=blank)
+               max_objects=int(max_objects), stride=id_stride(max_objects, cpi), corrupt=corrupt, blank=blank,
+               vocabulary=str(vocabulary))
 
     if workers is None:
         workers = min(os.cpu_count() or 1, 8) if n_images >= 2000 else 1
@@ -309,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     sig = inspect.signature(generate)
     for name, p in sig.parameters.items():
         if name != "root":
-            ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=p.default)
+            ap.add_argument(f"--{name.replace('_', '-')}", type=type(p.default) if p.default is not None else int,
+                            default=p.default)
     args = vars(ap.parse_args(argv))
     for k, v in generate(**args).items():
         print(f"{k}: {v}")
