@@ -91,6 +91,9 @@ class SyntheticConfig(Section):
     heldout: float = Field(0.1, description="fraction of images in val + test, half each (a multiple of 0.1; the testbed "
                                             "holds out more so its held-out intervals are narrow)")
     root: str | None = Field(None, description="where to write it; default <output>/source/synthetic")
+    vocabulary: Literal["small", "large"] = Field(
+        "small", description="captions' surface words: small = the templated grammar (~40 words); large = the same "
+        "captions re-worded with synonyms and paraphrases (pipeline/synthetic/lexicon.py; issue 27)")
 
 
 DatasetKind = Literal["coco", "karpathy", "flickr30k_entities", "cc3m_tsv", "webdataset", "folder", "synthetic"]

@@ -16,7 +16,8 @@ maps to the same vector, a sample's noise is drawn from ``[seed, sample_id]``):
 
 * an object: ``Ev[colour] + Ev[shape]`` (+ noise). Patch tokens on a ``grid x grid`` layout hold the
   objects covering each cell; a region / mask / group feature is the object's own vector.
-* a word: ``Et[word]``; a colour word adds ``bind * Ctx[next shape]`` and a shape word
+* a word: ``Et[word]`` (a synonym of the ``large`` caption vocabulary reads as its concept's word,
+  :mod:`pipeline.synthetic.lexicon`); a colour word adds ``bind * Ctx[next shape]`` and a shape word
   ``bind * Ctx[previous colour]``, so attribute *binding* lives at the token level, as in a
   contextual text encoder; any word outside the scenes' vocabulary gets a fixed vector of its own.
 * pooled embeddings: a weak copy of the bag of (colour, shape) words or objects, plus noise; the text
@@ -68,11 +69,16 @@ def record(role: str, **extra) -> dict:
 
 
 def _words(text: str) -> list[str]:
+    """The lower-cased words of a text, each synonym of the generated captions' ``large`` vocabulary
+    ("crimson", "disc", "tiny", "spotted") read as its concept's canonical word
+    (:data:`pipeline.synthetic.lexicon.CONCEPT_OF`; the canonical words map to themselves)."""
+    from pipeline.synthetic.lexicon import concept
+
     out = []
     for w in text.split():
         w = w.strip(".,:;!?\"'()").lower()
         if w:
-            out.append(w)
+            out.append(concept(w))
     return out
 
 
@@ -190,7 +196,11 @@ class SceneOracle:
         return (np.random.default_rng(zlib.crc32(("w:" + w).encode())).normal(size=dim) / np.sqrt(dim)).astype(np.float32)
 
     def word_vector(self, words: list[str], j: int) -> np.ndarray:
-        """The contextual feature [d_t] of word ``j`` of a word list (binding to its neighbours)."""
+        """The contextual feature [d_t] of word ``j`` of a word list (binding to its neighbours); synonyms
+        read as their concept's word, as in :func:`_words`."""
+        from pipeline.synthetic.lexicon import concept
+
+        words = [concept(x) for x in words]
         w = words[j]
         s = self.shape_of.get(w)
         if w in self.vocab and w not in ("<bos>", "<eos>"):
@@ -304,7 +314,7 @@ class OracleClip:
             tokens[i, : len(t)] = torch.from_numpy(t)
             mask[i, : len(t)] = True
             offsets[i, : len(t)] = torch.tensor(sp, dtype=torch.long)
-            ws = ["<bos>"] + [texts[i][a:b].strip(".,:;!?\"'()").lower() for a, b in sp[1:-1]] + ["<eos>"]
+            ws = ["<bos>"] + [w for a, b in sp[1:-1] for w in _words(texts[i][a:b])] + ["<eos>"]
             ids[i, : len(t)] = torch.tensor([o.vocab.get(o.shape_of.get(w, w), -1) for w in ws], dtype=torch.long)
         out = {"text_tokens": tokens, "text_embed": torch.from_numpy(np.stack([e for _, e in enc])) if B else torch.zeros(0, o.proj),
                "text_mask": mask, "input_ids": ids}

@@ -46,6 +46,7 @@ from PIL import Image
 from pipeline.masks import rle_encode
 from pipeline.synthetic.benchmarks import write_benchmarks
 from pipeline.synthetic.captions import make_captions, make_negatives
+from pipeline.synthetic.lexicon import VOCABULARIES, Lexicon
 from pipeline.synthetic.scene import PREDICATES, SHAPES, make_scene, relations
 
 GENERATOR_VERSION = 2
@@ -142,7 +143,9 @@ def _render_range(cfg: dict, start: int, stop: int) -> dict:
         n_obj = int(rng.integers(cfg["min_objects"], cfg["max_objects"] + 1))
         scene = make_scene(rng, S, n_obj, (grid[0], grid[1]))
         rels = relations(scene)
-        caps = make_captions(scene, rels, cpi, rng)
+        # vocabulary "large": the same captions re-worded from their own stream (scenes, negatives unchanged)
+        lex = Lexicon(np.random.default_rng([seed, i, 0x1E71C]) if cfg["vocabulary"] == "large" else None)
+        caps = make_captions(scene, rels, cpi, rng, lex)
         negs = make_negatives(scene, rels, rng)
 
         buf = io.BytesIO()
@@ -223,13 +226,15 @@ def generate(
     corrupt_images: int = 0,
     empty_captions: int = 0,
     heldout: float = 0.1,
+    vocabulary: str = "small",
     *,
     workers: int | None = None,
 ) -> dict[str, Path]:
     """Write the dataset under ``root`` (see the module doc) unless it is already there with the
     same parameters; return the paths of what was written. ``heldout``: the fraction of images in val + test
     (half each; module doc). ``workers``: processes to render with
-    (default: all cores, up to 8, from 2000 images on); the output does not depend on it."""
+    (default: all cores, up to 8, from 2000 images on); the output does not depend on it.
+    ``vocabulary``: the captions' surface words, ``small`` or ``large`` (:mod:`pipeline.synthetic.lexicon`)."""
     paths = output_paths(root)
     root = paths["root"]
     params = {
@@ -239,8 +244,11 @@ def generate(
         "corrupt_images": int(corrupt_images), "empty_captions": int(empty_captions),
     }
     heldout_residues(heldout)
-    if float(heldout) != 0.1:  # recorded only when set, so datasets generated before the option stay valid
+    # recorded only when not the default, so datasets generated before these options stay valid
+    if float(heldout) != 0.1:
         params["heldout"] = float(heldout)
+    if vocabulary != "small":
+        params["vocabulary"] = str(vocabulary)
     if paths["params"].is_file():
         try:
             old = json.loads(paths["params"].read_text())
@@ -252,6 +260,8 @@ def generate(
         raise ValueError("synthetic: need n_images >= 1, captions_per_image >= 1, image_size >= 32")
     if not 0 < max(min_objects, 1) <= max_objects:
         raise ValueError(f"synthetic: need 1 <= max_objects and min_objects <= max_objects (got {min_objects}, {max_objects})")
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f"synthetic: vocabulary must be one of {VOCABULARIES} (got {vocabulary!r})")
     if corrupt_images > n_images or empty_captions > n_images * captions_per_image:
         raise ValueError("synthetic: more corrupt images / empty captions requested than exist")
 
@@ -274,7 +284,7 @@ def generate(
     blank = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images * cpi, empty_captions, replace=False)))}
     cfg = dict(root=str(root), seed=int(seed), S=int(image_size), cpi=cpi, min_objects=int(min_objects),
                max_objects=int(max_objects), stride=id_stride(max_objects, cpi), corrupt=corrupt, blank=blank,
-               heldout=float(heldout))
+               heldout=float(heldout), vocabulary=str(vocabulary))
 
     if workers is None:
         workers = min(os.cpu_count() or 1, 8) if n_images >= 2000 else 1
@@ -326,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     sig = inspect.signature(generate)
     for name, p in sig.parameters.items():
         if name != "root":
-            ap.add_argument(f"--{name.replace('_', '-')}", type=float if name == "heldout" else int, default=p.default)
+            ap.add_argument(f"--{name.replace('_', '-')}", type=type(p.default) if p.default is not None else int,
+                            default=p.default)
     args = vars(ap.parse_args(argv))
     for k, v in generate(**args).items():
         print(f"{k}: {v}")
