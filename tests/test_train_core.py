@@ -6,23 +6,20 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cot_planted import write_planted  # noqa: E402
-
-from pipeline.io.shards import ShardStream, buffer_shuffle, loader  # noqa: E402
-from train.data import ParquetJoin  # noqa: E402
-from train.eval.retrieval import recall_at_k, retrieval_report  # noqa: E402
-from train.eval.benchmarks.sugarcrepe import score as sugarcrepe_score  # noqa: E402
-from train.eval.in_job import read_folders  # noqa: E402
-from train.eval.interface import Item, Pair  # noqa: E402
-from train.loop import lr_factor  # noqa: E402
+from pipeline.io.shards import ShardStream, buffer_shuffle, loader
+from tests.testbed_reduced import copy_testbed
+from train.data import ParquetJoin
+from train.eval.retrieval import recall_at_k, retrieval_report
+from train.eval.benchmarks.sugarcrepe import score as sugarcrepe_score
+from train.eval.in_job import read_folders
+from train.eval.interface import Item, Pair
+from train.loop import lr_factor
 
 SHARED_SC = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
 
@@ -31,10 +28,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("planted")
-    write_planted(out, n_images=96, captions_per_image=2, shard_size=20, seed=3)
-    return out
+def planted(small_testbed, tmp_path_factory):
+    """This module's copy of the small oracle testbed (tests/conftest.py: samples + clip_tokens of
+    100 generated images through the real stages, 90 train / 5 val / 5 test, shards of 25)."""
+    return copy_testbed(small_testbed, tmp_path_factory.mktemp("core"))[0]
 
 
 def test_lr_schedule_warmup_cosine():
@@ -197,7 +194,7 @@ def _train_rows(path: Path):
 def test_exact_resume(planted, variant):
     from train.loop import train
 
-    # 96 images * 0.8 train / 16 = 4 batches per epoch: the run crosses an epoch boundary after
+    # 90 train images / 16 = 5 batches per epoch: the run crosses an epoch boundary after
     # the interruption. One thread: multithreaded BLAS is not bitwise reproducible run to run.
     steps = 7
     kw = dict(variant=variant, max_steps=steps, threads=1, eval_max_images=4)
