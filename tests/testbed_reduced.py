@@ -67,12 +67,13 @@ SMALL_STAGES = ["ingest", "extract-clip-tokens", "build-index"]
 SMALL_CAPTIONS = 2  # captions per image (the testbed's 5 cost stage time the structural tests do not need)
 
 
-def small_oracle_testbed(root: Path, stages: list[str] = SMALL_STAGES) -> Path:
-    """``manifests/testbed.yaml`` (the scene-oracle in place of the frozen encoders) at
-    ``SMALL_IMAGES`` images, ``SMALL_CAPTIONS`` captions each, held-out 0.1, shards of ``SMALL_SHARD``;
+def small_oracle_testbed(root: Path, stages: list[str] = SMALL_STAGES, n_images: int = SMALL_IMAGES,
+                         shard_size: int = SMALL_SHARD) -> Path:
+    """``manifests/testbed.yaml`` (the scene-oracle in place of the frozen encoders) at ``n_images``
+    images, ``SMALL_CAPTIONS`` captions each, held-out 0.1, shards of ``shard_size``;
     runs ``stages`` through the stages' own code (:func:`run_stages`) and returns the manifest path
     (its ``output`` is ``root / "testbed"``: samples, clip_tokens, index, source/synthetic)."""
-    path = reduced_testbed(Path(root), SMALL_IMAGES, [], shard_size=SMALL_SHARD)
+    path = reduced_testbed(Path(root), n_images, [], shard_size=shard_size)
     m = yaml.safe_load(path.read_text())
     m["dataset"]["synthetic"]["captions_per_image"] = SMALL_CAPTIONS
     path.write_text(yaml.safe_dump(m, sort_keys=False))
