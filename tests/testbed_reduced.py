@@ -59,11 +59,9 @@ def train_run(manifest_path: Path, job: str, run_dir: Path, *sets: str, timeout:
 
 
 # --- the small oracle testbed: the structural tests' data (replaces the planted writer of tests/cot_planted.py) ---
-SMALL_IMAGES = 100  # 90 train, 5 val (i % 20 == 18), 5 test (i % 20 == 19): ids 1..100
+SMALL_IMAGES = 100  # 90 train, 5 val, 5 test; sample ids 0..99 (source ids / file names 1..100)
 SMALL_SHARD = 25  # 4 shards per artifact: multi-shard reads, resume positions across shard boundaries
 SMALL_STAGES = ["ingest", "extract-clip-tokens", "build-index"]
-
-
 SMALL_CAPTIONS = 2  # captions per image (the testbed's 5 cost stage time the structural tests do not need)
 
 
