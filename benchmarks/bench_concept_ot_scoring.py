@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/bench_concept_ot_scoring.py            # 400 images, 8 pairs each
     .venv/bin/python benchmarks/bench_concept_ot_scoring.py --images 1000 --variant dense-uot
 
-Generated clip_tokens (tests/cot_planted.py: 16 patches, 32-d vision, 24-d text; the planted text
-encoder stands in for the CLIP text tower), an untrained model of the variant, SugarCrepe-like
-pairs (every image with 8 texts, half of them shared across images). Reported, in pairs/s:
+Data: the small oracle testbed of the tests (tests/testbed_reduced.py, ``small_oracle_testbed``: the
+testbed manifest at ``--images`` generated images, ingest and extract-clip-tokens run in-process, not
+timed; the scene-oracle's 16 patches, 32-d vision, 24-d text, and its text encoder through the job's
+own ``_encode_texts``), an untrained model of the variant, SugarCrepe-like pairs (every image with 8
+texts "<colour> <shape> and <colour> <shape>" over the generated scenes' words). Reported, in pairs/s:
 
 * ``score_pairs``: what the harness calls: images by random access into the shards, texts through
   the per-text cache, chunks of ``eval_pairs_chunk`` pairs, g + lambda * s_local;
@@ -28,8 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cot_planted import COLORS, SHAPES, write_planted  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
@@ -41,33 +42,31 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    import ray
+
     from pipeline.config import load_manifest
+    from pipeline.synthetic.scene import COLOR_NAMES, SHAPES
+    from tests.testbed_reduced import small_oracle_testbed
     from train.jobs.concept_ot import make_job
     from train.jobs.concept_ot.model import _normalize
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        pl_ = write_planted(out, n_images=a.images, captions_per_image=2, shard_size=64, seed=0)
-        m = load_manifest(None, [f"output={out}", f"train.concept_ot.variant={a.variant}", "train.concept_ot.d_c=64",
-                                 "train.concept_ot.rank=16", "train.concept_ot.eval_splits=[test]"])
+        man = small_oracle_testbed(Path(tmp), ["ingest", "extract-clip-tokens"], n_images=a.images, shard_size=64)
+        ray.shutdown()  # the stages' embedded Ray
+        out = Path(tmp) / "testbed"
+        m = load_manifest(man, [f"train.concept_ot.variant={a.variant}", "train.concept_ot.d_c=64",
+                                "train.concept_ot.rank=16", "train.concept_ot.eval_splits=[test]"])
         job = make_job(m.train.concept_ot, m, out / "run", torch.device("cpu"))
+        encode = job._encode_texts  # models.clip: scene-oracle
 
-        def encode(texts):
-            enc = [pl_.text(t) for t in texts]
-            return {"tokens": torch.nn.utils.rnn.pad_sequence([torch.tensor(t).float() for t, _ in enc], batch_first=True),
-                    "mask": torch.nn.utils.rnn.pad_sequence([torch.ones(len(t), dtype=torch.bool) for t, _ in enc],
-                                                            batch_first=True),
-                    "embed": torch.tensor(np.stack([e for _, e in enc])).float()}
-
-        job._encode_texts = encode
         torch.manual_seed(0)
         model = job.build_model().eval()
         rng = np.random.default_rng(0)
         ids = job.scorable_sample_ids()
-        vocab = [f"{c} {s}" for c in COLORS for s in SHAPES]
+        vocab = [f"{c} {s}" for c in COLOR_NAMES for s in SHAPES]
         sids = np.repeat(ids, a.texts)
         texts = [" and ".join(rng.choice(vocab, 2, replace=False)) for _ in sids]
-        boxes = np.tile([[0.0, 0.0, 40.0, 40.0]], (len(sids), 1))
+        boxes = np.tile([[0.0, 0.0, 80.0, 80.0]], (len(sids), 1))  # 128 px images
         P = len(sids)
         encode(texts[:4])  # warm up
 

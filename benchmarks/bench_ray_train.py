@@ -2,7 +2,9 @@
 
     .venv/bin/python benchmarks/bench_ray_train.py [--images 512] [--steps 40] [--trials 4]
 
-Data: the planted ConceptOT dataset of tests/cot_planted.py (clip_tokens shards + samples). Job:
+Data: the small oracle testbed of the tests (tests/testbed_reduced.py, ``small_oracle_testbed``: the
+testbed manifest at ``--images`` generated images, its ingest and extract-clip-tokens stages run
+in-process with the scene-oracle encoder, shards of 64; not timed). Job:
 concept-ot (dense-uot, d_c 16, batch 32, 1 torch thread per process).
 
 1. Workers: the same run (``--steps`` steps, effective batch 32) in one process (``train run``) and
@@ -27,7 +29,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 BIN = Path(sys.executable).parent
 
 
@@ -60,11 +61,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--trials", type=int, default=4)
     a = ap.parse_args()
-    from cot_planted import write_planted
+    import ray
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_ray_"))
+    from tests.testbed_reduced import small_oracle_testbed
+
+    root = Path(tempfile.mkdtemp(prefix="bench_ray_"))
     try:
-        write_planted(tmp, n_images=a.images, captions_per_image=2, shard_size=64, seed=3)
+        small_oracle_testbed(root, ["ingest", "extract-clip-tokens"], n_images=a.images, shard_size=64)
+        ray.shutdown()  # the stages' embedded Ray: the timed commands start their own
+        tmp = root / "testbed"
         man = tmp / "m.yaml"
         man.write_text("name: bench\n")
         common = ["--manifest", str(man), "--no-progress", "--fresh"]
@@ -94,7 +99,7 @@ def main() -> None:
         print(f"| train run, one after another | {tq:.1f} |")
         print(f"overhead per trial: {(ts - tq) / n:+.1f} s")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,25 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def small_testbed(tmp_path_factory, ray_session) -> Path:
+    """The structural tests' data, made once per session through the real stages: the testbed
+    manifest (scene-oracle encoders) at 100 generated images (tests/testbed_reduced.py,
+    :func:`small_oracle_testbed`: ingest, extract-clip-tokens, build-index). Returns its manifest;
+    take a private copy with :func:`tests.testbed_reduced.copy_testbed` (or ``testbed_copy``)."""
+    from tests.testbed_reduced import small_oracle_testbed
+
+    return small_oracle_testbed(tmp_path_factory.mktemp("small_testbed"))
+
+
+@pytest.fixture
+def testbed_copy(small_testbed, tmp_path) -> tuple[Path, Path]:
+    """(output folder, manifest) of this test's own copy of ``small_testbed``."""
+    from tests.testbed_reduced import copy_testbed
+
+    return copy_testbed(small_testbed, tmp_path)
+
+
 @pytest.fixture
 def shared_dir() -> Path:
     """../shared beside the checkout; tests that read it skip where it is absent (user machines)."""

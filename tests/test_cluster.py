@@ -151,19 +151,16 @@ def two_node_cluster(tmp_path: Path):
         head.stop()
 
 
-def test_train_two_workers_on_two_nodes(tmp_path):
+def test_train_two_workers_on_two_nodes(tmp_path, testbed_copy):
     """`train run concept-ot --workers 2` on the two-node cluster: one worker per node (each node has
     1 CPU and a worker takes 1), rank 0 writes the run folder, the run trains to its last step and
-    evaluates."""
+    evaluates. Data: a copy of the small oracle testbed (tests/conftest.py)."""
     pytest.importorskip("psutil")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from cot_planted import write_planted
-
-    write_planted(tmp_path / "data", n_images=64, captions_per_image=2, shard_size=16, seed=3)
+    data, _ = testbed_copy
     man = tmp_path / "m.yaml"
     man.write_text("name: t\n")
     run = tmp_path / "run"
-    sets = [f"output={tmp_path / 'data'}", "train.concept_ot.max_steps=4", "train.concept_ot.batch_size=16",
+    sets = [f"output={data}", "train.concept_ot.max_steps=4", "train.concept_ot.batch_size=16",
             "train.concept_ot.d_c=16", "train.concept_ot.rank=8", "train.concept_ot.log_every=1",
             "train.concept_ot.eval_splits=[test]", "train.concept_ot.sugarcrepe_dirs=[]", "train.concept_ot.heatmaps=0",
             "train.concept_ot.threads=1", f"train.concept_ot.run_dir={run}"]

@@ -6,15 +6,13 @@ subset; 'no eval images' as a one-line error; manifests/coco.yaml evaluates the 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cot_planted import write_planted  # noqa: E402
+from tests.testbed_reduced import copy_testbed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,10 +24,10 @@ SMALL = ["train.concept_ot.batch_size=16", "train.concept_ot.d_c=16", "train.con
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cot_runs")
-    write_planted(out, n_images=80, captions_per_image=2, shard_size=16, seed=11)
-    return out
+def oracle(small_testbed, tmp_path_factory):
+    """This module's copy of the small oracle testbed (tests/conftest.py: samples, clip_tokens and
+    the build-index `index` of 100 generated images through the real stages; 2 captions each)."""
+    return copy_testbed(small_testbed, tmp_path_factory.mktemp("cot_runs"))[0]
 
 
 def _job(out, **over):
@@ -55,46 +53,43 @@ def _cli(out, tmp_path, *sets, fresh=False):
 
 
 @pytest.mark.slow
-def test_run_folders_per_configuration_and_refused_resume(planted, tmp_path):
-    base = planted / "train" / "concept-ot"
-    r = _cli(planted, tmp_path)
+def test_run_folders_per_configuration_and_refused_resume(oracle, tmp_path):
+    base = oracle / "train" / "concept-ot"
+    r = _cli(oracle, tmp_path)
     assert r.exit_code == 0, r.output
     a = Path(json.loads(r.stdout.strip().splitlines()[-1])["run_dir"])
     # the folder names the options that differ from the defaults, then their hash
     assert a.parent == base and a.name.startswith("conceptot-") and len(a.name.rsplit("-", 1)[1]) == 6, a.name
     # the README's variant command: its own folder, trains (no 'Unexpected key anchors')
-    r = _cli(planted, tmp_path, "train.concept_ot.variant=dense-uot")
+    r = _cli(oracle, tmp_path, "train.concept_ot.variant=dense-uot")
     assert r.exit_code == 0, r.output
     b = Path(json.loads(r.stdout.strip().splitlines()[-1])["run_dir"])
     assert b.parent == base and b.name.startswith("dense-uot-") and b != a
     assert json.loads((b / "config.json").read_text())["variant"] == "dense-uot"
     # same configuration again: resumes the finished run in the same folder
-    r = _cli(planted, tmp_path)
+    r = _cli(oracle, tmp_path)
     assert r.exit_code == 0 and Path(json.loads(r.stdout.strip().splitlines()[-1])["run_dir"]) == a
     # another configuration forced into a's folder: refused in one line, nothing rewritten
     before = (a / "config.json").read_text()
-    r = _cli(planted, tmp_path, "train.concept_ot.variant=filip", f"train.concept_ot.run_dir={a}")
+    r = _cli(oracle, tmp_path, "train.concept_ot.variant=filip", f"train.concept_ot.run_dir={a}")
     assert r.exit_code == 2
     err = [x for x in r.output.splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "variant=conceptot" in err[0] and "variant=filip" in err[0]
     assert "--fresh" in err[0] and "run_dir" in err[0] and str(a) in err[0]
     assert (a / "config.json").read_text() == before
     # --fresh starts over in it
-    r = _cli(planted, tmp_path, "train.concept_ot.variant=filip", f"train.concept_ot.run_dir={a}", fresh=True)
+    r = _cli(oracle, tmp_path, "train.concept_ot.variant=filip", f"train.concept_ot.run_dir={a}", fresh=True)
     assert r.exit_code == 0, r.output
     assert json.loads((a / "config.json").read_text())["variant"] == "filip"
 
 
 @pytest.mark.slow
-def test_index_mode_after_a_batch_run_trains_in_its_own_folder(planted, tmp_path):
-    from tests.test_concept_ot_index_negatives import write_index
-
-    if not (planted / "index").exists():
-        write_index(planted)
-    r = _cli(planted, tmp_path, "train.concept_ot.variant=filip")
+def test_index_mode_after_a_batch_run_trains_in_its_own_folder(oracle, tmp_path):
+    assert (oracle / "index" / "_manifest.json").is_file()  # build-index's, from the fixture
+    r = _cli(oracle, tmp_path, "train.concept_ot.variant=filip")
     assert r.exit_code == 0, r.output
     batch_dir = Path(json.loads(r.stdout.strip().splitlines()[-1])["run_dir"])
-    r = _cli(planted, tmp_path, "train.concept_ot.variant=filip", "train.concept_ot.hard_negatives=index",
+    r = _cli(oracle, tmp_path, "train.concept_ot.variant=filip", "train.concept_ot.hard_negatives=index",
              "train.concept_ot.log_every=1")
     assert r.exit_code == 0, r.output
     idx_dir = Path(json.loads(r.stdout.strip().splitlines()[-1])["run_dir"])
@@ -131,9 +126,9 @@ def test_per_variant_epoch_defaults():
         assert Config(variant=v, epochs=1.5).epochs == 1.5
 
 
-def test_epoch_over_caption_pairs(planted):
-    img = _job(planted, max_steps="null", batch_size=8)
-    cap = _job(planted, max_steps="null", batch_size=8, epoch_unit="captions")
+def test_epoch_over_caption_pairs(oracle):
+    img = _job(oracle, max_steps="null", batch_size=8)
+    cap = _job(oracle, max_steps="null", batch_size=8, epoch_unit="captions")
     n_train = len(cap.train_sample_ids())
     assert img.batches_per_epoch() == n_train // 8 and cap.batches_per_epoch() == 2 * (n_train // 8)
     batches = list(cap.batches(1, 0))
@@ -152,21 +147,21 @@ def test_epoch_over_caption_pairs(planted):
     assert [b["caption_id"].tolist() for b in cap.batches(2, 0)] != [b["caption_id"].tolist() for b in batches]
 
 
-def test_train_subset_is_seeded_and_deterministic(planted):
-    full = _job(planted).train_sample_ids()
-    a = _job(planted, train_subset=20).train_sample_ids()
+def test_train_subset_is_seeded_and_deterministic(oracle):
+    full = _job(oracle).train_sample_ids()
+    a = _job(oracle, train_subset=20).train_sample_ids()
     assert len(a) == 20 and set(a) <= set(full)
-    assert np.array_equal(a, _job(planted, train_subset=20, seed=5).train_sample_ids())  # not the training seed
-    assert not np.array_equal(a, _job(planted, train_subset=20, train_subset_seed=1).train_sample_ids())
-    j = _job(planted, train_subset=20)
+    assert np.array_equal(a, _job(oracle, train_subset=20, seed=5).train_sample_ids())  # not the training seed
+    assert not np.array_equal(a, _job(oracle, train_subset=20, train_subset_seed=1).train_sample_ids())
+    j = _job(oracle, train_subset=20)
     assert j.batches_per_epoch() == 1  # 20 images, batches of 16
     seen = {int(s) for b in j.batches(0, 0) for s in b["sample_id"]}
     assert seen <= set(a.tolist())
-    assert np.array_equal(_job(planted, train_subset=10**6).train_sample_ids(), full)
+    assert np.array_equal(_job(oracle, train_subset=10**6).train_sample_ids(), full)
 
 
-def test_no_eval_images_is_a_one_line_error(planted, tmp_path):
-    r = _cli(planted, tmp_path, "train.concept_ot.eval_splits=[val]")
+def test_no_eval_images_is_a_one_line_error(oracle, tmp_path):
+    r = _cli(oracle, tmp_path, "train.concept_ot.eval_splits=[restval]")  # the generated dataset has none
     assert r.exit_code == 2
     err = [x for x in r.output.splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "no eval images" in err[0] and "Karpathy" in err[0] and "eval_splits" in err[0]

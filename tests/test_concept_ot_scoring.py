@@ -6,17 +6,15 @@ tests/test_testbed_concept_ot.py.)"""
 
 from __future__ import annotations
 
-import sys
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cot_planted import write_planted  # noqa: E402
-
-from pipeline.io.artifacts import Artifact  # noqa: E402
+from pipeline.io.artifacts import Artifact
+from tests.testbed_reduced import copy_testbed
 
 VARIANTS = ["conceptot", "dense-uot", "balanced-ot", "filip", "text-attn", "global-patch", "global-only"]
 
@@ -24,33 +22,28 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cot_scoring")
-    pl_ = write_planted(out, n_images=60, captions_per_image=2, shard_size=16, seed=7)
-    return out, pl_
+def oracle(small_testbed, tmp_path_factory):
+    """This module's copy of the small oracle testbed (tests/conftest.py: 100 generated images through
+    the real stages, 128 px, 4 x 4 patch grid) and its manifest (models.clip: scene-oracle, so texts
+    the artifact does not hold are encoded by the instrument through the job's own ``_encode_texts``).
+    ``<out>/sugarcrepe``: the generated dataset's own swap_att and replace_att files (every image)."""
+    out, man = copy_testbed(small_testbed, tmp_path_factory.mktemp("cot_scoring"))
+    (out / "sugarcrepe").mkdir()
+    for kind in ("swap_att", "replace_att"):
+        shutil.copy(out / "source" / "synthetic" / "sugarcrepe" / f"{kind}.json", out / "sugarcrepe")
+    return out, man
 
 
-def planted_encoder(pl_):
-    def encode_texts(texts):  # the planted "text encoder" stands in for the CLIP text tower
-        enc = [pl_.text(t) for t in texts]
-        return {"tokens": torch.nn.utils.rnn.pad_sequence([torch.tensor(t).float() for t, _ in enc], batch_first=True),
-                "mask": torch.nn.utils.rnn.pad_sequence([torch.ones(len(t), dtype=torch.bool) for t, _ in enc],
-                                                        batch_first=True),
-                "embed": torch.tensor(np.stack([e for _, e in enc])).float()}
-    return encode_texts
-
-
-def make(out, pl_, variant, **over):
+def make(out, man, variant, **over):
     from pipeline.config import load_manifest
     from train.jobs.concept_ot import make_job
 
-    sets = [f"output={out}", f"train.concept_ot.variant={variant}", "train.concept_ot.d_c=16", "train.concept_ot.rank=8",
+    sets = [f"train.concept_ot.variant={variant}", "train.concept_ot.d_c=16", "train.concept_ot.rank=8",
             "train.concept_ot.eval_splits=[test]", "train.concept_ot.heatmaps=0", "train.concept_ot.eval_pairs_chunk=7",
             f"train.concept_ot.sugarcrepe_dirs=[{out / 'sugarcrepe'}]"]
     sets += [f"train.concept_ot.{k}={v}" for k, v in over.items()]
-    m = load_manifest(None, sets)
+    m = load_manifest(man, sets)
     job = make_job(m.train.concept_ot, m, out / "train" / variant, torch.device("cpu"))
-    job._encode_texts = planted_encoder(pl_)
     torch.manual_seed(1)
     model = job.build_model()
     with torch.no_grad():  # move the untrained mass heads off uniform, so masses matter
@@ -59,12 +52,20 @@ def make(out, pl_, variant, **over):
     return job, model.eval()
 
 
+def _sample_of_source(out) -> dict[int, int]:
+    """COCO-style file id (the generated image's source_id) -> sample_id, from the samples artifact."""
+    t = Artifact(out / "samples").read("samples").to_pydict()
+    return {int(src): int(s) for s, src in zip(t["sample_id"], t["source_id"])}
+
+
 def triples(out):
     from train.eval.in_job import read_folders
 
     data, _ = read_folders("sugarcrepe", [out / "sugarcrepe"])
     rows = [it for it in data.items if it.subset == "swap_att"] + [it for it in data.items if it.subset == "replace_att"]
-    return [int(Path(r.pairs[0].image).stem) for r in rows], [r.pairs[0].text for r in rows], [r.pairs[1].text for r in rows]
+    sid = _sample_of_source(out)
+    return ([sid[int(Path(r.pairs[0].image).stem)] for r in rows], [r.pairs[0].text for r in rows],
+            [r.pairs[1].text for r in rows])
 
 
 def pairwise_accuracy(pos, neg) -> float:
@@ -72,13 +73,13 @@ def pairwise_accuracy(pos, neg) -> float:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_score_pairs_agrees_with_the_in_job_sugarcrepe_scoring(planted, variant):
+def test_score_pairs_agrees_with_the_in_job_sugarcrepe_scoring(oracle, variant):
     """The reference is the in-job path (ConceptOTJob._sugarcrepe): all images and all texts encoded
     at once, g + lambda * s_local; score_pairs reads images by random access and chunks pairs (7)."""
     from train.jobs.concept_ot.model import _normalize
 
-    out, pl_ = planted
-    job, model = make(out, pl_, variant)
+    out, man = oracle
+    job, model = make(out, man, variant)
     sids, pos, neg = triples(out)
     with torch.no_grad():
         got_p = job.score_pairs(model, sids, pos)
@@ -108,20 +109,20 @@ def test_score_pairs_agrees_with_the_in_job_sugarcrepe_scoring(planted, variant)
     assert pairwise_accuracy(got_p[k:], got_n[k:]) == pytest.approx(res["sugarcrepe/replace_att"])
 
 
-def test_score_pairs_boxes_restrict_the_local_score(planted):
-    out, pl_ = planted
-    job, model = make(out, pl_, "dense-uot")
+def test_score_pairs_boxes_restrict_the_local_score(oracle):
+    out, man = oracle
+    job, model = make(out, man, "dense-uot")
     sids, pos, _ = triples(out)
     sids, pos = sids[:6], pos[:6]
     with torch.no_grad():
         plain = job.score_pairs(model, sids, pos)
         assert job.crop_note == ""
         # NaN rows: no box; whole-image boxes: all patches -> the plain score
-        whole = np.array([[0, 0, 64, 64]] * 6, np.float64)
+        whole = np.array([[0, 0, 128, 128]] * 6, np.float64)
         whole[::2] = np.nan
         np.testing.assert_allclose(job.score_pairs(model, sids, pos, whole), plain, rtol=1e-6)
-        # the top-left quarter of a 64 x 64 image on the 4 x 4 grid: patches 0, 1, 4, 5
-        q = np.array([[0, 0, 31, 31]] * 6, np.float64)
+        # the top-left quarter of a 128 x 128 image on the 4 x 4 grid: patches 0, 1, 4, 5
+        q = np.array([[0, 0, 63, 63]] * 6, np.float64)
         got = job.score_pairs(model, sids, pos, q)
         assert "patches overlapping the box" in job.crop_note
         ref = []
@@ -161,11 +162,11 @@ def test_box_patch_mask_and_heatmap_box_by_hand():
     assert box_iou(np.array([[0, 0, 1, 1]]), np.array([[2, 2, 3, 3]]))[0] == 0
 
 
-def test_retrieval_scores_reproduce_the_job_retrieval(planted):
+def test_retrieval_scores_reproduce_the_job_retrieval(oracle):
     from train.eval.harness import recall_first_hit
 
-    out, pl_ = planted
-    job, model = make(out, pl_, "conceptot", rerank_top_k=5, eval_max_images=1000)
+    out, man = oracle
+    job, model = make(out, man, "conceptot", rerank_top_k=5, eval_max_images=1000)
     t = Artifact(out / "samples").read("samples").to_pydict()
     test = sorted(s for s, sp in zip(t["sample_id"], t["split"]) if sp == "test")
     caps = Artifact(out / "samples").read("captions").to_pydict()
@@ -182,30 +183,36 @@ def test_retrieval_scores_reproduce_the_job_retrieval(planted):
     for proto, tag in (("global", "global"), ("rerank/t2i", "rerank")):
         assert 100 * (recall_first_hit(mats[proto].T, gt.T) < 1).mean() == pytest.approx(ref[f"{tag}/t2i_R@1"])
     # stored (frozen) encodings: a caption id the artifact holds scores its stored tokens, so an
-    # unknown id with the same text (encoded by the planted encoder, the same arrays) agrees
+    # unknown id with the same text (encoded by the scene-oracle again, the same arrays) agrees
     m2 = job.retrieval_scores(model, test[:3], [-1] * 3, [x for _, _, x in pairs[:3]])
     np.testing.assert_allclose(m2["global"], mats["global"][:3, :3], atol=2e-3)
-    assert np.array_equal(job.scorable_sample_ids(), np.arange(1, 61))
+    assert np.array_equal(job.scorable_sample_ids(), np.arange(100))  # every generated sample (ids 0..99)
 
 
-def test_in_job_sugarcrepe_matches_images_across_coco_naming_schemes(planted, tmp_path):
-    """SugarCrepe names val2017 files 000000xxxxxx.jpg, a Karpathy ingest COCO_val2014_000000xxxxxx.jpg:
-    the same COCO id matches (here the benchmark side carries the Karpathy names)."""
+def test_in_job_sugarcrepe_matches_images_across_naming_schemes(oracle, tmp_path):
+    """The in-job SugarCrepe scoring matches a benchmark's image names through the harness's matcher
+    (train/eval/images.py): the generated images' SugarCrepe names (000000000001.jpg) and their bare ids
+    (1.jpg) match every triple; Karpathy's COCO_val2014_000000000001.jpg names a COCO image, which a
+    generated run does not hold: no triple matches (foreign), all are still read. (With the planted
+    writer, whose samples passed for COCO, the Karpathy names matched; COCO-to-COCO matching across
+    the naming schemes is tested in tests/test_eval_images.py.)"""
     import json
 
-    out, pl_ = planted
-    job, model = make(out, pl_, "global-only")
-    d = tmp_path / "sc"
-    d.mkdir()
-    for f in (out / "sugarcrepe").glob("*.json"):
-        rows = json.loads(f.read_text())
-        for r in rows.values():
-            r["filename"] = f"COCO_val2014_{int(Path(r['filename']).stem):012d}.jpg"
-        (d / f.name).write_text(json.dumps(rows))
-    job.cfg.sugarcrepe_dirs = [str(d)]
-    with torch.no_grad():
-        res = job._sugarcrepe(model)
-    assert res["sugarcrepe/triples"] == res["sugarcrepe/available"] == len(triples(out)[0])
+    out, man = oracle
+    job, model = make(out, man, "global-only")
+    n = len(triples(out)[0])
+    for scheme, name, matched in (("bare", "{}.jpg", n), ("karpathy", "COCO_val2014_{:012d}.jpg", 0)):
+        d = tmp_path / scheme
+        d.mkdir()
+        for f in (out / "sugarcrepe").glob("*.json"):
+            rows = json.loads(f.read_text())
+            for r in rows.values():
+                r["filename"] = name.format(int(Path(r["filename"]).stem))
+            (d / f.name).write_text(json.dumps(rows))
+        job.cfg.sugarcrepe_dirs = [str(d)]
+        with torch.no_grad():
+            res = job._sugarcrepe(model)
+        assert (res["sugarcrepe/triples"], res["sugarcrepe/available"]) == (matched, n), scheme
 
 
 def test_phrase_groups_follow_the_dataset_spans():
@@ -219,13 +226,13 @@ def test_phrase_groups_follow_the_dataset_spans():
     assert [w for w, _ in _word_groups(text, offs, 9)] == ["red", "circle", "blue", "star"]
 
 
-def test_text_cache_is_bounded_and_exact(planted):
-    out, pl_ = planted
-    job, model = make(out, pl_, "filip", eval_pairs_chunk=5)
+def test_text_cache_is_bounded_and_exact(oracle):
+    out, man = oracle
+    job, model = make(out, man, "filip", eval_pairs_chunk=5)
     sids, pos, neg = triples(out)
     with torch.no_grad():
         ref = job.score_pairs(model, sids, neg)
-        job2, _ = make(out, pl_, "filip", eval_pairs_chunk=5)
+        job2, _ = make(out, man, "filip", eval_pairs_chunk=5)
         job2.TEXT_CACHE_BYTES = 4000  # a handful of texts
         got = job2.score_pairs(model, sids, neg)
     np.testing.assert_array_equal(got, ref)

@@ -5,14 +5,12 @@ worker killed mid-epoch resumes from the last checkpoint exactly."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # cot_planted
-from tests.ddp_toy import ToyConfig, ToyJob, make_toy  # noqa: E402 (Ray workers import it as tests.ddp_toy)
+from tests.ddp_toy import ToyConfig, ToyJob, make_toy  # (Ray workers import it as tests.ddp_toy)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,15 +42,14 @@ def test_ranks_split_each_step_of_an_in_memory_job(tmp_path, start):
 
 
 @pytest.mark.parametrize("start", [0, 1])
-def test_ranks_split_each_step_of_a_shard_stream_job(tmp_path, start):
-    from cot_planted import write_planted
+def test_ranks_split_each_step_of_a_shard_stream_job(tmp_path, testbed_copy, start):
     from pipeline.config import load_manifest
     from train.jobs.concept_ot import make_job
 
-    write_planted(tmp_path, n_images=96, captions_per_image=2, shard_size=20, seed=3)
+    out, _ = testbed_copy  # the small oracle testbed (tests/conftest.py): 4 clip_tokens shards
 
     def job(rank, world):
-        m = load_manifest(None, [f"output={tmp_path}", f"train.concept_ot.batch_size={16 // world}",
+        m = load_manifest(None, [f"output={out}", f"train.concept_ot.batch_size={16 // world}",
                                  "train.concept_ot.d_c=16", "train.concept_ot.rank=8", "train.concept_ot.shuffle_buffer=7"])
         j = make_job(m.train.concept_ot, m, tmp_path / "run", torch.device("cpu"))
         j.rank, j.world_size = rank, world

@@ -4,14 +4,7 @@ table is mean +- std over seeds per configuration (`train compare --over-seeds`)
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cot_planted import write_planted  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,18 +16,20 @@ def _seeds_line(table: str, config: str, metric: str) -> list[str]:
     return hit[0]
 
 
-def test_sweep_runs_the_grid_reports_a_crash_and_skips_finished_trials(tmp_path, ray_session):
+def test_sweep_runs_the_grid_reports_a_crash_and_skips_finished_trials(tmp_path, testbed_copy, ray_session):
+    import shutil
+
     from typer.testing import CliRunner
 
     from train.cli import app
 
-    write_planted(tmp_path, n_images=48, captions_per_image=2, shard_size=20, seed=3)
+    out, _ = testbed_copy  # the small oracle testbed (tests/conftest.py)
+    shutil.rmtree(out / "index")  # hard_negatives: index without an `index` artifact: those trials crash at start
     man = tmp_path / "m.yaml"
     man.write_text("name: t\n")
     grid = tmp_path / "grid.yaml"
-    # hard_negatives: index without an `index` artifact: those trials crash at start
     grid.write_text("train.concept_ot.lr: [0.001, 0.002]\ntrain.concept_ot.hard_negatives: [batch, index]\n")
-    sets = [f"output={tmp_path}", "train.concept_ot.max_steps=2", "train.concept_ot.batch_size=8",
+    sets = [f"output={out}", "train.concept_ot.max_steps=2", "train.concept_ot.batch_size=8",
             "train.concept_ot.d_c=16", "train.concept_ot.rank=8", "train.concept_ot.sugarcrepe_dirs=[]",
             "train.concept_ot.heatmaps=0", "train.concept_ot.threads=1", "train.concept_ot.eval_splits=[test]"]
     args = ["sweep", "concept-ot", "--manifest", str(man), "--grid", str(grid), "--seeds", "2", "--max-concurrent", "2"]
@@ -42,7 +37,7 @@ def test_sweep_runs_the_grid_reports_a_crash_and_skips_finished_trials(tmp_path,
         args += ["--set", s]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 1, r.output
-    runs = sorted(p for p in (tmp_path / "train" / "concept-ot").iterdir() if p.name != "sweeps")
+    runs = sorted(p for p in (out / "train" / "concept-ot").iterdir() if p.name != "sweeps")
     assert len(runs) == 8 and all((p / "train.log").is_file() for p in runs)
     ok = [p for p in runs if (p / "checkpoints" / "final.pt").is_file() and (p / "eval" / "final").is_dir()]
     assert len(ok) == 4

@@ -6,23 +6,20 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cot_planted import write_planted  # noqa: E402
-
-from pipeline.io.shards import ShardStream, buffer_shuffle, loader  # noqa: E402
-from train.data import ParquetJoin  # noqa: E402
-from train.eval.retrieval import recall_at_k, retrieval_report  # noqa: E402
-from train.eval.benchmarks.sugarcrepe import score as sugarcrepe_score  # noqa: E402
-from train.eval.in_job import read_folders  # noqa: E402
-from train.eval.interface import Item, Pair  # noqa: E402
-from train.loop import lr_factor  # noqa: E402
+from pipeline.io.shards import ShardStream, buffer_shuffle, loader
+from tests.testbed_reduced import copy_testbed
+from train.data import ParquetJoin
+from train.eval.retrieval import recall_at_k, retrieval_report
+from train.eval.benchmarks.sugarcrepe import score as sugarcrepe_score
+from train.eval.in_job import read_folders
+from train.eval.interface import Item, Pair
+from train.loop import lr_factor
 
 SHARED_SC = Path(__file__).resolve().parents[2] / "shared" / "data" / "sugarcrepe"
 
@@ -31,10 +28,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("planted")
-    write_planted(out, n_images=96, captions_per_image=2, shard_size=20, seed=3)
-    return out
+def oracle(small_testbed, tmp_path_factory):
+    """This module's copy of the small oracle testbed (tests/conftest.py: samples + clip_tokens of
+    100 generated images through the real stages, 90 train / 5 val / 5 test, shards of 25)."""
+    return copy_testbed(small_testbed, tmp_path_factory.mktemp("core"))[0]
 
 
 def test_lr_schedule_warmup_cosine():
@@ -109,11 +106,11 @@ def test_shard_stream_ranks_partition_the_epoch():
         _toy_stream(rank=3, world_size=3)
 
 
-def test_parquet_join(planted):
-    j = ParquetJoin(planted / "samples", "samples", ["split", "source_id"])
+def test_parquet_join(oracle):
+    j = ParquetJoin(oracle / "samples", "samples", ["split", "source_id"])
     import pyarrow.parquet as pq
 
-    t = pq.read_table(next((planted / "samples" / "samples").glob("*.parquet"))).to_pydict()
+    t = pq.read_table(next((oracle / "samples" / "samples").glob("*.parquet"))).to_pydict()
     for sid, split, src in zip(t["sample_id"], t["split"], t["source_id"]):
         assert j.lookup(sid) == {"split": split, "source_id": src}
     assert j.lookup(10**9) is None
@@ -194,34 +191,34 @@ def _train_rows(path: Path):
 
 
 @pytest.mark.parametrize("variant", ["conceptot", "dense-uot"])
-def test_exact_resume(planted, variant):
+def test_exact_resume(oracle, variant):
     from train.loop import train
 
-    # 96 images * 0.8 train / 16 = 4 batches per epoch: the run crosses an epoch boundary after
+    # 90 train images / 16 = 5 batches per epoch: the run crosses an epoch boundary after
     # the interruption. One thread: multithreaded BLAS is not bitwise reproducible run to run.
     steps = 7
     kw = dict(variant=variant, max_steps=steps, threads=1, eval_max_images=4)
-    train(_job(planted, f"straight-{variant}", **kw), resume=False, progress=False)
-    j = _job(planted, f"resumed-{variant}", ckpt_every=100, **kw)
+    train(_job(oracle, f"straight-{variant}", **kw), resume=False, progress=False)
+    j = _job(oracle, f"resumed-{variant}", ckpt_every=100, **kw)
     assert train(j, resume=False, progress=False, stop_after=3) == {"interrupted_at": 3}
-    train(_job(planted, f"resumed-{variant}", **kw), resume=True, progress=False)
-    a = _train_rows(planted / f"straight-{variant}" / "metrics.jsonl")
-    b = _train_rows(planted / f"resumed-{variant}" / "metrics.jsonl")
+    train(_job(oracle, f"resumed-{variant}", **kw), resume=True, progress=False)
+    a = _train_rows(oracle / f"straight-{variant}" / "metrics.jsonl")
+    b = _train_rows(oracle / f"resumed-{variant}" / "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
     for ra, rb in zip(a, b):
         assert ra["loss"] == rb["loss"] and ra["epoch"] == rb["epoch"] and ra["lr"] == rb["lr"]
-    pa = torch.load(planted / f"straight-{variant}" / "checkpoints" / "final.pt", weights_only=False)["model"]
-    pb = torch.load(planted / f"resumed-{variant}" / "checkpoints" / "final.pt", weights_only=False)["model"]
+    pa = torch.load(oracle / f"straight-{variant}" / "checkpoints" / "final.pt", weights_only=False)["model"]
+    pb = torch.load(oracle / f"resumed-{variant}" / "checkpoints" / "final.pt", weights_only=False)["model"]
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    assert (planted / f"resumed-{variant}" / "metrics.png").stat().st_size > 0
+    assert (oracle / f"resumed-{variant}" / "metrics.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("variant", ["conceptot", "dense-uot", "balanced-ot", "filip", "text-attn", "global-patch"])
-def test_every_variant_trains_a_step(planted, variant):
+def test_every_variant_trains_a_step(oracle, variant):
     from train.loop import seed_everything
 
     seed_everything(0)
-    job = _job(planted, f"v-{variant}", variant=variant)
+    job = _job(oracle, f"v-{variant}", variant=variant)
     model = job.build_model()
     batch = next(iter(job.batches(0, 0)))
     loss, logs = job.loss(model, batch)
@@ -247,13 +244,13 @@ def test_mine_pairs_bruteforce():
     assert (ii[28:].view(7, 3) == ni).all() and (tt[28:].view(7, 3) == torch.arange(7)[:, None]).all()
 
 
-def test_cli_run_eval_and_bad_manifest(planted, tmp_path):
+def test_cli_run_eval_and_bad_manifest(oracle, tmp_path):
     from typer.testing import CliRunner
 
     from train.cli import app
 
     runner = CliRunner()
-    sets = ["--set", f"output={planted}", "--set", "train.concept_ot.max_steps=2", "--set", "train.concept_ot.batch_size=16",
+    sets = ["--set", f"output={oracle}", "--set", "train.concept_ot.max_steps=2", "--set", "train.concept_ot.batch_size=16",
             "--set", "train.concept_ot.variant=dense-uot", "--set", "train.concept_ot.d_c=16",
             "--set", f"train.concept_ot.run_dir={tmp_path / 'cli'}", "--set", "train.concept_ot.eval_splits=[test]",
             "--set", "train.concept_ot.sugarcrepe_dirs=[]", "--set", "train.concept_ot.heatmaps=1"]
@@ -282,21 +279,21 @@ def test_cli_run_eval_and_bad_manifest(planted, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["conceptot", "dense-uot"])
-def test_amp_bf16_step(planted, variant):
+def test_amp_bf16_step(oracle, variant):
     from train.loop import train
 
-    res = train(_job(planted, f"amp-{variant}", variant=variant, max_steps=2, amp="bf16", eval_max_images=4),
+    res = train(_job(oracle, f"amp-{variant}", variant=variant, max_steps=2, amp="bf16", eval_max_images=4),
                 resume=False, progress=False)
-    rows = _train_rows(planted / f"amp-{variant}" / "metrics.jsonl")
+    rows = _train_rows(oracle / f"amp-{variant}" / "metrics.jsonl")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert "rerank/avg_R@1" in res
 
 
-def test_concept_ot_batches_identical_with_workers(planted):
+def test_concept_ot_batches_identical_with_workers(oracle):
     """The job's real data path (lazy shard reads, split join, random caption pick) gives the same
     batches in-process and through 2 DataLoader workers, from any resume position."""
-    a = list(_job(planted, "w0", num_workers=0).batches(1, 1))
-    b = list(_job(planted, "w2", num_workers=2).batches(1, 1))
+    a = list(_job(oracle, "w0", num_workers=0).batches(1, 1))
+    b = list(_job(oracle, "w2", num_workers=2).batches(1, 1))
     assert len(a) == len(b) >= 2
     for x, y in zip(a, b):
         assert x.keys() == y.keys()

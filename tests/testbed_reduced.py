@@ -56,3 +56,41 @@ def train_run(manifest_path: Path, job: str, run_dir: Path, *sets: str, timeout:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     rows = pq.read_table(Path(run_dir) / "eval" / "final" / "results.parquet").to_pylist()
     return {(x["benchmark"], x["subset"], x["metric"]): x for x in rows}, wall
+
+
+# --- the small oracle testbed: the structural tests' data (replaces the planted writer of tests/cot_planted.py) ---
+SMALL_IMAGES = 100  # 90 train, 5 val, 5 test; sample ids 0..99 (source ids / file names 1..100)
+SMALL_SHARD = 25  # 4 shards per artifact: multi-shard reads, resume positions across shard boundaries
+SMALL_STAGES = ["ingest", "extract-clip-tokens", "build-index"]
+SMALL_CAPTIONS = 2  # captions per image (the testbed's 5 cost stage time the structural tests do not need)
+
+
+def small_oracle_testbed(root: Path, stages: list[str] = SMALL_STAGES, n_images: int = SMALL_IMAGES,
+                         shard_size: int = SMALL_SHARD) -> Path:
+    """``manifests/testbed.yaml`` (the scene-oracle in place of the frozen encoders) at ``n_images``
+    images, ``SMALL_CAPTIONS`` captions each, held-out 0.1, shards of ``shard_size``;
+    runs ``stages`` through the stages' own code (:func:`run_stages`) and returns the manifest path
+    (its ``output`` is ``root / "testbed"``: samples, clip_tokens, index, source/synthetic)."""
+    path = reduced_testbed(Path(root), n_images, [], shard_size=shard_size)
+    m = yaml.safe_load(path.read_text())
+    m["dataset"]["synthetic"]["captions_per_image"] = SMALL_CAPTIONS
+    path.write_text(yaml.safe_dump(m, sort_keys=False))
+    run_stages(path, stages)
+    return path
+
+
+def copy_testbed(manifest_path: Path, dest: Path) -> tuple[Path, Path]:
+    """A private copy of a small testbed (its output folder, and a manifest of its data only, pointing
+    at the copy: no ``train`` / ``eval`` sections, so a test's jobs run at the jobs' defaults plus its
+    own ``--set`` options): tests that write run folders or extra artifacts do not see each other's.
+    Returns (output folder, manifest path)."""
+    import shutil
+
+    m = yaml.safe_load(Path(manifest_path).read_text())
+    out = Path(dest) / "testbed"
+    shutil.copytree(m["output"], out, ignore=shutil.ignore_patterns("_logs", "_lock"))
+    m = {k: v for k, v in m.items() if k not in ("train", "eval")}
+    m["output"] = str(out)
+    mp = Path(dest) / "testbed-small.yaml"
+    mp.write_text(yaml.safe_dump(m, sort_keys=False))
+    return out, mp
