@@ -42,6 +42,8 @@ def test_sweep_runs_the_grid_reports_a_crash_and_skips_finished_trials(tmp_path,
     ok = [p for p in runs if (p / "checkpoints" / "final.pt").is_file() and (p / "eval" / "final").is_dir()]
     assert len(ok) == 4
     failed = [x for x in r.stderr.splitlines() if "failed (" in x]
+    listed = [x for x in r.stderr.splitlines() if x.startswith("run folders: ")]  # for `train compare` (grids/*.yaml)
+    assert len(listed) == 1 and sorted(listed[0].split()[2:]) == sorted(map(str, runs)), r.stderr[-2000:]
     assert len(failed) == 4 and all("hard_negatives=index" in x and "index" in x.split("failed (")[1] for x in failed)
     line = _seeds_line(r.stdout, "lr=0.001", "global/avg_R@1")
     assert line[5] == "2"  # seeds

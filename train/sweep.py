@@ -220,6 +220,8 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
             errors.append(f"trial {label}: failed ({type(err).__name__}: {msg})")
     print(f"sweep: {len(ts)} trials in {time.time() - t0:.1f}s ({len(errors)} failed); Tune experiment {exp}",
           file=sys.stderr)
+    # the trials' run folders, for `train compare [--paper P]` (the job's folder also holds other runs)
+    print("run folders: " + " ".join(t.run_dir for t in ts), file=sys.stderr)
     from train.seeds_table import seeds_table
 
     done = [t.run_dir for t in ts if finished(Path(t.run_dir))]
