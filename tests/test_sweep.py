@@ -74,3 +74,17 @@ def test_trials_are_the_grid_times_the_seeds():
     ts = trials({"train.concept_ot.lr": [0.1, 0.2], "train.concept_ot.variant": ["filip"]}, 3, "concept-ot")
     assert [(t.options["train.concept_ot.lr"], t.seed) for t in ts] == [(a, s) for a in (0.1, 0.2) for s in range(3)]
     assert ts[4].sets == ["train.concept_ot.lr=0.2", 'train.concept_ot.variant="filip"', "train.concept_ot.seed=1"]
+
+
+def test_a_trial_killed_while_scoring_its_final_benchmarks_is_not_finished(tmp_path):
+    """The loop writes eval/final/metrics.json after the final benchmarks: until then a run folder with
+    its final checkpoint and an eval/final folder (created before scoring) is rerun, not skipped."""
+    from train.sweep import finished
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "final.pt").write_bytes(b"x")
+    (tmp_path / "eval" / "final").mkdir(parents=True)
+    (tmp_path / "eval" / "final" / "results.parquet.tmp").write_bytes(b"")  # scoring under way
+    assert not finished(tmp_path)
+    (tmp_path / "eval" / "final" / "metrics.json").write_text("{}")
+    assert finished(tmp_path)

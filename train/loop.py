@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -485,9 +486,12 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
     if not dist.writer:
         return res
     (run_dir / "eval" / "final").mkdir(parents=True, exist_ok=True)
-    (run_dir / "eval" / "final" / "metrics.json").write_text(json.dumps(res, indent=1))
     if getattr(cfg, "benchmarks_at_end", False):
         final_benchmarks(job, model, run_dir / "eval" / "final", ckpt_dir / "final.pt", step)
+    # written last: a run is finished once its eval/final/metrics.json exists (train sweep skips it)
+    tmp = run_dir / "eval" / "final" / "metrics.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1))
+    os.replace(tmp, run_dir / "eval" / "final" / "metrics.json")
     return res
 
 

@@ -106,7 +106,9 @@ def trials(grid: dict[str, list], seeds: int, job: str) -> list[Trial]:
 
 
 def finished(run_dir: Path) -> bool:
-    return (run_dir / "checkpoints" / "final.pt").is_file() and (run_dir / "eval" / "final").is_dir()
+    """The run trained and was evaluated to the end: the loop writes eval/final/metrics.json after the
+    final benchmarks (a trial killed while scoring them is rerun, not skipped)."""
+    return (run_dir / "checkpoints" / "final.pt").is_file() and (run_dir / "eval" / "final" / "metrics.json").is_file()
 
 
 def _trial(config: dict, build_job=None) -> None:
