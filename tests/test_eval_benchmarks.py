@@ -153,6 +153,11 @@ def test_aro_vg_relation_macro_and_micro(tmp_path):
     assert r[("on", "accuracy")].value == pytest.approx(200 / 3) and r[("behind", "accuracy")].value == 0.0
     assert r[("all", "macro_accuracy")].value == pytest.approx(100 / 3) and r[("all", "macro_accuracy")].n == 4
     assert r[("all", "accuracy")].value == pytest.approx(50.0) and r[("all", "accuracy")].chance == 50.0
+    # the tie is counted in the "all" rows' notes: a model blind to word order ties everywhere
+    assert "1 of 4 items tied at the top" in r[("all", "accuracy")].note
+    assert "1 of 4 items tied" in r[("all", "macro_accuracy")].note
+    r = rows_by(data.score(data.items, [S(1, 0), S(2, 1), S(3, 0), S(0, 1)]))
+    assert "tied" not in r[("all", "accuracy")].note
 
 
 def test_aro_vg_attribution_min_count(tmp_path):

@@ -122,6 +122,14 @@ def beats(scores: np.ndarray) -> bool:
     return bool(s.shape[0] > 1 and np.all(s[0] > s[1:]))
 
 
+def tie_note(scores: Sequence[np.ndarray]) -> str:
+    """"; K of N items tied at the top (scored wrong, as the original)" when the first pair's score equals
+    the best other pair's exactly: a model blind to what the negatives change (word order) ties on every
+    item, and a strict protocol then lands far below chance; the note says why."""
+    tied = sum(1 for s in scores if len(s) > 1 and float(np.max(np.asarray(s, np.float64)[1:])) == float(s[0]))
+    return f"; {tied} of {len(scores)} items tied at the top (scored wrong, as the original)" if tied else ""
+
+
 def correct_vector(items: Sequence[Item], scores: Sequence[np.ndarray], fn: Callable = beats) -> np.ndarray:
     if len(items) != len(scores):
         raise ValueError(f"score: {len(items)} items but {len(scores)} score arrays")
