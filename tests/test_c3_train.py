@@ -2,7 +2,7 @@
 negatives from the training split; type-1 images without C; type-2 concepts in neither image;
 MCC false negatives masked) and a pure function of (seed, epoch, batch); exact resume; every
 variant trains a step; score_pairs; bad input (partner-less concepts counted, missing or partial
-encodings, empty database). The planted-signal test is in test_c3_planted.py."""
+encodings, empty database). The learning test is tests/test_testbed_c3.py (the testbed, through the real commands)."""
 
 from __future__ import annotations
 
