@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.config import SyntheticConfig
 from pipeline.masks import rle_decode
 from pipeline.readers import ImageError, open_image, read_dataset
 from pipeline.readers.base import EMPTY_CAPTION
@@ -31,7 +32,7 @@ def tree_hashes(root: Path) -> dict[str, str]:
 def gen(tmp_path_factory):
     root = tmp_path_factory.mktemp("syn")
     paths = generate(root, **PARAMS, corrupt_images=2, empty_captions=3)
-    syn = types.SimpleNamespace(**PARAMS, corrupt_images=2, empty_captions=3, heldout=0.1, root=str(root))
+    syn = SyntheticConfig(**PARAMS, corrupt_images=2, empty_captions=3, root=str(root))
     ds = types.SimpleNamespace(kind="synthetic", synthetic=syn, split=None)
     records = list(read_dataset(ds, root / "unused"))
     return paths, records
@@ -201,7 +202,7 @@ def test_sugarcrepe_files(gen):
 
 def test_split_filter_and_bad_params(tmp_path, gen):
     paths, recs = gen
-    syn = types.SimpleNamespace(**PARAMS, corrupt_images=2, empty_captions=3, heldout=0.1, root=str(paths["root"]))
+    syn = SyntheticConfig(**PARAMS, corrupt_images=2, empty_captions=3, root=str(paths["root"]))
     val = list(read_dataset(types.SimpleNamespace(kind="synthetic", synthetic=syn, split="val"), tmp_path))
     assert val and all(r.split == "val" for r in val)
     assert len(val) == sum(r.split == "val" for r in recs)

@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 
+from pipeline.config import SyntheticConfig
 from pipeline.models.scene_oracle import OracleClip, SceneOracle, _words
 from pipeline.readers import read_dataset
 from pipeline.synthetic.generate import generate
@@ -21,7 +22,7 @@ CONCEPTS = set(CONCEPT_OF.values())
 
 
 def _read(root, vocabulary):
-    syn = types.SimpleNamespace(**PARAMS, corrupt_images=0, empty_captions=0, root=str(root), vocabulary=vocabulary)
+    syn = SyntheticConfig(**PARAMS, root=str(root), vocabulary=vocabulary)
     return list(read_dataset(types.SimpleNamespace(kind="synthetic", synthetic=syn, split=None), root / "unused"))
 
 
