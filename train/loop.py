@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -489,9 +488,7 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
     if getattr(cfg, "benchmarks_at_end", False):
         final_benchmarks(job, model, run_dir / "eval" / "final", ckpt_dir / "final.pt", step)
     # written last: a run is finished once its eval/final/metrics.json exists (train sweep skips it)
-    tmp = run_dir / "eval" / "final" / "metrics.json.tmp"
-    tmp.write_text(json.dumps(res, indent=1))
-    os.replace(tmp, run_dir / "eval" / "final" / "metrics.json")
+    write_bytes_atomic(run_dir / "eval" / "final" / "metrics.json", json.dumps(res, indent=1).encode())
     return res
 
 
