@@ -22,8 +22,11 @@ is mostly the t quantile); seed-to-seed spread is the std. Then the published nu
 among the rows with both numbers (testbed / paper, 1 = highest), and against the reference row:
 ``agrees`` when the testbed's difference row - reference has the paper's sign, ``disagrees``
 otherwise, ``(within seed std)`` added when that difference is no larger than the larger of the two
-rows' std over seeds (the ordering is then not resolved by the seeds run). A closing table counts the
-agreeing columns per row.
+rows' std over seeds (the ordering is then not resolved by the seeds run); with a single seed on
+either side there is no std, and ``(intervals overlap)`` is added when the two rows' 95% intervals
+overlap (the evaluation sample does not resolve the ordering). An exact testbed tie is neither:
+``tie (paper: higher|lower)``; a paper tie with a testbed difference is ``paper tie``. A closing
+table counts the agreeing, disagreeing and tied columns per row.
 
 The grid ``grids/<paper>.yaml`` for ``train sweep`` is :func:`grid_of` of the table (the runnable
 rows as ``configurations``).
@@ -299,12 +302,23 @@ def verdict(table: PaperTable, got: Collected, row: Row, col: Column) -> str:
         return "not run" if row.id not in got.runs or ref.id not in got.runs else "no result"
     if p is None or pr is None:
         return "no published number"
-    d = c.mean - cr.mean
-    agrees = _sign(d) == _sign(p - pr)
-    out = "agrees" if agrees else "disagrees"
-    if c.n > 1 and cr.n > 1 and abs(d) <= max(c.std, cr.std):
-        out += " (within seed std)"
+    d, dp = c.mean - cr.mean, p - pr
+    if _sign(d) == 0 and _sign(dp) != 0:
+        return f"tie (paper: {'higher' if dp > 0 else 'lower'})"
+    if _sign(dp) == 0 and _sign(d) != 0:
+        return "paper tie"
+    out = "agrees" if _sign(d) == _sign(dp) else "disagrees"
+    if c.n > 1 and cr.n > 1:
+        if abs(d) <= max(c.std, cr.std):
+            out += " (within seed std)"
+    elif _overlap(c.interval, cr.interval):
+        out += " (intervals overlap)"
     return out
+
+
+def _overlap(a: tuple[float | None, float | None], b: tuple[float | None, float | None]) -> bool:
+    """Two 95% intervals share a point (a single seed has no std: its evaluation interval is the yardstick)."""
+    return None not in (*a, *b) and a[0] <= b[1] and b[0] <= a[1]
 
 
 def ranks(values: dict[str, float]) -> dict[str, int]:
@@ -346,16 +360,17 @@ def column_table(table: PaperTable, got: Collected, col: Column) -> list[str]:
 def summary_lines(table: PaperTable, got: Collected) -> list[str]:
     """Per row: the columns where its order against the reference agrees with the paper's."""
     lines = ["### ordering against the reference row, per row", "",
-             "| row | agrees | disagrees | columns that disagree |", "|---|---:|---:|---|"]
+             "| row | agrees | disagrees | ties | columns that disagree |", "|---|---:|---:|---:|---|"]
     for r in table.rows:
         if r.options is None or r.id == table.reference:
             what = "no job option: " + " ".join(r.no_option.split()) if r.options is None else "reference"
-            lines.append(f"| {r.id} | - | - | {what} |")
+            lines.append(f"| {r.id} | - | - | - | {what} |")
             continue
         v = {c.id: verdict(table, got, r, c) for c in table.columns}
         ok = [k for k, x in v.items() if x.startswith("agrees")]
         bad = [k for k, x in v.items() if x.startswith("disagrees")]
-        lines.append(f"| {r.id} | {len(ok)} | {len(bad)} | {', '.join(bad) or '-'} |")
+        tie = [k for k, x in v.items() if x.startswith(("tie", "paper tie"))]
+        lines.append(f"| {r.id} | {len(ok)} | {len(bad)} | {len(tie)} | {', '.join(bad) or '-'} |")
     return lines
 
 
