@@ -215,6 +215,27 @@ def test_in_job_sugarcrepe_matches_images_across_naming_schemes(oracle, tmp_path
         assert (res["sugarcrepe/triples"], res["sugarcrepe/available"]) == (matched, n), scheme
 
 
+def test_in_job_sugarcrepe_on_the_generated_folder_scores_held_out_images_only(oracle):
+    """The generated dataset's own SugarCrepe folder (``sugarcrepe_dirs`` unset) has items for every
+    image, training images included: the in-job rows score only those of ``eval_splits`` (here
+    test), counted against a brute-force split lookup; a configured folder is scored whole."""
+    from train.eval.in_job import read_folders
+
+    out, man = oracle
+    job, model = make(out, man, "global-only", sugarcrepe_dirs="null")
+    t = Artifact(out / "samples").read("samples").to_pydict()
+    split = {int(src): sp for src, sp in zip(t["source_id"], t["split"])}
+    data, n = read_folders("sugarcrepe", [out / "source" / "synthetic" / "sugarcrepe"])
+    held = [it for it in data.items if split[int(Path(it.pairs[0].image).stem)] == "test"]
+    assert 0 < len(held) < n
+    with torch.no_grad():
+        res = job._sugarcrepe(model)
+    assert (res["sugarcrepe/triples"], res["sugarcrepe/available"]) == (len(held), n)
+    with torch.no_grad():
+        whole = make(out, man, "global-only")[0]._sugarcrepe(model)  # the configured copy: every image
+    assert whole["sugarcrepe/triples"] == len(triples(out)[0])
+
+
 def test_phrase_groups_follow_the_dataset_spans():
     """Heatmap phrases: the dataset's spans (tokens overlapping [start, end)), not whitespace words."""
     from train.jobs.concept_ot.grounding import _span_groups, _word_groups

@@ -1,7 +1,8 @@
 """A job's own SugarCrepe-format evaluation during training, scored by the harness.
 
 concept-ot and visual-tokens report pairwise accuracy on SugarCrepe-format folders at every
-evaluation (the generated dataset's ``sugarcrepe/`` by default). The folders are read by the
+evaluation (the generated dataset's ``sugarcrepe/`` by default, held-out images only:
+:func:`held_out_splits`). The folders are read by the
 published-format reader (:mod:`train.eval.benchmarks.sugarcrepe`) and scored by
 :func:`train.eval.harness.evaluate_benchmark` through the job's ``score_pairs``, exactly as
 ``train eval`` scores a configured ``sugarcrepe`` benchmark: images matched to the ``samples``
@@ -74,10 +75,20 @@ class FolderResult:
     kinds: list[str] = field(default_factory=list)
 
 
+def held_out_splits(configured: list[str] | None, eval_splits: list[str]) -> list[str] | None:
+    """The image splits an in-job SugarCrepe evaluation scores: the generated dataset's own folder
+    (``configured`` None) has items for every image, training images included, so only those whose
+    image is in ``eval_splits`` count (as the testbed's harness benchmarks, ``image_splits``);
+    configured folders (published SugarCrepe) are scored whole."""
+    return list(eval_splits) if configured is None else None
+
+
 def score_folders(job, model, name: str, dirs, samples_dir, max_per_kind: int | None = None,
-                  pairs_chunk: int = 2048) -> FolderResult | None:
+                  pairs_chunk: int = 2048, image_splits: list[str] | None = None) -> FolderResult | None:
     """The harness's rows for the SugarCrepe-format ``dirs`` scored by ``job.score_pairs`` (None
-    when no folder holds a ``<kind>.json``). Zero scorable items: no rows, ``matched`` 0."""
+    when no folder holds a ``<kind>.json``); with ``image_splits`` only the items whose image is a
+    sample of those splits (the others are skipped and counted). Zero scorable items: no rows,
+    ``matched`` 0."""
     from pipeline.config import BenchmarkSpec
     from train.eval.harness import evaluate_benchmark
 
@@ -85,7 +96,7 @@ def score_folders(job, model, name: str, dirs, samples_dir, max_per_kind: int | 
     if data is None:
         return None
     kinds = sorted({it.subset for it in data.items})
-    spec = BenchmarkSpec(name=name, format="sugarcrepe", path=data.source)
+    spec = BenchmarkSpec(name=name, format="sugarcrepe", path=data.source, image_splits=image_splits)
     scorable = {int(s) for s in job.scorable_sample_ids()}
     try:
         rows = evaluate_benchmark(job, model, spec, samples_dir, scorable, pairs_chunk, log=lambda m: None, data=data)

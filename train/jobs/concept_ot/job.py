@@ -17,7 +17,7 @@ from torch import nn
 from pipeline.io.artifacts import ArtifactMissing
 from pipeline.io.shards import fits_in_memory
 from pipeline.loaders.clip_tokens import read_shard
-from train.eval.in_job import generated_sugarcrepe_dirs, score_folders
+from train.eval.in_job import generated_sugarcrepe_dirs, held_out_splits, score_folders
 from train.eval.retrieval import retrieval_report
 from train.job import Job, Splits, open_artifact, resolve_artifact
 from train.jobs.concept_ot.batches import ConceptOTBatches
@@ -122,13 +122,15 @@ class ConceptOTJob(ConceptOTBatches, ConceptOTScoring, Job):
         generated dataset's ``sugarcrepe/``), scored by the harness through :meth:`score_pairs`:
         ``sugarcrepe/<kind>`` with g + lambda_l * s_local, ``sugarcrepe_global/<kind>`` with g alone;
         ``overall`` = the harness's ``all`` (triple-weighted over the five main kinds when present);
-        ``triples``: the items whose image is in the samples artifact, ``available``: items read."""
+        ``triples``: the items whose image is in the samples artifact (on the generated folder: and in
+        ``eval_splits``, the held-out images), ``available``: items read."""
         if self.samples is None:
             return {}
         cfg = self.cfg
         dirs = generated_sugarcrepe_dirs(self.manifest, cfg.sugarcrepe_dirs)
+        held = held_out_splits(cfg.sugarcrepe_dirs, cfg.eval_splits)
         full = score_folders(self, model, "sugarcrepe", dirs, self.samples.dir, cfg.sugarcrepe_max_per_kind,
-                             cfg.eval_pairs_chunk)
+                             cfg.eval_pairs_chunk, held)
         if full is None:
             return {}
         res = {"sugarcrepe/triples": float(full.matched), "sugarcrepe/available": float(full.available)}
@@ -136,7 +138,7 @@ class ConceptOTJob(ConceptOTBatches, ConceptOTScoring, Job):
             return res
         glob = full if cfg.variant == "global-only" else score_folders(
             _GlobalScore(self), model, "sugarcrepe", dirs, self.samples.dir, cfg.sugarcrepe_max_per_kind,
-            cfg.eval_pairs_chunk)
+            cfg.eval_pairs_chunk, held)
         for tag, got in (("sugarcrepe", full), ("sugarcrepe_global", glob)):
             for row in got.rows:
                 if row.subset != "add":  # add_obj / add_att have their own rows

@@ -16,7 +16,7 @@ from pipeline.io.shards import ShardStream, fits_in_memory
 from pipeline.loaders.visual_tokens import TRAIN_FIELDS, n_tokens
 from pipeline.loaders.visual_tokens import read_shard as vt_read_shard
 from train.data import ShardIndex, ShardJoin
-from train.eval.in_job import generated_sugarcrepe_dirs, score_folders
+from train.eval.in_job import generated_sugarcrepe_dirs, held_out_splits, score_folders
 from train.eval.interface import Row
 from train.eval.intervals import mean_interval
 from train.job import Job, Splits, open_artifact
@@ -243,7 +243,8 @@ class VisualTokensJob(VisualTokensScoring, Job):
         if self.samples is None:
             return []
         got = score_folders(self, model, "generated_swaps", generated_sugarcrepe_dirs(self.manifest, self.cfg.swap_dirs),
-                            self.samples.dir, self.cfg.swap_max_per_kind)
+                            self.samples.dir, self.cfg.swap_max_per_kind,
+                            image_splits=held_out_splits(self.cfg.swap_dirs, self.cfg.eval_splits))
         if got is None:
             return []
         by_kind = {r.subset: r for r in got.rows if r.subset not in ("all", "add")}
