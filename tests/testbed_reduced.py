@@ -33,11 +33,13 @@ def reduced_testbed(tmp_path: Path, n_images: int, benchmarks: list[str], shard_
     return path
 
 
-def run_stages(manifest_path: Path, stages: list[str]) -> None:
+def run_stages(manifest_path: Path, stages: list[str], sets: list[str] = ()) -> None:
+    """Run ``stages`` in order on the manifest (with ``--set``-style overrides ``sets``, e.g.
+    ``stages.encode_concepts.min_df=3``), as ``pipeline run <stage> -m <manifest> --set ...`` does."""
     from pipeline.config import load_manifest
     from pipeline.stage import RunContext, run_stage
 
-    m = load_manifest(manifest_path)
+    m = load_manifest(manifest_path, list(sets))
     for s in stages:
         run_stage(s, RunContext(m))
 
