@@ -60,7 +60,7 @@ def train_run(manifest_path: Path, job: str, run_dir: Path, *sets: str, timeout:
     return {(x["benchmark"], x["subset"], x["metric"]): x for x in rows}, wall
 
 
-# --- the small oracle testbed: the structural tests' data (replaces the planted writer of tests/cot_planted.py) ---
+# --- the small oracle testbed: the structural tests' data, made by the real stages (no test-written features) ---
 SMALL_IMAGES = 100  # 90 train, 5 val, 5 test; sample ids 0..99 (source ids / file names 1..100)
 SMALL_SHARD = 25  # 4 shards per artifact: multi-shard reads, resume positions across shard boundaries
 SMALL_STAGES = ["ingest", "extract-clip-tokens", "build-index"]
