@@ -2,6 +2,12 @@
 
     .venv/bin/python benchmarks/bench_c3.py [--images 384] [--steps 6] [--coco-captions 591753]
 
+Data (sections 1-2): the small oracle testbed of the tests (tests/testbed_reduced.py: the testbed
+manifest at ``--images`` generated images, 2 captions each) with ``models.clip: base-random`` (the
+ViT-B/16 CLIP shapes with random weights, so the features are ViT-B-sized: the scene-oracle's are
+16 x 32), through the real stages in-process, not timed: ingest, extract-clip-tokens, mine-concepts
+(the testbed's settings), encode-concepts.
+
 1. Data path alone (no model): triplet batches of 64 (partner + type-1 image + type-2 concept per
    row, concept tokens gathered from the memory-mapped cache) from ViT-B/16-shaped clip_tokens
    (196 x 768 fp16 patches, 512-d pooled), with the images read by random access from the shards
@@ -47,46 +53,43 @@ def best(fn, reps: int = 2) -> float:
     return min(out)
 
 
-def vitb_planted():
-    from tests.c3_planted import C3Planted
+def write_data(root: Path, n_images: int) -> Path:
+    """The real stages' clip_tokens, concepts and concept_tokens of ``n_images`` generated images
+    (ViT-B/16-shaped: models.clip base-random); returns the manifest."""
+    import ray
 
-    class Big(C3Planted):
-        """ViT-B/16 shapes: 196 patches x 768, text 512, projection 512 (the planted signal on 16 of them)."""
+    from tests.testbed_reduced import run_stages, small_oracle_testbed
 
-        def image(self, objs):
-            v, e = super().image(objs)
-            big = (0.1 * self.rng.standard_normal((196, self.d_v))).astype(np.float16)
-            big[:16] = v
-            return big, e
-
-    return Big
+    man = small_oracle_testbed(root, [], n_images=n_images, shard_size=128)
+    run_stages(man, ["ingest", "extract-clip-tokens", "mine-concepts", "encode-concepts"], ["models.clip=base-random"])
+    ray.shutdown()  # the stages' embedded Ray
+    return man
 
 
-def job_for(out: Path, extra=()):
+def job_for(man: Path, out: Path, extra=()):
     from pipeline.config import load_manifest
     from train.config import TrainerConfig
     from train.jobs.c3 import make_job
 
     no_h = ["train.c3.benchmarks_at_end=false"] if "benchmarks_at_end" in TrainerConfig.model_fields else []
-    m = load_manifest(None, [f"output={out}", "train.c3.batch_size=64", "train.c3.threads=1", "train.c3.amp=off",
+    m = load_manifest(man, [f"output={out}", "models.clip=base-random", "train.c3.batch_size=64", "train.c3.threads=1", "train.c3.amp=off",
                              "train.c3.eval_splits=[test]", *no_h, *extra])
     return make_job(m.train.c3, m, out / "train" / "bench", torch.device("cpu"))
 
 
 def bench_data_and_step(n_images: int, steps: int, reps: int = 3, with_step: bool = True) -> None:
-    from tests.c3_planted import write_c3_planted
-
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d)
         t = time.perf_counter()
-        write_c3_planted(out, n_images=n_images, d_v=768, d_t=512, P=512, planted_cls=vitb_planted())
-        print(f"wrote {n_images} ViT-B-shaped samples + concepts in {time.perf_counter() - t:.1f} s")
-        mem = job_for(out, ["train.c3.image_cache=memory"])
-        rnd = job_for(out, ["train.c3.image_cache=random"])
-        prd = job_for(out, ["train.c3.image_cache=random"])
+        man = write_data(Path(d), n_images)
+        out = Path(d) / "testbed"
+        print(f"{n_images} generated images through ingest, extract-clip-tokens (base-random), mine-concepts, "
+              f"encode-concepts in {time.perf_counter() - t:.1f} s")
+        mem = job_for(man, out, ["train.c3.image_cache=memory"])
+        rnd = job_for(man, out, ["train.c3.image_cache=random"])
+        prd = job_for(man, out, ["train.c3.image_cache=random"])
         prd.store.lazy = True  # pread: the path for shards larger than RAM
         nb = min(steps * 2, mem.batches_per_epoch())
-        print(f"{len(mem.r_cid)} training rows, {mem.batches_per_epoch()} batches of 64 per epoch; timing {nb} batches")
+        print(f"{len(mem.data.r_cid)} training rows, {mem.batches_per_epoch()} batches of 64 per epoch; timing {nb} batches")
 
         def drain(job):
             def f():

@@ -11,8 +11,10 @@ Measured in the same run, one torch thread, best of ``--repeats``:
 * ``data path``: the job's own batches (``job.batches``: tokenised-caption gather, image-group gather
   from the mapped shards) against the same batches prepared in memory beforehand (ratio >= 0.8 wanted).
 
-The data is the planted generated dataset of tests/text_groups_planted.py (captions of the
-generated scenes, ~13 BPE tokens each) written into a temporary folder.
+Data: the small oracle testbed of the tests (tests/testbed_reduced.py, ``small_oracle_testbed``: the
+testbed manifest at ``--images`` generated images, 2 captions each, ~13 BPE tokens; ``ingest`` and
+``extract-image-groups`` with the scene-oracle GroupViT run in-process into a temporary folder, not
+timed).
 """
 
 from __future__ import annotations
@@ -60,14 +62,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
-    from tests.text_groups_planted import write_planted
+    import ray
+
+    from tests.testbed_reduced import small_oracle_testbed
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        write_planted(tmp / "data", n_images=a.images)
+        t = time.perf_counter()
+        small_oracle_testbed(tmp, ["ingest", "extract-image-groups"], n_images=a.images, shard_size=100)
+        ray.shutdown()  # the stages' embedded Ray
+        print(f"data: {a.images} generated images through ingest + extract-image-groups in {time.perf_counter() - t:.0f} s")
         rows = {}
         for name, full in (("real-token logits", False), ("full logits", True)):
-            job = _job(tmp / "data", tmp, batch_size=a.batch, full_logits=full)
+            job = _job(tmp / "testbed", tmp, batch_size=a.batch, full_logits=full)
             torch.manual_seed(0)
             model = job.build_model()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -1,29 +1,32 @@
-"""The c3 trainer on planted data (tests/c3_planted.py): batches are valid triplets (partners and
-negatives from the training split; type-1 images without C; type-2 concepts in neither image;
-MCC false negatives masked) and a pure function of (seed, epoch, batch); exact resume; every
-variant trains a step; score_pairs; bad input (partner-less concepts counted, missing or partial
-encodings, empty database). The learning test is tests/test_testbed_c3.py (the testbed, through the real commands)."""
+"""The c3 trainer on data made by the real stages on the small oracle testbed (tests/conftest.py
+``small_testbed``: ingest, extract-clip-tokens on 100 generated images, scene-oracle CLIP; here in
+addition ``mine-concepts`` with the testbed's settings, ``skip_stopword_edge: true, n_max: 2,
+coverage: none``, and ``encode-concepts``): batches are valid triplets (partners and negatives from
+the training split; type-1 images without C; type-2 concepts in neither image; MCC false negatives
+masked) and a pure function of (seed, epoch, batch); exact resume; every variant trains a step;
+score_pairs through the real text path (models.clip = scene-oracle); bad input (partner-less
+concepts counted, missing or partial encodings, empty database). The learning test is
+tests/test_testbed_c3.py (the testbed, through the real commands)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from c3_planted import planted_encode, write_c3_planted  # noqa: E402
+from tests.testbed_reduced import copy_testbed, run_stages
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = ["train.c3.batch_size=16", "train.c3.d_model=32", "train.c3.layers=1", "train.c3.heads=2",
          "train.c3.mcc_rank=8", "train.c3.mcc_hidden=32", "train.c3.adapter_rank=4", "train.c3.threads=1",
-         "train.c3.eval_splits=[test]", "train.c3.eval_max_triplets=64", "train.c3.eval_max_concepts=20",
+         "train.c3.eval_splits=[val,test]", "train.c3.eval_max_triplets=64", "train.c3.eval_max_concepts=20",
          "train.c3.amp=off", "train.c3.log_every=1"]
+C3_STAGES = ["mine-concepts", "encode-concepts"]
 
 
 def _no_harness() -> list[str]:
@@ -33,23 +36,32 @@ def _no_harness() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("c3_small")
-    pl_ = write_c3_planted(out, n_images=100, seed=1)
-    return out, pl_
+def data(small_testbed, tmp_path_factory):
+    """(output folder, manifest) of a copy of the small testbed with concepts and their encodings."""
+    out, mp = copy_testbed(small_testbed, tmp_path_factory.mktemp("c3_small"))
+    run_stages(mp, C3_STAGES)
+    return out, mp
 
 
-def _job(out: Path, extra=(), run="c3"):
+def _variant(data, dest: Path, stages: list[str], *sets: str) -> tuple[Path, Path]:
+    """A copy of ``data`` on which ``stages`` are rerun with the stage options ``sets``."""
+    out, mp = copy_testbed(data[1], dest)
+    run_stages(mp, stages, list(sets))
+    return out, mp
+
+
+def _job(data, extra=(), run="c3", out: Path | None = None):
     from pipeline.config import load_manifest
     from train.jobs.c3 import make_job
 
-    m = load_manifest(None, [f"output={out}", *SMALL, *_no_harness(), *extra])
+    out = Path(out or data[0])
+    m = load_manifest(data[1], [f"output={out}", *SMALL, *_no_harness(), *extra])
     return make_job(m.train.c3, m, out / "train" / run, torch.device("cpu"))
 
 
 def test_batches_are_valid_and_deterministic(data):
     out, _ = data
-    job = _job(out, ["train.c3.type2_source=hard"])
+    job = _job(data, ["train.c3.type2_source=hard"])
     sids = job.store.sids
     b1 = next(iter(job.batches(1, 2)))
     b2 = list(job.batches(1, 0))[2]
@@ -86,7 +98,7 @@ def test_batches_are_valid_and_deterministic(data):
 
 def test_concept_without_train_partner_is_counted(data):
     out, _ = data
-    job = _job(out)
+    job = _job(data)
     assert job.skips["no_partner_in_train_split"] > 0  # test-split partners only
     assert job.skips["anchor_not_in_train_split"] > 0
     assert job.data.p_rows.size and job.is_train[job.data.p_rows].all()
@@ -96,11 +108,11 @@ def test_exact_resume_and_variants(data, tmp_path):
     from train.loop import train
 
     out, _ = data
-    job = _job(out, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="full")
+    job = _job(data, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="full")
     train(job, resume=False, progress=False)
-    job2 = _job(out, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="split")
+    job2 = _job(data, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="split")
     assert train(job2, resume=False, progress=False, stop_after=3) == {"interrupted_at": 3}
-    res = train(_job(out, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="split"),
+    res = train(_job(data, ["train.c3.max_steps=6", "train.c3.ckpt_every=3", "train.c3.itm=true"], run="split"),
                 resume=True, progress=False)
     a = [json.loads(x) for x in (out / "train" / "full" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (out / "train" / "split" / "metrics.jsonl").read_text().splitlines()]
@@ -118,7 +130,7 @@ def test_exact_resume_and_variants(data, tmp_path):
     for extra in (["train.c3.objectives=mcp", "train.c3.negatives=type1"],
                   ["train.c3.objectives=mcp", "train.c3.negatives=type2", "train.c3.type2_source=random"],
                   ["train.c3.formulation=pairwise"], ["train.c3.objectives=mcc"], ["train.c3.control=shuffled"]):
-        j = _job(out, ["train.c3.max_steps=1", *extra], run="v" + "_".join(e.split("=")[-1] for e in extra))
+        j = _job(data, ["train.c3.max_steps=1", *extra], run="v" + "_".join(e.split("=")[-1] for e in extra))
         r = train(j, resume=False, progress=False)
         assert r["c3_mcp/type1/auc"] == r["c3_mcp/type1/auc"], extra
         if "train.c3.negatives=type1" in extra:
@@ -130,11 +142,14 @@ def test_eval_negatives_are_concept_matched(data, tmp_path):
     """Held-out triplets and negatives come from the eval split; type-2 negatives are the image
     pair of another positive with this positive's concept (lacking it, near it for hard, its words
     in the caption for binding), so a scorer that sees only the concept is at AUC 0.5 exactly on
-    every negative type (the chance control's premise; independent C' gave it 0.69-0.81)."""
+    every negative type (the chance control's premise; independent C' gave it 0.69-0.81).
+    The small testbed's 10 held-out images give no binding negative (2 captions each), so here the
+    splits swap roles (``train_splits: [val]``, ``eval_splits: [train, test]``: 95 held-out images),
+    which is what this test checks: triplets and negatives from the eval split only."""
     from train.jobs.c3.metrics import pq_text
 
     out, _ = data
-    job = _job(out, ["train.c3.eval_max_triplets=400"])
+    job = _job(data, ["train.c3.eval_max_triplets=400", "train.c3.train_splits=[val]", "train.c3.eval_splits=[train,test]"])
     E = job.heldout.eval_set()
     ai, aj, c = E["ai"], E["aj"], E["c"]
     si, sj = job.store.sids[ai], job.store.sids[aj]
@@ -174,40 +189,55 @@ def test_eval_negatives_are_concept_matched(data, tmp_path):
 
 
 def test_score_pairs(data):
-    out, pl_ = data
-    job = _job(out)
+    """Texts through the real text path (``models.clip`` = scene-oracle, as encode-concepts encodes
+    concepts); precomputed encodings of the same texts (``encoded``) give the same scores."""
+    job = _job(data)
     model = job.build_model().eval()
     sids = job.store.sids[:6]
     texts = ["red circle", "blue square", "red circle", "green star", "a", "orange ring"]
-    enc = planted_encode(pl_, texts)
-    s = job.score_pairs(model, sids, texts, encoded=enc)
+    s = job.score_pairs(model, sids, texts)
     assert s.dtype == np.float64 and s.shape == (6,) and np.isfinite(s).all()
+    assert np.array_equal(job.score_pairs(model, sids, texts, encoded=job.scorer.encode_texts(texts)), s)
     assert job.scorable_sample_ids() == set(job.store.sids.tolist())
     with pytest.raises(ValueError, match="sample 999999 has no clip_tokens"):
-        job.score_pairs(model, np.array([999999]), ["red circle"], encoded=planted_encode(pl_, ["red circle"]))
+        job.score_pairs(model, np.array([999999]), ["red circle"])
 
 
-def test_bad_inputs(data, tmp_path):
+def test_bad_inputs(data, small_testbed, tmp_path):
+    """Missing encodings; a partially encoded vocabulary (encode-concepts' ``min_df: 3`` leaves the
+    concepts of df 2 unencoded); an empty concept database (mine-concepts with every caption word a
+    stopword mines no concept; encode-concepts then refuses with one clear error, before the trainer's
+    own guard, whose "empty vocabulary" message the planted writer's empty artifact used to reach)."""
+    import yaml
+
+    from pipeline.concepts import mining as M
+    from pipeline.io.artifacts import Artifact
+    from pipeline.stage import StageError
+
     out, _ = data
     # missing concept encodings: a clear error naming the stage to run
     bad = tmp_path / "no_ct"
     shutil.copytree(out, bad, ignore=shutil.ignore_patterns("concept_tokens", "train"))
     with pytest.raises(FileNotFoundError, match="pipeline run encode-concepts"):
-        _job(bad)
+        _job(data, out=bad)
     # partially encoded vocabulary (min_df): rows of unencoded concepts are skipped and counted
-    part = tmp_path / "part"
-    write_c3_planted(part, n_images=100, seed=1, drop_encoded=40)
+    part = _variant(data, tmp_path / "part", ["encode-concepts"], "stages.encode_concepts.min_df=3")
     job = _job(part)
+    vocab = Artifact(part[0] / "concepts").read("vocab")
+    assert 0 < len(job.ct) == int((vocab["df"].to_numpy() >= 3).sum()) < vocab.num_rows
     assert job.skips["concept_not_encoded"] > 0
     assert (job.ct.rows(job.data.r_cid) >= 0).all()
     # an empty concept database: one clear error
-    from pipeline.concepts import mining as M
-
-    empty = tmp_path / "empty"
-    write_c3_planted(empty, n_images=100, seed=1, mining=M.MiningParams(n_max=1, k1=5, k2=80, stopwords=tuple(
-        "there is with a and red green blue yellow purple orange circle square triangle star ring cross".split())))
-    with pytest.raises(ValueError, match="empty vocabulary"):
-        _job(empty)
+    eout, emp = copy_testbed(small_testbed, tmp_path / "empty")
+    caps = Artifact(eout / "samples").read("captions")["text"].to_pylist()
+    m = yaml.safe_load(emp.read_text())
+    words = sorted({w for t in caps for w in M.MiningParams().normalizer.tokens(t)})  # the miner's own tokens
+    m["stages"]["mine_concepts"].update(stopwords=words, hard_negatives=False)
+    emp.write_text(yaml.safe_dump(m, sort_keys=False))
+    run_stages(emp, ["mine-concepts"])
+    assert Artifact(eout / "concepts").read("vocab").num_rows == 0
+    with pytest.raises(StageError, match="empty concept vocabulary"):
+        run_stages(emp, ["encode-concepts"])
 
 
 def test_encodings_of_another_clip_or_concepts_are_refused(data, tmp_path):
@@ -225,22 +255,23 @@ def test_encodings_of_another_clip_or_concepts_are_refused(data, tmp_path):
     shutil.copytree(out, other, ignore=shutil.ignore_patterns("train"))
     edit(other, "concept_tokens", lambda m: m["input_fingerprints"].update(concepts="0" * 32))
     with pytest.raises(ValueError, match="another concepts artifact.*encode-concepts"):
-        _job(other)
+        _job(data, out=other)
     other_clip = tmp_path / "other_clip"
     shutil.copytree(out, other_clip, ignore=shutil.ignore_patterns("train"))
     edit(other_clip, "concept_tokens", lambda m: m["models"].update(clip={"weights_sha256": "a" * 64}))
     edit(other_clip, "clip_tokens", lambda m: m.setdefault("models", {}).update(clip={"weights_sha256": "b" * 64}))
     with pytest.raises(ValueError, match="CLIP weights aaaaaaaaaaaa but clip_tokens from bbbbbbbbbbbb"):
-        _job(other_clip)
+        _job(data, out=other_clip)
     edit(other_clip, "clip_tokens", lambda m: m["models"].update(clip={"weights_sha256": "a" * 64}))
-    assert _job(other_clip).ct.clip_record["weights_sha256"] == "a" * 64  # the same CLIP: accepted
+    assert _job(data, out=other_clip).ct.clip_record["weights_sha256"] == "a" * 64  # the same CLIP: accepted
 
 
-def test_pooled_only(tmp_path):
+def test_pooled_only(data, tmp_path):
+    """``stages.encode_concepts.pooled_only: true``: the trainer fuses one pooled concept token."""
     from train.loop import train
 
-    write_c3_planted(tmp_path, n_images=100, seed=2, pooled_only=True)
-    job = _job(tmp_path, ["train.c3.max_steps=2"])
+    job = _job(_variant(data, tmp_path, ["encode-concepts"], "stages.encode_concepts.pooled_only=true"),
+               ["train.c3.max_steps=2"])
     assert job.ct.pooled_only and job.d_t == 0
     b = next(iter(job.batches(0, 0)))
     assert "txt_tokens" not in b
@@ -250,8 +281,8 @@ def test_pooled_only(tmp_path):
 
 def test_image_store_random_access_matches_memory(data):
     out, _ = data
-    mem = _job(out, ["train.c3.image_cache=memory"])
-    rnd = _job(out, ["train.c3.image_cache=random"])
+    mem = _job(data, ["train.c3.image_cache=memory"])
+    rnd = _job(data, ["train.c3.image_cache=random"])
     assert mem.store.mode == "memory" and rnd.store.mode == "random"
     rows = np.array([5, 0, 17, 5, len(mem.store.sids) - 1])
     want = mem.store.get(rows)

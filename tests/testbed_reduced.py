@@ -33,11 +33,13 @@ def reduced_testbed(tmp_path: Path, n_images: int, benchmarks: list[str], shard_
     return path
 
 
-def run_stages(manifest_path: Path, stages: list[str]) -> None:
+def run_stages(manifest_path: Path, stages: list[str], sets: list[str] = ()) -> None:
+    """Run ``stages`` in order on the manifest (with ``--set``-style overrides ``sets``, e.g.
+    ``stages.encode_concepts.min_df=3``), as ``pipeline run <stage> -m <manifest> --set ...`` does."""
     from pipeline.config import load_manifest
     from pipeline.stage import RunContext, run_stage
 
-    m = load_manifest(manifest_path)
+    m = load_manifest(manifest_path, list(sets))
     for s in stages:
         run_stage(s, RunContext(m))
 
@@ -58,7 +60,7 @@ def train_run(manifest_path: Path, job: str, run_dir: Path, *sets: str, timeout:
     return {(x["benchmark"], x["subset"], x["metric"]): x for x in rows}, wall
 
 
-# --- the small oracle testbed: the structural tests' data (replaces the planted writer of tests/cot_planted.py) ---
+# --- the small oracle testbed: the structural tests' data, made by the real stages (no test-written features) ---
 SMALL_IMAGES = 100  # 90 train, 5 val, 5 test; sample ids 0..99 (source ids / file names 1..100)
 SMALL_SHARD = 25  # 4 shards per artifact: multi-shard reads, resume positions across shard boundaries
 SMALL_STAGES = ["ingest", "extract-clip-tokens", "build-index"]

@@ -217,15 +217,15 @@ class HeldOut:
                     continue
                 v = neg >= 0
                 skipped = int((~v).sum())
+                n = int(v.sum())
+                if n == 0:  # before scoring: nothing to score (few held-out images)
+                    rows.append(Row("c3_mcp", name, "auc", float("nan"), 0, 0.5, skipped, {"no_negative_found": skipped},
+                                    "fraction", "no negative of this type could be drawn"))
+                    continue
                 if name == "type1":
                     sn, bn = self.triplet_scores(model, E["ai"][v], neg[v], E["c"][v])
                 else:  # concept-matched: positive d's image pair with this positive's concept
                     sn, bn = self.triplet_scores(model, E["ai"][neg[v]], E["aj"][neg[v]], E["c"][v])
-                n = int(v.sum())
-                if n == 0:
-                    rows.append(Row("c3_mcp", name, "auc", float("nan"), 0, 0.5, skipped, {"no_negative_found": skipped},
-                                    "fraction", "no negative of this type could be drawn"))
-                    continue
                 sk = {"no_negative_found": skipped} if skipped else {}
                 # intervals: a bootstrap over held-out triplets, each resampled with its negative
                 rows.append(Row("c3_mcp", name, "auc", auc(sp[v], sn), n, 0.5, skipped, sk, "fraction", note_src)
