@@ -59,10 +59,13 @@ def test_runs_table_lists_trained_and_failed_jobs(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "loss": 0.5}) + "\n")
-    text = runs_table([("concept-ot", run, {"sugarcrepe/overall": 47.4, "chance/sugarcrepe": 50.0})], ["c3"])
+    text = runs_table([("concept-ot", run, {"sugarcrepe/overall": 47.4, "chance/sugarcrepe": 50.0}, 41.6),
+                       ("concept-ot", run, {"sugarcrepe/overall": 47.4})], ["c3"])
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["job", "steps", "final"]
-    assert lines[1].split()[:6] == ["concept-ot", "20", "0.5", "sugarcrepe/overall", "47.4", "50"]
+    assert lines[0].split()[:3] == ["job", "steps", "final"] and "wall" in lines[0].split()
+    assert lines[1].split()[:7] == ["concept-ot", "20", "0.5", "sugarcrepe/overall", "47.4", "50", "42s"]
+    assert lines[2].split()[6] == "-"  # no wall time given
+    lines = [lines[0], lines[1], lines[3]]
     assert lines[2].split()[:3] == ["c3", "-", "-"] and "did not train" in lines[2]
 
 

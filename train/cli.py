@@ -165,6 +165,7 @@ def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, 
     that fails or whose artifacts are missing is reported in one line and the others go on), then
     the run report rebuilt with the runs in it. Exit 2 when any job did not train."""
     import gc
+    import time
 
     from pipeline.config import ManifestError, load_manifest
     from pipeline.io import storage
@@ -177,10 +178,11 @@ def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, 
     done, failed = [], []
     for name in registry():
         typer.echo(f"== train run {name}", err=True)
+        t0 = time.perf_counter()
         try:
             run_dir, res = run(name, manifest, overrides, fresh=fresh, progress=progress, json_out=False, workers=None,
                                gpus_per_worker=None, max_steps=max_steps)
-            done.append((name, run_dir, res))
+            done.append((name, run_dir, res, time.perf_counter() - t0))
         except typer.Exit as e:  # build_job / train already printed the one-line error
             if e.exit_code:
                 failed.append(name)

@@ -89,16 +89,18 @@ def summary_table(job: str, run_dir: Path, res: dict) -> str:
     return "\n".join(lines)
 
 
-def runs_table(done: list[tuple[str, Path, dict]], failed: list[str]) -> str:
-    """``train run all``'s closing table: per job its steps, final loss, first headline metric beside
-    chance, and run folder; the jobs that did not train."""
-    rows = [["job", "steps", "final loss", "headline metric", "value", "chance", "run folder"]]
-    for job, run_dir, res in done:
+def runs_table(done: list[tuple], failed: list[str]) -> str:
+    """``train run all``'s closing table: per job (``done``: (job, run folder, result[, wall seconds]))
+    its steps, final loss, first headline metric beside chance, wall time of the whole run (training,
+    evaluation, benchmarks) and run folder; the jobs that did not train."""
+    rows = [["job", "steps", "final loss", "headline metric", "value", "chance", "wall", "run folder"]]
+    for job, run_dir, res, *wall in done:
         train_rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind") == "train"]
         last = train_rows[-1] if train_rows else {}
         head = _with_chance(headline_metrics(res, limit=1)[0], run_dir)
         k, v, c = head[0] if head else ("-", None, None)
-        rows.append([job, fmt_num(last.get("step")), fmt_num(last.get("loss")), k, fmt_num(v), fmt_num(c), str(run_dir)])
-    rows += [[job, "-", "-", "did not train (see the error above)", "", "", ""] for job in failed]
-    return "\n".join(_align(rows, right={1, 2, 4, 5}))
+        rows.append([job, fmt_num(last.get("step")), fmt_num(last.get("loss")), k, fmt_num(v), fmt_num(c),
+                     f"{wall[0]:.0f}s" if wall else "-", str(run_dir)])
+    rows += [[job, "-", "-", "did not train (see the error above)", "", "", "", ""] for job in failed]
+    return "\n".join(_align(rows, right={1, 2, 4, 5, 6}))
 
