@@ -17,18 +17,26 @@ REPO = Path(__file__).resolve().parents[1]
 TESTBED = REPO / "manifests" / "testbed.yaml"
 
 
-def reduced_testbed(tmp_path: Path, n_images: int, benchmarks: list[str], shard_size: int = 200) -> Path:
-    """The testbed with ``n_images`` generated images and only the named ``eval.benchmarks``."""
+def reduced_testbed(tmp_path: Path, n_images: int, benchmarks: list[str] | None, shard_size: int | None = 200,
+                    output: str = "testbed", name: str = "testbed-reduced.yaml",
+                    object_store_memory: int | None = 134217728) -> Path:
+    """The testbed with ``n_images`` generated images, held-out 0.1 (the split the slow tests' margins
+    were calibrated on), only the named ``eval.benchmarks`` (None: all of them), every stage's
+    ``shard_size`` set (None: the manifest's), Ray on 2 CPUs; written to ``tmp_path / name`` with its
+    output in ``tmp_path / output``."""
     m = yaml.safe_load(TESTBED.read_text())
-    m["output"] = str(tmp_path / "testbed")
-    m["ray"] = {"address": None, "num_cpus": 2, "object_store_memory": 134217728}
-    m["dataset"]["synthetic"]["n_images"] = n_images
-    m["dataset"]["synthetic"]["heldout"] = 0.1  # the split the margins were calibrated on
+    m["output"] = str(tmp_path / output)
+    m["ray"] = {**(m.get("ray") or {}), "address": None, "num_cpus": 2}
+    if object_store_memory is not None:
+        m["ray"]["object_store_memory"] = object_store_memory
+    m["dataset"]["synthetic"]["n_images"] = int(n_images)
+    m["dataset"]["synthetic"]["heldout"] = 0.1
     for st in m["stages"].values():
-        if isinstance(st, dict) and "shard_size" in st:
+        if shard_size is not None and isinstance(st, dict) and "shard_size" in st:
             st["shard_size"] = shard_size
-    m["eval"]["benchmarks"] = [b for b in m["eval"]["benchmarks"] if b["name"] in benchmarks]
-    path = tmp_path / "testbed-reduced.yaml"
+    if benchmarks is not None:
+        m["eval"]["benchmarks"] = [b for b in m["eval"]["benchmarks"] if b["name"] in benchmarks]
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(m, sort_keys=False))
     return path
 

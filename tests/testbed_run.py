@@ -1,5 +1,5 @@
 """A reduced testbed, made through the real commands: ``manifests/testbed.yaml`` with fewer images
-and its output in a temporary folder, its stages run by ``pipeline run <stage>`` in a subprocess,
+and its output in a temporary folder (written by :func:`tests.testbed_reduced.reduced_testbed`), its stages run by ``pipeline run <stage>`` in a subprocess,
 its jobs by ``train run <job> --json`` (also in a subprocess: the commands a user types).
 
 ``testbed`` is a session fixture: the learning tests of several jobs (tests/test_testbed_*.py)
@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 N_IMAGES = 1000  # 50 test + 50 val images (i % 20 == 18 val, == 19 test): the benchmarks score held-out images only
@@ -24,14 +23,12 @@ N_IMAGES = 1000  # 50 test + 50 val images (i % 20 == 18 val, == 19 test): the b
 
 class Testbed:
     def __init__(self, root: Path, n_images: int = N_IMAGES):
+        from tests.testbed_reduced import reduced_testbed
+
         self.root = Path(root)
-        self.manifest = self.root / "testbed.yaml"
-        m = yaml.safe_load((REPO / "manifests" / "testbed.yaml").read_text())
-        m["output"] = str(self.root / "run")
-        m["dataset"]["synthetic"]["n_images"] = int(n_images)
-        m["dataset"]["synthetic"]["heldout"] = 0.1  # the split the margins were calibrated on
-        m["ray"] = {**(m.get("ray") or {}), "num_cpus": 2}
-        self.manifest.write_text(yaml.safe_dump(m, sort_keys=False))
+        # every benchmark, the manifest's shard sizes and object store: only the size and split change
+        self.manifest = reduced_testbed(self.root, n_images, None, None, output="run", name="testbed.yaml",
+                                        object_store_memory=None)
         self.output = self.root / "run"
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
         self.done: set[str] = set()
