@@ -88,3 +88,24 @@ def test_a_trial_killed_while_scoring_its_final_benchmarks_is_not_finished(tmp_p
     assert not finished(tmp_path)
     (tmp_path / "eval" / "final" / "metrics.json").write_text("{}")
     assert finished(tmp_path)
+
+
+def test_progress_lines_tell_waiting_starting_running_and_done(tmp_path, capsys):
+    """One line per trial: not started by Tune yet (no run folder), started (no metrics yet),
+    its latest step and loss, done (eval/final/metrics.json)."""
+    import json
+
+    from train.sweep import Trial, _ProgressLines
+
+    ts = [Trial({"train.c3.lr": v}, 0, str(tmp_path / f"r{v}")) for v in (1, 2, 3, 4)]
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "r3").mkdir()
+    (tmp_path / "r3" / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 7, "loss": 0.25}) + "\n")
+    (tmp_path / "r4" / "eval" / "final").mkdir(parents=True)
+    (tmp_path / "r4" / "checkpoints").mkdir()
+    (tmp_path / "r4" / "checkpoints" / "final.pt").write_bytes(b"x")
+    (tmp_path / "r4" / "eval" / "final" / "metrics.json").write_text("{}")
+    _ProgressLines(ts).print()
+    assert capsys.readouterr().err.splitlines() == [
+        "trial lr=1, seed=0: waiting for a CPU", "trial lr=2, seed=0: starting",
+        "trial lr=3, seed=0: step 7, train loss 0.25", "trial lr=4, seed=0: done"]

@@ -165,7 +165,8 @@ class _ProgressLines:
 
     def print(self) -> None:
         for t in self.trials:
-            state = "done" if finished(Path(t.run_dir)) else _latest(Path(t.run_dir))
+            run = Path(t.run_dir)
+            state = "done" if finished(run) else _latest(run) if run.is_dir() else "waiting for a CPU"
             print(f"trial {t.label}: {state}", file=sys.stderr, flush=True)
 
     def __enter__(self):
