@@ -20,9 +20,13 @@ class ImageStore:
     ``mode="memory"`` copies the features of ``preload`` sample ids into two contiguous arrays
     (the in-memory reference); ``"random"`` reads each batch's samples by random access
     (:func:`pipeline.loaders.clip_tokens.read_sample`, lazy ``pread`` when the shards do not fit in
-    RAM, the kept map otherwise)."""
+    RAM, the kept map otherwise).
 
-    def __init__(self, shards: list[str], mode: str = "auto"):
+    ``zeroed`` (``control: images_zeroed``): :meth:`get` returns zeros of the same shapes for every
+    image, in training, evaluation and scoring alike, so a model can use only the texts."""
+
+    def __init__(self, shards: list[str], mode: str = "auto", zeroed: bool = False):
+        self.zeroed = zeroed
         self.shards = list(shards)
         ix = sample_index(self.shards)
         self.sids, self.shard_of = ix["ids"], ix["shard"]
@@ -45,7 +49,7 @@ class ImageStore:
 
     def preload(self, sample_ids) -> None:
         """memory mode: hold these samples' features in two arrays (read shard by shard)."""
-        if self.mode != "memory":
+        if self.mode != "memory" or self.zeroed:
             return
         rows = np.unique(self.index(sample_ids))
         rows = rows[rows >= 0]
@@ -67,6 +71,8 @@ class ImageStore:
     def get(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(patch_tokens float16 [n, N, d_v], image_embed float16 [n, P]) of store rows."""
         rows = np.asarray(rows, np.int64)
+        if self.zeroed:
+            return np.zeros((len(rows), self.N, self.d_v), np.float16), np.zeros((len(rows), self.P), np.float16)
         if self._mem_rows is not None:
             m = self._mem_rows[rows]
             if (m >= 0).all():

@@ -32,7 +32,9 @@ class C3Job(Job):
         shards = [str(p) for p in self.art.files("shards")]
         if not shards:
             raise ValueError(f"{self.art.dir}: no shards in the clip_tokens artifact")
-        self.store = ImageStore(shards, cfg.image_cache)
+        self.store = ImageStore(shards, cfg.image_cache, zeroed=cfg.control == "images_zeroed")
+        if self.store.zeroed:
+            log("control images_zeroed: every image feature is zero (training, evaluation, scoring): the concept prior")
         self.concepts = open_artifact(manifest, cfg.concepts_artifact, "concepts", self.NAME)
         self.ct = ConceptTokens(open_concept_tokens(resolve_artifact(manifest, cfg.concept_tokens_artifact)))
         self._check_provenance()

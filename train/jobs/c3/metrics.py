@@ -4,7 +4,9 @@ MCP: AUC (and balanced accuracy at p = 0.5) of each held-out positive (I_i, I_j,
 negative per type, with chance 0.5 / 50% and the frozen global-cosine baseline
 (cos(e_i, t_C) + cos(e_j, t_C)). type1: (I_i, I'_j, C), I'_j a held-out image without C. Type 2 is
 concept-matched (see :meth:`HeldOut.donors`): the negative carries the concept of the positive it
-is ranked against, so a scorer of the concept alone is at AUC 0.5 exactly.
+is ranked against, so a scorer of the concept alone is at AUC 0.5 exactly; ``type2_as_trained``
+beside them: (I_i, I_j, C') with C' drawn as training draws it (independent of the positives'
+concepts), the row on which a concept prior shows (``control: images_zeroed`` measures it).
 Retrieval (MCC): precision@k of images containing C among the top k by
 cos(psi_c^T h_q, psi_c^T h_k), with its base rate, per concept length, overall and over rare
 concepts.
@@ -22,7 +24,9 @@ from train.eval.interface import Row
 from train.eval.intervals import auc_interval, mean_interval
 from train.jobs.c3.model import conditioned_sim, encode_batch, fuse_pairs
 
-EVAL_TYPES = ("type1", "type2_random", "type2_hard", "type2_binding")
+EVAL_TYPES = ("type1", "type2_random", "type2_hard", "type2_binding", "type2_as_trained")
+AS_TRAINED_NOTE = ("C' drawn as training draws it (type2_source, from the training rows' concepts), not "
+                   "concept-matched: a model of the concept alone can exceed 0.5 here (the concept prior)")
 RARE_BASE = 0.1  # c3_retrieval/rare: concepts contained by at most this share of the held-out images
 
 
@@ -98,6 +102,9 @@ class HeldOut:
                 "type2_random": self.donors(ai, aj, c, rng, "random"),
                 "type2_hard": self.donors(ai, aj, c, rng, "hard") if self.data.hn_keys is not None else None,
                 "type2_binding": self.donors(ai, aj, c, rng, "binding")}
+        # as training draws C' (own stream: the concept-matched draws above stay as they were)
+        negs["type2_as_trained"] = self.data.draw_concept(c, ai, aj, np.random.default_rng([cfg.seed, 4243]),
+                                                          cfg.type2_source, self.data.r_cid)
         res.update({"ai": ai, "aj": aj, "c": c, "negs": negs, "members": members, "ev_rows": ev_rows})
         self._eval_cache = res
         return res
@@ -224,11 +231,14 @@ class HeldOut:
                     continue
                 if name == "type1":
                     sn, bn = self.triplet_scores(model, E["ai"][v], neg[v], E["c"][v])
+                elif name == "type2_as_trained":  # the positive's image pair with an independently drawn C'
+                    sn, bn = self.triplet_scores(model, E["ai"][v], E["aj"][v], neg[v])
                 else:  # concept-matched: positive d's image pair with this positive's concept
                     sn, bn = self.triplet_scores(model, E["ai"][neg[v]], E["aj"][neg[v]], E["c"][v])
                 sk = {"no_negative_found": skipped} if skipped else {}
                 # intervals: a bootstrap over held-out triplets, each resampled with its negative
-                rows.append(Row("c3_mcp", name, "auc", auc(sp[v], sn), n, 0.5, skipped, sk, "fraction", note_src)
+                note = note_src + ("; " + AS_TRAINED_NOTE if name == "type2_as_trained" else "")
+                rows.append(Row("c3_mcp", name, "auc", auc(sp[v], sn), n, 0.5, skipped, sk, "fraction", note)
                             .with_ci(auc_interval(sp[v], sn)))
                 rows.append(Row("c3_mcp", name, "auc_global_cosine", auc(bp[v], bn), n, 0.5, skipped, sk, "fraction",
                                 "frozen CLIP: cos(e_i, t_C) + cos(e_j, t_C)").with_ci(auc_interval(bp[v], bn)))
