@@ -1,7 +1,10 @@
 """`c3`: concept-centric learning over mined concepts (Song et al. 2024, "C3", Sec. 3.1-3.3, 4.4):
 triplets (I_i, I_j, C) of two images whose captions share a mined n-gram concept C, trained with
-Matched Concept Prediction (MCP, Eq. 5) and/or Matched Concept Contrastive (MCC, Eq. 6) in the
-paper's continual setting (a frozen CLIP with small trainable parts), on cached features only.
+Matched Concept Prediction (MCP, Eq. 5) and/or Matched Concept Contrastive (MCC, Eq. 6) with
+a frozen CLIP and small trainable parts, on cached features only. The default is the paper's main
+model as far as cached features allow: ITM + MCP (Table 3 row 4, ITM + MLM + MCP, without MLM,
+which cannot be computed: below); ``objectives: mcc`` is the paper's continual variant (LoRA
+trained with MCC alone), ``both`` (MCP + MCC summed) a combination the paper does not train.
 
 Reads ``clip_tokens`` (patch tokens + pooled image embedding), ``concepts`` (sample -> concept with
 K1 partners; ``hard_negatives``), ``concept_tokens`` (`pipeline run encode-concepts`: the frozen
@@ -18,7 +21,7 @@ Model (:mod:`train.jobs.c3.model`):
   * phi_MCP: MLP on z_ij^c = [z(I_i, C); z(I_j, C)] -> one logit (pairwise: on z(I, C)).
   * phi_MCC: MLP on the concept cls h_C -> psi_c, reshaped to a [P, mcc_rank] projection.
 
-Objectives (``objectives``: mcp | mcc | both):
+Objectives (``objectives``: mcp (default) | mcc | both; ``itm``, default true):
   * MCP (Eq. 5): binary cross-entropy over positives (I_i, I_j, C), type-1 negatives (I_i, I'_j, C),
     I'_j a training image whose captions do not contain C (full membership), and type-2 negatives
     (I_i, I_j, C'), C' a concept neither image contains; ``type2_source``: ``hard`` (default: a
@@ -31,7 +34,7 @@ Objectives (``objectives``: mcp | mcc | both):
     positive against the batch's other (I'_j, C') triplets (softmax over b' of
     s(psi_{c_b'}^T h_{i_b}, psi_{c_b'}^T h_{j_b'}) / ``mcc_temperature``); in-batch triplets that
     are in fact positive (both images contain C') are masked out.
-  * ITM (``itm: true``): binary matching of a cached caption (clip_tokens' text tokens) with its
+  * ITM (``itm``, default true): binary matching of a cached caption (clip_tokens' text tokens) with its
     image against a random other image, through the same fusion (Table 3's ITM column).
     MLM cannot be computed: the cached text states come from CLIP's causal text tower after the
     fact; masking a token would need the encoder itself. It is left out (Table 3 rows 1-4 show
@@ -44,7 +47,16 @@ clip_tokens are skipped and counted (logged at start, ``data/*`` in the eval met
 (every sample, anchor and partner alike, reads another training image: the concept's partners are
 shuffled), the chance control: it can learn which concepts tend to be positives but nothing about
 images, and the held-out negatives are drawn so that this is worth nothing (below): its held-out
-AUCs stay ~0.5 on every negative type.
+AUCs stay ~0.5 on every negative type. ``control: images_zeroed``: every image feature (patch
+tokens and pooled embedding) is zero in training, evaluation and scoring, so the model can use
+the concept (and caption) alone: the concept prior. It is 0.5 on the concept-matched rows by
+construction and shows on ``type2_as_trained`` (below).
+
+Epochs (``epoch_unit``): the paper trains "1 epoch" on each dataset (Sec. 4.1), a pass over the
+dataset's images; its concept database (Eq. 3) holds per image i its concepts C_ik. So an epoch
+(``images``, default) takes each training image that anchors a concept row once, with one of its
+concepts drawn uniformly; ``concept_rows`` (the former meaning) takes every (image, concept) row
+once, several times as many triplets.
 
 Evaluation (held-out ``eval_splits`` only, partners and negatives from that split, full
 membership): MCP accuracy (%) and AUC per negative type with chance 50% / 0.5 and the frozen
@@ -54,7 +66,9 @@ image without C. Type 2 is concept-matched: the negative of a positive (I_i, I_j
 contains C, i.e. the type-2 negative (I_k, I_l, C' = C) of that positive; negatives thus carry
 the concepts of the positives they are ranked against (scoring the concept alone gives AUC 0.5
 exactly; drawing C' independently, as training does, let a model that never saw an image reach
-0.69-0.81, since C' of the hard and binding kinds are longer and rarer than positives' concepts).
+0.69-0.81, since C' of the hard and binding kinds are longer and rarer than positives' concepts);
+that is measured beside them: type2_as_trained, the positive's pair with C' drawn as training draws
+it (``type2_source``, from the training rows' concepts).
 type2_random: any such pair; type2_hard: C is one of the FAISS nearest concepts of C_d
 (``hard_negatives``); type2_binding: C has >= 2 words, all of them words of I_k's captions (the
 attribute-binding swap: C = "blue circle" for "a red circle and a blue square"). Then
@@ -69,7 +83,7 @@ with ``objectives: mcc`` the cosine of the adapted cls).
 Defaults: the paper gives no lr, batch or widths for the continual setting (1 epoch, ~1.2% of
 CLIP trainable); METER's cross-modal layers are 6 x 768 wide. Lean choices, all options: 2
 co-attention layers of 256, 4 heads, adapters of rank 16, psi rank 64, AdamW 1e-4, batch 64,
-1 epoch, MCC temperature 0.07.
+1 epoch (of images), MCC temperature 0.07.
 
 This module stays importable without torch. The method by role: ``model.py`` (adapters, fusion,
 heads), ``batches.py`` (training triplets, negatives, batch layout), ``losses.py`` (MCP, MCC,
@@ -90,16 +104,26 @@ READS = ["clip_tokens", "concepts", "concept_tokens", "samples"]
 
 
 class Config(TrainerConfig):
-    epochs: float = Field(1.0, gt=0, description="passes over the training concept rows (paper: 1 epoch continual)")
-    objectives: Literal["mcp", "mcc", "both"] = Field("both", description="MCP (Eq. 5), MCC (Eq. 6) or both (summed)")
+    epochs: float = Field(1.0, gt=0, description="passes over the training data (paper: 1 epoch continual); "
+                          "what a pass counts: epoch_unit")
+    epoch_unit: Literal["images", "concept_rows"] = Field(
+        "images", description="images (default, the paper's 1 epoch over the dataset): each training image that "
+        "anchors a concept row is an anchor once per epoch, with one of its concepts drawn; concept_rows: every "
+        "(image, concept) row once per epoch (the former meaning, ~n concepts per image times longer)")
+    objectives: Literal["mcp", "mcc", "both"] = Field("mcp", description="MCP (Eq. 5; default with itm: Table 3 "
+                                                       "row 4 without MLM), MCC (Eq. 6: the paper's continual "
+                                                       "variant) or both (summed; not a configuration of the paper)")
     negatives: Literal["both", "type1", "type2"] = Field("both", description="MCP negatives: type 1 (mismatched image), "
                                                           "type 2 (mismatched concept) or both (Table 3)")
     formulation: Literal["triplet", "pairwise"] = Field("triplet", description="MCP input: (I_i, I_j, C) or (I, C) (Table 3 PW)")
     type2_source: Literal["hard", "random"] = Field("hard", description="C' of type-2 negatives: hard (hard_negatives "
                                                       "table, random fallback) or random (occurrence-weighted)")
-    itm: bool = Field(False, description="add ITM on cached caption tokens (Table 3's ITM column)")
-    control: Literal["none", "shuffled"] = Field("none", description="shuffled: training images' features permuted (the "
-                                                  "chance control)")
+    itm: bool = Field(True, description="ITM on cached caption tokens beside the concept objective (Table 3's ITM "
+                                        "column; on in the paper's main model, row 4)")
+    control: Literal["none", "shuffled", "images_zeroed"] = Field(
+        "none", description="shuffled: training images' features permuted (the chance control); images_zeroed: every "
+        "image feature (patch tokens, pooled embedding) zero in training, evaluation and scoring, so only the "
+        "concept can be used (the concept prior)")
     artifact: str = Field("clip_tokens", description="clip_tokens folder, relative to `output` (or absolute)")
     concepts_artifact: str = "concepts"
     concept_tokens_artifact: str = "concept_tokens"

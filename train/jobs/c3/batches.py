@@ -96,7 +96,11 @@ class TripletBatches:
         self.p_off, self.p_rows = _csr(remap[owner[sel]], prow[sel], len(rows))
         self.r_anchor = a_row[rows]
         self.r_cid = cid[rows]
-        log(f"{len(rows)} training concept rows ({len(np.unique(self.r_cid))} concepts); skipped: "
+        # the anchor images and their rows (epoch_unit: images draws one row per anchor and epoch)
+        self.anchors, inv = np.unique(self.r_anchor, return_inverse=True)
+        self.a_off, self.a_rows = _csr(inv, np.arange(len(rows)), len(self.anchors))
+        log(f"{len(rows)} training concept rows ({len(np.unique(self.r_cid))} concepts, {len(self.anchors)} anchor "
+            f"images; an epoch is {self.units()} {self.cfg.epoch_unit}); skipped: "
             + ", ".join(f"{k}={v}" for k, v in self.skips.items()))
 
     def _hard_negatives(self, concepts) -> None:
@@ -131,17 +135,33 @@ class TripletBatches:
         return out
 
     # ---------------------------------------------------------------------------------- batches
+    def units(self) -> int:
+        """Triplets in an epoch: the anchor images (``epoch_unit: images``, the paper's pass over the
+        dataset) or the concept rows (``concept_rows``)."""
+        return len(self.anchors) if self.cfg.epoch_unit == "images" else len(self.r_cid)
+
     @property
     def batch_size(self) -> int:
-        return min(self.cfg.batch_size, len(self.r_cid))
+        return min(self.cfg.batch_size, self.units())
 
     def batches_per_epoch(self) -> int:
         """Batches in an epoch (all ranks together: train.job.rank_batches splits them)."""
-        return len(self.r_cid) // self.batch_size
+        return self.units() // self.batch_size
+
+    def epoch_rows(self, epoch: int) -> np.ndarray:
+        """The epoch's training rows in order. concept_rows: a permutation of all rows; images: a
+        permutation of the anchor images, each with one of its rows drawn uniformly (both pure
+        functions of (seed, epoch))."""
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(self.units())
+        if self.cfg.epoch_unit != "images":
+            return order
+        n = np.diff(self.a_off)
+        pick = (np.random.default_rng([self.cfg.seed, epoch, 2]).random(len(n)) * n).astype(np.int64)
+        return self.a_rows[self.a_off[:-1] + pick][order]
 
     def batches(self, epoch: int, indices: Iterable[int]):
         """The epoch's batches ``indices`` (pure function of (seed, epoch, index))."""
-        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.r_cid))
+        order = self.epoch_rows(epoch)
         B = self.batch_size
         for b in indices:
             yield self.make_batch(order[b * B:(b + 1) * B], np.random.default_rng([self.cfg.seed, epoch, b, 1]))
