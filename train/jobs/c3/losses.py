@@ -24,7 +24,11 @@ def c3_loss(model: C3Model, batch: dict, cfg, dev) -> tuple[torch.Tensor, dict[s
     logs: dict[str, float] = {}
     z = None
     if len(batch["pair_img"]):
-        z = fuse_pairs(model, patches, hI, tok, mask, hT, batch["pair_img"], batch["pair_txt"])
+        # the concept pairs and ITM's caption pairs in two forwards: each padded to its own longest text
+        pi, pt = batch["pair_img"], batch["pair_txt"]
+        p0 = int(batch["itm_pair"][0]) if "itm_pair" in batch else len(pi)
+        z = torch.cat([fuse_pairs(model, patches, hI, tok, mask, hT, pi[s:e], pt[s:e])
+                       for s, e in ((0, p0), (p0, len(pi))) if e > s])
     if "mcp_a" in batch:
         za = z[batch["mcp_a"].to(dev)]
         zb = z[batch["mcp_b"].to(dev)] if "mcp_b" in batch else None

@@ -167,7 +167,11 @@ def fuse_pairs(model: C3Model, patches, hI, tok, mask, hT, pi, pt, chunk: int | 
     output, ``chunk`` pairs per forward."""
     pi, pt = pi.to(patches.device), pt.to(patches.device)
     if chunk is None or len(pi) <= chunk:
-        return model.fuse(hI[pi], patches[pi], hT[pt], None if tok is None else tok[pt],
-                          None if mask is None else mask[pt])
+        t = m = None
+        if tok is not None:  # trailing padding that none of these texts uses is cut (masked keys: no effect)
+            m = mask[pt]
+            n = int(m.sum(1).max()) if len(pt) else 0
+            t, m = tok[pt][:, :max(1, n)], m[:, :max(1, n)]
+        return model.fuse(hI[pi], patches[pi], hT[pt], t, m)
     return torch.cat([fuse_pairs(model, patches, hI, tok, mask, hT, pi[s:s + chunk], pt[s:s + chunk])
                       for s in range(0, len(pi), chunk)])
