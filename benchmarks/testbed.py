@@ -14,6 +14,8 @@
      above chance (one-sided: a control that learns nothing may land a little below chance);
    * a row that must stay at chance (word order: the scene-oracle's features carry none): ``at chance``
      when its interval's lower bound is not above chance, in the trained run and in the control.
+   * a row a prior scores without the images (c3's ``type2_as_trained``: C' drawn as training draws it):
+     ``prior`` when its lower bound is above chance in the trained run and in the control alike.
 
 Exit status 1 when any verdict fails, so the script is a check as well as a benchmark. Every figure
 comes from the runs' ``eval/final/results.parquet`` (the harness and the jobs' own metrics with
@@ -44,7 +46,10 @@ LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
     # chance. Its rows here are where g is at chance, i.e. what training adds (docs/jobs/concept-ot.md).
     "concept-ot": [("sugarcrepe", "swap_att", "accuracy", "learn"), ("vg-attribution", "all", "macro_accuracy", "learn"),
                    ("vg-relation", "all", "macro_accuracy", "chance"), ("coco-order", "all", "accuracy", "chance")],
-    "c3": [("c3_mcp", None, "auc", "learn")],  # held-out MCP AUC per negative type (docs/jobs/c3.md, Testbed)
+    # held-out MCP AUC per concept-matched negative type (docs/jobs/c3.md, Testbed); type2_as_trained draws C' as
+    # training does, so a concept prior scores there without the images: above chance in the control too
+    "c3": [*(("c3_mcp", t, "auc", "learn") for t in ("type1", "type2_random", "type2_hard", "type2_binding")),
+           ("c3_mcp", "type2_as_trained", "auc", "prior")],
     "infoground": [(None, None, "pointing accuracy", "learn")],
     "visual-tokens": [("eval-split-retrieval", "all", "i2t_R@1", "learn"), ("eval-split-retrieval", "all", "t2i_R@1", "learn"),
                       ("sugarcrepe", "replace_att", "accuracy", "learn"), ("sugarcrepe", "replace_obj", "accuracy", "learn"),
@@ -121,6 +126,11 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
             verdict = ("learned" if ok else "NOT LEARNED") + ("" if control is None else
                                                               (", control at chance" if _in(c, chance) else ", CONTROL OFF CHANCE"))
             ok = ok and (control is None or _in(c, chance))
+        elif expect == "prior":  # a row a prior without the images scores: above chance, the control too
+            above = [x is not None and x.get("ci_low") is not None and chance is not None and x["ci_low"] > chance
+                     for x in (r, c if control is not None else r)]
+            ok = all(above)
+            verdict = "prior: above chance, the control too" if ok else "PRIOR NOT ABOVE CHANCE"
         elif expect == "chance":
             ok = _in(r, chance) and (control is None or _in(c, chance))
             verdict = "at chance" if ok else "OFF CHANCE"
