@@ -100,6 +100,11 @@ def _in(r: dict | None, x) -> bool:
     return bool(r) and x is not None and r.get("ci_low") is not None and r["ci_low"] <= x
 
 
+def _above(r: dict | None, x) -> bool:
+    """Above chance: the interval's lower bound exceeds it."""
+    return bool(r) and x is not None and r.get("ci_low") is not None and r["ci_low"] > x
+
+
 def _steps(run_dir: Path) -> int | None:
     from pipeline.report.curves import read_metrics
 
@@ -122,14 +127,12 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
         expect = pat[3] if pat else "-"
         chance = r.get("chance")
         if expect == "learn":
-            ok = r.get("ci_low") is not None and chance is not None and r["ci_low"] > chance
+            ok = _above(r, chance)
             verdict = ("learned" if ok else "NOT LEARNED") + ("" if control is None else
                                                               (", control at chance" if _in(c, chance) else ", CONTROL OFF CHANCE"))
             ok = ok and (control is None or _in(c, chance))
         elif expect == "prior":  # a row a prior without the images scores: above chance, the control too
-            above = [x is not None and x.get("ci_low") is not None and chance is not None and x["ci_low"] > chance
-                     for x in (r, c if control is not None else r)]
-            ok = all(above)
+            ok = _above(r, chance) and (control is None or _above(c, chance))
             verdict = "prior: above chance, the control too" if ok else "PRIOR NOT ABOVE CHANCE"
         elif expect == "chance":
             ok = _in(r, chance) and (control is None or _in(c, chance))
