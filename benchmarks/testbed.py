@@ -1,7 +1,7 @@
 """The testbed end to end: every stage, every job and its control, one table.
 
     .venv/bin/python benchmarks/testbed.py [--manifest manifests/testbed.yaml] [--jobs concept-ot c3 ...]
-                                           [--seed 0] [--set key=value ...] [--no-stages] [--no-control]
+                                           [--seed 0] [--set key=value ...] [--no-stages] [--no-control] [--fresh]
 
 1. ``pipeline run all --manifest M`` (timed; a rerun resumes, so the stages' time is 0 when nothing changed);
 2. per job, the real commands a user types: ``train run <job> --manifest M --json`` and its control,
@@ -16,6 +16,10 @@
      when its interval's lower bound is not above chance, in the trained run and in the control.
    * a row a prior scores without the images (c3's ``type2_as_trained``: C' drawn as training draws it):
      ``prior`` when its lower bound is above chance in the trained run and in the control alike.
+
+A run whose folder had already finished training is not trained again (``train run`` resumes): the job
+only re-evaluates it, and its wall column says ``re-evaluated``, not a training time. ``--fresh`` passes
+``--fresh`` to every ``train run``: each run trains again from step 0 in its folder.
 
 Exit status 1 when any verdict fails, so the script is a check as well as a benchmark. Every figure
 comes from the runs' ``eval/final/results.parquet`` (the harness and the jobs' own metrics with
@@ -60,7 +64,12 @@ LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
 }
 
 
-def _cli(tool: str, *args: str) -> tuple[dict | None, float, str]:
+# train.loop says this when a resumed run has no step left to train
+REEVALUATED = "nothing to train; the final model is evaluated again"
+
+
+def _cli(tool: str, *args: str) -> tuple[dict | None, float, str, str]:
+    """(the last JSON line of stdout, wall seconds, the last stderr line on failure else "", the whole stderr)."""
     t0 = time.perf_counter()
     p = subprocess.run([str(BIN / tool), *args], capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -74,8 +83,13 @@ def _cli(tool: str, *args: str) -> tuple[dict | None, float, str]:
                 continue
     if p.returncode != 0:
         tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return None, wall, tail
-    return last, wall, ""
+        return None, wall, tail, p.stderr
+    return last, wall, "", p.stderr
+
+
+def _wall(wall: float, stderr: str) -> str:
+    """The wall column: a training time, or a plain word that the run was trained before."""
+    return f"{wall:.0f} (re-evaluated: trained before; --fresh retrains)" if REEVALUATED in stderr else f"{wall:.0f}"
 
 
 def _matches(row: dict, pat: tuple) -> bool:
@@ -157,12 +171,13 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra manifest override (repeatable)")
     ap.add_argument("--no-stages", action="store_true", help="the artifacts exist: skip `pipeline run all`")
     ap.add_argument("--no-control", action="store_true", help="skip the control runs")
+    ap.add_argument("--fresh", action="store_true", help="retrain every run from step 0 (train run --fresh)")
     ap.add_argument("--all-rows", action="store_true", help="every result row with a chance level, not only the main ones")
     args = ap.parse_args(argv)
     sets = sum((["--set", s] for s in args.sets), [])
     t_stages = 0.0
     if not args.no_stages:
-        _, t_stages, err = _cli("pipeline", "run", "all", "--manifest", args.manifest, *sets)
+        _, t_stages, err, _ = _cli("pipeline", "run", "all", "--manifest", args.manifest, *sets)
         if err:
             print(f"testbed: pipeline run all failed: {err}", file=sys.stderr)
             return 1
@@ -173,14 +188,15 @@ def main(argv=None) -> int:
     for job in args.jobs:
         key = job.replace("-", "_")
         jsets = sets + (["--set", f"train.{key}.seed={args.seed}"] if args.seed is not None else [])
-        res, wall, err = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets)
+        jsets += ["--fresh"] if args.fresh else []
+        res, wall, err, log = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets)
         if err or not res:
             lines.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | FAILED | | {wall:.0f} |")
             ok_all = False
             continue
         control = None
         if not args.no_control:
-            cres, _, cerr = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets,
+            cres, _, cerr, _ = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets,
                                  "--set", f"train.{key}.control=shuffled")
             if cerr or not cres:
                 lines.append(f"| {job} | control failed: {cerr or 'no result line'} | | | | | | | FAILED | | |")
@@ -192,7 +208,7 @@ def main(argv=None) -> int:
         for r in job_rows(job, run, control, args.all_rows):
             ok_all &= r["ok"]
             lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
-                         f"{_num(r['control'])} | {r['control_ci']} | {r['verdict']} | {_num(steps)} | {wall:.0f} |")
+                         f"{_num(r['control'])} | {r['control_ci']} | {r['verdict']} | {_num(steps)} | {_wall(wall, log)} |")
     text = "\n".join(lines)
     print(text)
     from pipeline.config import load_manifest

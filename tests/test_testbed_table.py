@@ -46,3 +46,20 @@ def test_verdicts_learn_prior_and_a_failing_control(tmp_path):
     wo = _run(tmp_path, "wo", [("vg-relation", "all", "macro_accuracy", 58.0, 50.0, 55.0, 61.0, 1147)])
     (row,) = tb.job_rows("concept-ot", wo, None, False)
     assert (row["verdict"], row["ok"]) == ("OFF CHANCE", False)
+
+
+def test_wall_column_says_when_a_run_was_only_re_evaluated(tmp_path, capsys):
+    """The wall column reads train.loop's own "nothing to train" line from a real rerun of a finished run,
+    so the script cannot report a re-evaluation as a training time."""
+    import torch
+
+    from tests.test_loop_best import _cfg, _Toy
+    from train.loop import train
+
+    tb = _testbed()
+    job = _Toy(_cfg(), None, tmp_path / "f", torch.device("cpu"))
+    train(job, resume=False, progress=False)
+    first = capsys.readouterr().err
+    assert tb._wall(12.3, first) == "12"
+    train(_Toy(_cfg(), None, tmp_path / "f", torch.device("cpu")), resume=True, progress=False)
+    assert tb._wall(3.0, capsys.readouterr().err).startswith("3 (re-evaluated: trained before")
