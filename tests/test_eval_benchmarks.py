@@ -78,6 +78,9 @@ def test_sugarcrepe_json_weighting_and_strict_ties(tmp_path):
     assert r[("all", "accuracy")].value == pytest.approx(60.0) and r[("all", "accuracy")].n == 5
     assert r[("add", "accuracy")].value == pytest.approx(100.0) and r[("add", "accuracy")].n == 1
     assert all(x.chance == 50.0 for x in r.values())
+    # the tie is said where it happened (a word-order-blind model ties on every swap: 0%, not a bug)
+    assert r[("replace_obj", "accuracy")].note == "1 of 3 items tied at the top (scored wrong, as the original)"
+    assert r[("swap_att", "accuracy")].note == "" and "1 of 5 items tied" in r[("all", "accuracy")].note
 
 
 def test_sugarcrepe_old_ent_names_and_unusable_file(tmp_path):

@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 
 from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, load_json, missing,
-                                           not_lfs_pointer, pooled_row)
+                                           not_lfs_pointer, pooled_row, tie_note)
 from train.eval.interface import BenchData, Item, Pair
 
 KINDS = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att"]
@@ -135,11 +135,14 @@ def score(name: str, items, scores):
     kinds = [it.subset for it in items]
     order = KINDS + sorted(set(kinds) - set(KINDS))
     rows = group_rows(name, kinds, correct, 0.5, order=order)
+    for r in rows:  # a model blind to what a kind changes (word order for the swaps) ties there: say so
+        r.note = tie_note([sc for sc, k in zip(scores, kinds) if k == r.subset]).removeprefix("; ")
     main = [k for k, s in enumerate(kinds) if s in MAIN]
     add = [k for k, s in enumerate(kinds) if s in ADD]
     if main:
         rows.append(pooled_row(name, "all", correct[main], 0.5,
-                               note="triple-weighted mean over replace_obj/att/rel, swap_obj/att; ties wrong"))
+                               note="triple-weighted mean over replace_obj/att/rel, swap_obj/att; ties wrong"
+                               + tie_note([scores[k] for k in main])))
     else:
         rows.append(pooled_row(name, "all", correct, 0.5, note="none of the five main kinds present: pooled over all kinds"))
     if add:
