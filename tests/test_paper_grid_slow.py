@@ -9,7 +9,7 @@ pointing accuracy (train/papers/infoground.yaml: 66.89 and 76.74) beside its tes
 95% interval, the ordering verdict against the reference row, and Tune's experiment folder under the
 same glob skipped (not counted). Not a learning test (tests/test_testbed_infoground.py asserts learning
 and the control): the rows' values here are one short seed, so no margin on them is asserted beyond
-"a number in [0, 100]". The full grids (3 rows, 1000 images) and their tables are in docs/papers/.
+"a number in [0, 100]". The full grids (3 seeds, 1400 images) and their tables are in docs/papers/.
 Wall time: 763 s measured at load 35-38 on the shared 2-core machine (four other sessions training;
 the three stages took ~9 min of it); not yet measured on a quiet machine, where the same stages on 400
 images take well under a minute (tests/test_testbed_infoground.py: 102 s with two trainings).
