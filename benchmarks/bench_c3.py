@@ -14,8 +14,9 @@ ViT-B/16 CLIP shapes with random weights, so the features are ViT-B-sized: the s
    (``image_cache: random``: kept maps; and with ``pread``, the path for artifacts larger than RAM)
    vs the plain reference in the same run: the same batches with every image already in one
    in-memory array (``image_cache: memory``). Target: random access >= 80% of in-memory.
-2. Training step: triplet batches/s with the fusion forward + backward (the default model:
-   2 co-attention layers of 256, MCP + MCC, 5 fusion pairs per row), and the same forward +
+2. Training step: triplet batches/s with the fusion forward + backward (the job's default model:
+   2 co-attention layers of 256, ITM + MCP since 2026-11-26, MCP + MCC before; the fusion pairs of
+   the concepts and, with ITM, of the caption pairs), and the same forward +
    backward on one pre-built batch (the plain reference: no data path).
 3. Concept-token cache: the ``base-random`` CLIP (ViT-B/16 text tower shapes) encodes concept
    texts in the encode-concepts worker; bytes per concept on disk (tokens, pooled, index) and
