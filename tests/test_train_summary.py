@@ -106,3 +106,16 @@ def test_runs_table_takes_chance_from_results_parquet(tmp_path):
     text = runs_table([("infoground", run, {"val_r1": 31.0})], [])
     row = text.splitlines()[1].split()
     assert row[:6] == ["infoground", "20", "0.5", "val_r1", "31", "4"], text
+
+
+def test_runs_table_reads_a_metric_chance_suffix(tmp_path):
+    """infoground's metrics.json names a chance ``<metric>_chance`` (val_r1 -> val_r1_chance)."""
+    from train.summary import runs_table
+
+    run = tmp_path / "run"
+    (run / "eval" / "final").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "loss": 0.5}) + "\n")
+    res = {"val_r1": 39.3, "val_r1_chance": 37.5, "val_phrases": 112}
+    row = runs_table([("infoground", run, res)], []).splitlines()[1].split()
+    assert row[:6] == ["infoground", "20", "0.5", "val_r1", "39.3", "37.5"], row
+

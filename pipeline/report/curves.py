@@ -98,11 +98,12 @@ def _family(key: str) -> str:
 def chance_keys(metrics: list[str], chances: list[str]) -> dict[str, str]:
     """metric -> the key of its chance level: ``chance/<m>`` (concept-ot: ``chance/i2t_R@1`` for
     ``global/i2t_R@1``), ``chance_<m>`` or ``<prefix>_chance_<m>`` (relation-head:
-    ``val_chance_recall@20`` for ``val_recall@20``), or ``chance/<family>`` for every metric of a
-    family (concept-ot: ``chance/sugarcrepe`` for ``sugarcrepe/swap_att``)."""
+    ``val_chance_recall@20`` for ``val_recall@20``), ``<m>_chance`` (infoground: ``val_r1_chance``
+    for ``val_r1``), or ``chance/<family>`` for every metric of a family (concept-ot:
+    ``chance/sugarcrepe`` for ``sugarcrepe/swap_att``)."""
     out = {}
     for c in chances:
-        bare = c.replace("chance/", "").replace("chance_", "")
+        bare = c.removesuffix("_chance").replace("chance/", "").replace("chance_", "")
         for m in metrics:
             if m == bare or m.endswith("/" + bare) or m.replace("/", "_") == bare:
                 out.setdefault(m, c)
