@@ -64,10 +64,6 @@ LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
 }
 
 
-# train.loop says this when a resumed run has no step left to train
-REEVALUATED = "nothing to train; the final model is evaluated again"
-
-
 def _cli(tool: str, *args: str) -> tuple[dict | None, float, str, str]:
     """(the last JSON line of stdout, wall seconds, the last stderr line on failure else "", the whole stderr)."""
     t0 = time.perf_counter()
@@ -89,7 +85,9 @@ def _cli(tool: str, *args: str) -> tuple[dict | None, float, str, str]:
 
 def _wall(wall: float, stderr: str) -> str:
     """The wall column: a training time, or a plain word that the run was trained before."""
-    return f"{wall:.0f} (re-evaluated: trained before; --fresh retrains)" if REEVALUATED in stderr else f"{wall:.0f}"
+    from train.loop import NOTHING_TO_TRAIN  # torch: imported once a run has finished, not at start-up
+
+    return f"{wall:.0f} (re-evaluated: trained before; --fresh retrains)" if NOTHING_TO_TRAIN in stderr else f"{wall:.0f}"
 
 
 def _matches(row: dict, pat: tuple) -> bool:

@@ -118,4 +118,3 @@ def test_runs_table_reads_a_metric_chance_suffix(tmp_path):
     res = {"val_r1": 39.3, "val_r1_chance": 37.5, "val_phrases": 112}
     row = runs_table([("infoground", run, res)], []).splitlines()[1].split()
     assert row[:6] == ["infoground", "20", "0.5", "val_r1", "39.3", "37.5"], row
-

@@ -71,6 +71,9 @@ from pipeline.io.lock import lock_folder, unlock_folder
 from train.job import Job
 from train.ranks import Ranks
 
+# what a resumed run that has no step left says (benchmarks/testbed.py reads it to tell a re-evaluation from a run)
+NOTHING_TO_TRAIN = "nothing to train; the final model is evaluated again"
+
 
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
@@ -359,8 +362,8 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
             if dropped := _truncate_metrics(metrics_path, step):
                 print(f"{metrics_path}: {dropped}", file=sys.stderr)
             if step >= total:  # say why nothing trains, and what the rerun does instead
-                print(f"{run_dir}: already trained {step} of {total} steps: nothing to train; the final model is "
-                      "evaluated again with the current evaluation settings (eval_every only acts during training: "
+                print(f"{run_dir}: already trained {step} of {total} steps: {NOTHING_TO_TRAIN} "
+                      "with the current evaluation settings (eval_every only acts during training: "
                       "--fresh retrains in this folder; more epochs or max_steps train in a folder of their own)",
                       file=sys.stderr)
     elif (not resume or not params) and dist.writer:
