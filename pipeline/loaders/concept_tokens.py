@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.io.artifacts import Artifact, ArtifactMissing
+from pipeline.io.artifacts import Artifact, ArtifactMissing, CorruptArtifact
 
 
 class ConceptTokensMissing(FileNotFoundError):
@@ -84,14 +84,33 @@ class ConceptTokens:
         self.order = np.argsort(self.concept_ids, kind="stable")
         self.sorted_ids = self.concept_ids[self.order]
         self.offsets = np.concatenate([[0], np.cumsum([p.num_rows for p in parts])]).astype(np.int64)
-        d = self.art.dir
-        self.pooled = [np.load(d / "pooled" / f"pooled-{u}.npy", mmap_mode="r") for u in units]
-        self.tokens = None if self.pooled_only else [np.load(d / "tokens" / f"tokens-{u}.npy", mmap_mode="r") for u in units]
+        self.pooled = self._arrays("pooled", units)
+        self.tokens = None if self.pooled_only else self._arrays("tokens", units)
         self.P = int(self.pooled[0].shape[1])
         self.d_t = int(self.tokens[0].shape[2]) if self.tokens else int(m.get("dims", {}).get("text_dim", 0))
         self.M = int(self.n_tokens.max()) if not self.pooled_only else 0
         self.clip_record = m.get("models", {}).get("clip", {})
         self.max_tokens = int(m.get("parameters", {}).get("max_tokens", 16))
+
+    def _arrays(self, table: str, units: list[str]) -> list[np.ndarray]:
+        """The unit's ``<table>-<unit>.npy`` arrays, memory-mapped, in ``units`` order: through
+        :meth:`Artifact.files`, so each is checked against the size and sha256 _manifest.json
+        records before a byte of it is used; one that numpy cannot read is named too."""
+        files = {Path(f).stem.split(f"{table}-", 1)[1]: Path(f) for f in self.art.files(table)} \
+            if table in self.art.tables() else {}
+        out = []
+        for u in units:
+            f = files.get(u)
+            if f is None:
+                raise CorruptArtifact(f"{self.art.local / table / f'{table}-{u}.npy'}: not recorded in _manifest.json "
+                                      f"(unit {u} has an index but no {table}); run `pipeline verify --fix "
+                                      f"{self.art.location}`, then `pipeline run encode-concepts`")
+            try:
+                out.append(np.load(f, mmap_mode="r"))
+            except (OSError, ValueError) as e:
+                raise CorruptArtifact(f"{f}: not a readable .npy array ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); "
+                                      f"run `pipeline verify --fix {self.art.location}`, then `pipeline run encode-concepts`") from None
+        return out
 
     def __len__(self) -> int:
         return len(self.concept_ids)
