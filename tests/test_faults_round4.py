@@ -195,3 +195,165 @@ def test_keep_previous_keeps_the_replaced_checkpoint_with_its_sum(tmp_path):
     prev = previous_path(path)
     assert prev.name == "previous.pt" and recorded_sha256(prev) == first
     assert load_checkpoint(prev)["step"] == 3 and load_checkpoint(path)["step"] == 9
+
+
+# --- a run killed (kill -9) and rerun writes the metrics.jsonl of an uninterrupted run ----------------
+
+from train.config import TrainerConfig  # noqa: E402
+from train.job import Job  # noqa: E402
+
+TIMING = ("steps_per_s", "samples_per_s")
+
+
+class _Steps(Job):
+    """A linear regression on seeded random batches (a pure function of (seed, epoch, batch)): 5
+    batches per epoch, 12 steps, a line every 4 steps, an evaluation every 5, a checkpoint every 6
+    (mid-window: the window of steps 5-8 spans it). ``kill_at``: the process kills itself (SIGKILL)
+    as that step begins."""
+
+    NAME = "steps"
+
+    def __init__(self, run_dir: Path, kill_at: int = 0, **cfg):
+        base = dict(max_steps=12, batch_size=4, lr=0.05, warmup_frac=0.0, amp="off", log_every=4, ckpt_every=6,
+                    eval_every=5, threads=1, benchmarks_at_end=False)
+        super().__init__(TrainerConfig(**{**base, **cfg}), None, run_dir, torch.device("cpu"))
+        self.kill_at, self.calls = kill_at, 0
+
+    def build_model(self):
+        return torch.nn.Linear(3, 1)
+
+    def batches_per_epoch(self):
+        return 5
+
+    def batches(self, epoch, start):
+        g = torch.Generator().manual_seed(1000 * self.cfg.seed + epoch)
+        xs = [torch.randn(4, 3, generator=g) for _ in range(5)]
+        return [{"x": xs[i], "y": xs[i] @ torch.tensor([[1.0], [-2.0], [0.5]])} for i in range(start, 5)]
+
+    def loss(self, model, batch):
+        self.calls += 1
+        if self.calls == self.kill_at:
+            os.kill(os.getpid(), 9)
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean(), {"x_mean": float(batch["x"].mean())}
+
+    def evaluate(self, model, out_dir):
+        return {"w_sum": float(model.weight.sum())}
+
+
+_RUN = """
+import sys
+from pathlib import Path
+import train.loop
+from tests.test_faults_round4 import _Steps
+train.loop.plot_metrics = lambda *a, **k: None
+train.loop.train(_Steps(Path(sys.argv[1]), kill_at=int(sys.argv[2])), progress=False)
+"""
+
+
+def _run_steps(run: Path, kill_at: int = 0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _RUN, str(run), str(kill_at)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _metrics(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def clean_metrics(tmp_path_factory) -> list[dict]:
+    run = tmp_path_factory.mktemp("clean") / "run"
+    r = _run_steps(run)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return _metrics(run)
+
+
+KILLS = pytest.mark.parametrize("kill_at, resumed", [(5, None), (11, 6)], ids=["before-first-checkpoint", "after-it"])
+
+
+def _check_rerun(run: Path, stderr: str, clean: list[dict], kill_at: int, resumed: int | None) -> None:
+    if resumed is None:
+        assert "dropped 1 line(s) of a run that stopped before its first checkpoint; starting at step 0" in stderr
+    else:
+        assert f"resumed from {run / 'checkpoints' / 'last.pt'} at step {resumed}" in stderr
+        assert "dropped 2 line(s): 2 past the checkpoint's step 6 (steps 8, 10)" in stderr  # train 8, eval 10
+    got = _metrics(run)
+    assert [(x["kind"], x["step"]) for x in got] == [(x["kind"], x["step"]) for x in clean]  # each step once
+    assert got == clean  # the same values: step 8's loss averages steps 5-8 across the resume
+
+
+@pytest.mark.slow
+@KILLS
+def test_metrics_after_a_kill9_and_a_rerun_equal_an_uninterrupted_runs(tmp_path, clean_metrics, kill_at, resumed):
+    """The real thing: the training process SIGKILLs itself as step ``kill_at`` begins (~5 s a process)."""
+    run = tmp_path / "run"
+    r = _run_steps(run, kill_at)
+    assert r.returncode == -9
+    assert [x["step"] for x in _metrics(run) if x["kind"] == "train"] == [4, 8][: (kill_at - 1) // 4]
+    r = _run_steps(run)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _check_rerun(run, r.stderr, clean_metrics, kill_at, resumed)
+
+
+class _Died(BaseException):
+    """What a kill leaves, in this process: nothing after the raise runs (the lock is released, as
+    the kernel releases a dead process's)."""
+
+
+@KILLS
+def test_metrics_after_a_death_and_a_rerun_equal_an_uninterrupted_runs(tmp_path, monkeypatch, capsys, kill_at, resumed):
+    import train.loop
+
+    monkeypatch.setattr(train.loop, "plot_metrics", lambda *a, **k: None)
+    train.loop.train(_Steps(tmp_path / "clean"), progress=False)
+    clean = _metrics(tmp_path / "clean")
+    run = tmp_path / "run"
+    job = _Steps(run, kill_at=kill_at)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: (_ for _ in ()).throw(_Died()))
+    with pytest.raises(_Died):
+        train.loop.train(job, progress=False)
+    monkeypatch.undo()
+    monkeypatch.setattr(train.loop, "plot_metrics", lambda *a, **k: None)
+    capsys.readouterr()
+    train.loop.train(_Steps(run), progress=False)
+    _check_rerun(run, capsys.readouterr().err, clean, kill_at, resumed)
+
+
+# --- train run --resume previous -----------------------------------------------------------------------
+
+
+def _cli(monkeypatch, job: Job, *args: str):
+    from typer.testing import CliRunner
+
+    import train.cli
+
+    monkeypatch.setattr(train.cli, "build_job", lambda *a, **k: (None, job.cfg, None, job))
+    return CliRunner().invoke(train.cli.app, ["run", "steps", "--manifest", "unused.yaml", "--no-progress", *args])
+
+
+def test_a_corrupt_last_checkpoint_is_refused_and_resume_previous_goes_back_one(tmp_path, monkeypatch):
+    import train.loop
+
+    monkeypatch.setattr(train.loop, "plot_metrics", lambda *a, **k: None)
+    run = tmp_path / "run"
+    train.loop.train(_Steps(run, ckpt_every=3), progress=False, stop_after=7)  # checkpoints at 3, 6, and 7 (stop)
+    last, prev = run / "checkpoints" / "last.pt", run / "checkpoints" / "previous.pt"
+    assert load_checkpoint(last)["step"] == 7 and load_checkpoint(prev)["step"] == 6
+    flip(last, last.stat().st_size - 2000)  # a byte inside the weights / optimizer state
+    r = _cli(monkeypatch, _Steps(run, ckpt_every=3))
+    assert r.exit_code == 2, r.output
+    err = [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and f"checkpoint {last}: its sha256" in err[0] and "--resume previous" in err[0], r.output
+    r = _cli(monkeypatch, _Steps(run, ckpt_every=3), "--resume", "previous")
+    assert r.exit_code == 0, r.output
+    assert f"resuming from {prev} (step 6); {last} set aside as last.pt.rejected (its sha256" in r.output
+    assert "resumed from" in r.output and "at step 6" in r.output
+    assert (run / "checkpoints" / "last.pt.rejected").is_file() and load_checkpoint(last)["step"] == 12
+    steps = [x["step"] for x in _metrics(run) if x["kind"] == "train"]
+    assert steps == [4, 8, 12]
+    # previous.pt refused as well: one line, nothing changed
+    flip(prev)
+    r = _cli(monkeypatch, _Steps(run, ckpt_every=3), "--resume", "previous")
+    assert r.exit_code == 2 and f"checkpoint {prev}: its sha256" in r.output
+    r = _cli(monkeypatch, _Steps(run), "--resume", "previous", "--fresh")
+    assert r.exit_code == 2 and "not with --fresh" in r.output

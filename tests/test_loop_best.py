@@ -95,4 +95,6 @@ def test_a_finished_run_says_why_it_trains_nothing(tmp_path, capsys):
     assert "already trained 8 of 8 steps: nothing to train" in err and "--fresh" in err, err
     rows = [json.loads(x) for x in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows if r["kind"] == "train") == 8  # nothing trained twice
-    assert [r["step"] for r in rows if r["kind"] == "eval"][-2:] == [8, 8]  # the final model evaluated again
+    # the final model evaluated again: its line replaces the earlier run's, so each (kind, step) is once (issue 40)
+    assert [r["step"] for r in rows if r["kind"] == "eval"][-2:] == [6, 8]
+    assert "dropped 1 line(s): 1 at or past the checkpoint's step 8 (step 8)" in err

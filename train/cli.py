@@ -82,6 +82,7 @@ def run_folder(name: str, m, cfg) -> Path:
 
 def _config_of_checkpoint(name: str, cfg, checkpoint: Path, overrides: list[str]):
     """(cfg with the checkpoint's training options, the checkpoint's run folder)."""
+    from pipeline.io.checkpoint import CheckpointError
     from train.config import config_differences
     from train.loop import load_checkpoint
 
@@ -90,6 +91,9 @@ def _config_of_checkpoint(name: str, cfg, checkpoint: Path, overrides: list[str]
         _fail(f"checkpoint {checkpoint} does not exist")
     try:
         stored = load_checkpoint(checkpoint).get("config") or {}
+    except CheckpointError as e:  # its bytes are not the ones written, or it is not a checkpoint: says what it is
+        prev = checkpoint.with_name("previous.pt")
+        _fail(f"{e}" + (f"; the checkpoint before it: -c {prev}" if prev.is_file() and prev != checkpoint else ""))
     except Exception as e:  # a truncated or foreign file
         _fail(f"checkpoint {checkpoint} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
     prefix = f"train.{name.replace('-', '_')}."
@@ -116,6 +120,8 @@ def run(
     manifest: ManifestOpt,
     set_: SetOpt = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="ignore an existing checkpoint and start over")] = False,
+    resume_from: Annotated[str, typer.Option("--resume", help="last: resume from checkpoints/last.pt; previous: from "
+                                             "checkpoints/previous.pt, the one before (when last.pt is refused)")] = "last",
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="end with the result as one JSON line instead of a table")] = False,
     workers: Annotated[Optional[int], typer.Option("--workers", min=1, help="data-parallel workers on Ray Train "
@@ -132,15 +138,19 @@ def run(
         return _run_all(manifest, list(set_ or []), fresh, progress, max_steps)
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.io.lock import FolderBusy
-    from train.loop import RunMismatch, fresh_hint, train
+    from train.loop import RunMismatch, fresh_hint, restore_previous, train
 
     key = f"train.{job.replace('-', '_')}"
     set_ = list(set_ or []) + ([f"{key}.workers={workers}"] if workers is not None else []) + \
         ([f"{key}.gpus_per_worker={gpus_per_worker}"] if gpus_per_worker is not None else []) + \
         ([f"{key}.max_steps={max_steps}"] if max_steps is not None else [])
+    if resume_from not in ("last", "previous") or (resume_from == "previous" and fresh):
+        _fail(f"--resume {resume_from}: expected last or previous (and not with --fresh)")
     _, cfg, m, j = build_job(job, manifest, set_)
     typer.echo(f"run folder: {j.run_dir}", err=True)
     try:
+        if resume_from == "previous":
+            typer.echo(restore_previous(j.run_dir), err=True)
         if cfg.workers > 1:
             res = _train_on_workers(job, manifest, set_, cfg, m, j.run_dir, fresh, progress)
         else:
@@ -148,7 +158,7 @@ def run(
     except (RunMismatch, FolderBusy) as e:
         _fail(str(e))
     except CheckpointError as e:  # a truncated, foreign or refused checkpoints/last.pt
-        _fail(f"{e}; the run cannot resume from it: {fresh_hint(job)}")
+        _fail(f"{e}; the run cannot resume from it: {fresh_hint(job, j.run_dir)}")
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

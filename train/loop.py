@@ -68,8 +68,13 @@ from pipeline.io.checkpoint import load_checkpoint as _load_checkpoint
 from pipeline.io.atomic import remove_stale_tmp, write_bytes_atomic
 from pipeline.io.checkpoint import CheckpointError, save_checkpoint_file
 from pipeline.io.lock import lock_folder, unlock_folder
-from train.job import Job
+from train import tracking
+from train.job import Job, batch_record
+from train.metrics_file import lines_in, truncate_metrics
 from train.ranks import Ranks
+from train.run_folder import RunMismatch, check_run_folder, fresh_hint, restore_previous  # noqa: F401 (re-exported)
+
+_truncate_metrics = truncate_metrics  # the name the tests of earlier rounds use
 
 # what a resumed run that has no step left says (benchmarks/testbed.py reads it to tell a re-evaluation from a run)
 NOTHING_TO_TRAIN = "nothing to train; the final model is evaluated again"
@@ -140,55 +145,14 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(path: Path, payload: dict) -> None:
-    """Tensors + plain data only (pipeline.io.checkpoint.plain), so it loads with weights_only=True."""
-    save_checkpoint_file(path, payload)
+def save_checkpoint(path: Path, payload: dict, keep_previous: bool = False) -> None:
+    """Tensors + plain data only (pipeline.io.checkpoint.plain), so it loads with weights_only=True;
+    its sha256 beside it; ``keep_previous``: the replaced file stays as previous.pt."""
+    save_checkpoint_file(path, payload, keep_previous=keep_previous)
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     return _load_checkpoint(path, map_location)  # weights_only=True; pickled objects are refused
-
-
-def _truncate_metrics(path: Path, step: int) -> str:
-    """Keep the lines of ``metrics.jsonl`` that a resume from ``step`` continues: readable, at or
-    before ``step``, in step order and each (kind, step) once. A line whose step goes back, or
-    repeats, is a remnant of another run that wrote into the same file. Returns what was dropped
-    (one phrase; '' when nothing was)."""
-    if not path.exists():
-        return ""
-    keep, past, back, bad = [], [], [], 0
-    seen: set[tuple] = set()
-    last = None
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        s = row.get("step") if isinstance(row, dict) else None
-        if not isinstance(s, (int, float)) or isinstance(s, bool):
-            bad += 1
-        elif s > step:
-            past.append(s)
-        elif (last is not None and s < last) or (row.get("kind"), s) in seen:
-            back.append(s)
-        else:
-            keep.append(line)
-            seen.add((row.get("kind"), s))
-            last = s
-    if not (past or back or bad):
-        return ""
-    write_bytes_atomic(path, "".join(k + "\n" for k in keep).encode())
-
-    def steps(xs: list) -> str:
-        shown = ", ".join(str(x) for x in xs[:6])
-        return f"step {shown}" if len(xs) == 1 else f"steps {shown}{', ...' if len(xs) > 6 else ''}"
-
-    parts = ([f"{len(past)} past the checkpoint's step {step} ({steps(past)})"] if past else []) + \
-            ([f"{len(back)} out of step order or repeated ({steps(back)}; another run wrote into this file)"]
-             if back else []) + ([f"{bad} unreadable"] if bad else [])
-    return f"dropped {len(past) + len(back) + bad} line(s): " + "; ".join(parts)
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
@@ -225,43 +189,6 @@ def _batch_size(batch: Any) -> int:
     return 0
 
 
-class RunMismatch(RuntimeError):
-    """A run folder whose checkpoint was trained with another configuration (one line: both configs
-    and the way out)."""
-
-
-def check_run_folder(run_dir: Path, cfg, job_name: str = "") -> None:
-    """Refuse to resume ``run_dir`` when its checkpoint (else its config.json) holds another training
-    configuration (train.config.config_differences: evaluation-only options may differ)."""
-    from train.config import config_differences
-
-    last = Path(run_dir) / "checkpoints" / "last.pt"
-    stored, src = None, None
-    if last.is_file():
-        stored, src = (load_checkpoint(last).get("config") or None), last
-    elif (Path(run_dir) / "config.json").is_file() and (Path(run_dir) / "checkpoints").is_dir():
-        try:
-            stored, src = json.loads((Path(run_dir) / "config.json").read_text()), Path(run_dir) / "config.json"
-        except ValueError:
-            stored = None
-    if not stored:
-        return
-    diff = config_differences(stored, cfg)
-    if diff:
-        shown = list(diff.items())[:4]
-        more = f" (+{len(diff) - 4} more)" if len(diff) > 4 else ""
-        raise RunMismatch(
-            f"{run_dir} holds a run of another configuration ({src.name}: "
-            f"{', '.join(f'{k}={a}' for k, (a, _) in shown)}; now: {', '.join(f'{k}={b}' for k, (_, b) in shown)}{more}): "
-            f"{fresh_hint(job_name)}")
-
-
-def fresh_hint(job_name: str = "") -> str:
-    """The ways out of a run folder that cannot be resumed."""
-    key = f"train.{job_name.replace('-', '_')}" if job_name else "train.<job>"
-    return f"pass --fresh to start over in it, or set {key}.run_dir to another folder"
-
-
 def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: int | None = None,
           dist=None) -> dict:
     """Train ``job`` to ``cfg.max_steps`` (or ``cfg.epochs``); returns the final eval metrics.
@@ -286,11 +213,14 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
         if dist.writer:
             if n := remove_stale_tmp(run_dir):  # e.g. .last.pt.<random>.tmp of a killed run
                 print(f"{run_dir}: removed {n} temporary file(s) left by an interrupted run", file=sys.stderr)
-            (run_dir / "config.json").write_text(json.dumps(run_cfg.model_dump(mode="json"), indent=1))
+            (run_dir / "config.json").write_text(json.dumps({**run_cfg.model_dump(mode="json"), **batch_record(job)},
+                                                            indent=1))
         dist.barrier()  # the other ranks read the folder (last.pt) only once rank 0 has cleaned it
         return _train_with_settings(job, job.cfg, run_dir, ckpt_dir, metrics_path, resume, progress and dist.writer,
                                     stop_after, dist, run_cfg)
     finally:
+        if dist.writer:
+            tracking.close(run_dir)  # the final harness table added, the trackers' files complete
         if taken:
             unlock_folder(run_dir)
 
@@ -312,187 +242,272 @@ def _train_with_settings(job, cfg, *args) -> dict:
 
 def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after, dist, run_cfg) -> dict:
     seed_everything(cfg.seed)
-    device = job.device
-    model = job.build_model().to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    dist.broadcast_parameters(model)
-    bpe = job.batches_per_epoch() if params else 0
-    if params and bpe <= 0:
-        raise RuntimeError("no training batches: the training split is empty or smaller than one batch")
-    total = int(cfg.max_steps) if cfg.max_steps is not None else int(math.ceil(cfg.epochs * bpe))
+    run = _Run(job, cfg, run_dir, dist, run_cfg)
+    if resume and run.last.exists() and run.params:
+        run.resume()
+    elif dist.writer:
+        run.start_over(resume)
+    if not run.train_steps(progress, stop_after):
+        return {"interrupted_at": run.step}
+    return run.finish()
+
+
+class _Window:
+    """The train metrics summed since the last logged row (and its steps, samples and seconds):
+    kept in last.pt, so the first row after a resume averages the same steps as a clean run's."""
+
+    def __init__(self):
+        self.acc: dict[str, float] = {}
+        self.n_steps, self.n_samples, self.t0 = 0, 0, time.perf_counter()
+
+    def add(self, values: dict, n_samples: int) -> None:
+        for k, v in values.items():
+            self.acc[k] = self.acc.get(k, 0.0) + float(v)
+        self.n_steps += 1
+        self.n_samples += n_samples
+
+    def row(self, dist) -> dict:
+        """The window's means (over its steps and the ranks) and rates; the window starts again."""
+        dt = max(1e-9, time.perf_counter() - self.t0)
+        acc, n_samples = dist.mean(self.acc), dist.sum(self.n_samples)  # the ranks' mean; samples of all ranks
+        out = {**{k: v / self.n_steps for k, v in acc.items()},
+               "steps_per_s": self.n_steps / dt, "samples_per_s": n_samples / dt}
+        self.__init__()
+        return out
+
+    def state(self, dist) -> dict:
+        """What a checkpoint keeps (called on every rank: the sums are the ranks' mean)."""
+        shared = dist.mean({**{f"acc/{k}": v for k, v in self.acc.items()}, "samples": float(self.n_samples)})
+        return {"acc": {k[4:]: v for k, v in shared.items() if k.startswith("acc/")}, "n_steps": self.n_steps,
+                "n_samples": int(round(shared.get("samples", 0.0))), "seconds": time.perf_counter() - self.t0}
+
+    def restore(self, st: dict | None) -> None:
+        if not st:
+            return
+        self.acc = {k: float(v) for k, v in st["acc"].items()}
+        self.n_steps, self.n_samples = int(st["n_steps"]), int(st["n_samples"])
+        self.t0 = time.perf_counter() - float(st.get("seconds", 0.0))
+
+
+def _optimizer(params: list, cfg, total: int):
+    """AdamW (weight decay on matrices only) and its warmup + cosine schedule; (None, None) without parameters."""
     if not params:
-        total = 0
+        return None, None
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=tuple(cfg.betas),
+    )
     warmup = int(round(cfg.warmup_frac * total))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, warmup, cfg.min_lr_frac))
 
-    opt = sched = scaler = None
-    if params:
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=tuple(cfg.betas),
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, warmup, cfg.min_lr_frac))
-    amp_on, amp_dtype, use_scaler = amp_settings(cfg.amp, device)
-    if use_scaler:
-        scaler = torch.amp.GradScaler(device.type)
 
-    step, epoch, pos = 0, 0, 0
-    last = ckpt_dir / "last.pt"
-    # model selection (cfg.best_metric): the best value so far travels in last.pt, so a resumed run
-    # keeps comparing against it
-    best: dict = {"metric": getattr(cfg, "best_metric", None), "value": None, "step": None}
-    if resume and last.exists() and params:
-        ck = load_checkpoint(last)
+class _Run:
+    """One call of :func:`train`: the model, its optimizer state and data position, and what it
+    writes into the run folder (checkpoints, metrics.jsonl lines, evaluations; rank 0 only)."""
+
+    def __init__(self, job, cfg, run_dir: Path, dist, run_cfg):
+        self.job, self.cfg, self.run_dir, self.dist, self.run_cfg = job, cfg, run_dir, dist, run_cfg
+        self.ckpt_dir, self.metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+        self.last = self.ckpt_dir / "last.pt"
+        self.device = job.device
+        self.model = job.build_model().to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        dist.broadcast_parameters(self.model)
+        self.bpe = job.batches_per_epoch() if self.params else 0
+        if self.params and self.bpe <= 0:
+            raise RuntimeError("no training batches: the training split is empty or smaller than one batch")
+        total = int(cfg.max_steps) if cfg.max_steps is not None else int(math.ceil(cfg.epochs * self.bpe))
+        self.total = total if self.params else 0
+        self.opt, self.sched = _optimizer(self.params, cfg, self.total)
+        self.amp_on, self.amp_dtype, use_scaler = amp_settings(cfg.amp, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
+        self.step, self.epoch, self.pos = 0, 0, 0
+        # model selection (cfg.best_metric): the best value so far travels in last.pt, so a resumed run
+        # keeps comparing against it
+        self.best: dict = {"metric": getattr(cfg, "best_metric", None), "value": None, "step": None}
+        self.window = _Window()
+
+    # ---- the run folder at the start -----------------------------------------------------------
+    def resume(self) -> None:
+        """Continue from last.pt: model, optimizer, scheduler, scaler, RNG states, data position, the
+        best value so far and the open log window; metrics.jsonl cut back to the checkpoint."""
+        ck = load_checkpoint(self.last)
         try:
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-            sched.load_state_dict(ck["scheduler"])
-            if scaler is not None and ck.get("scaler"):
-                scaler.load_state_dict(ck["scaler"])
-            step, epoch, pos = ck["step"], ck["epoch"], ck["batch_in_epoch"]
+            self.model.load_state_dict(ck["model"])
+            self.opt.load_state_dict(ck["optimizer"])
+            self.sched.load_state_dict(ck["scheduler"])
+            if self.scaler is not None and ck.get("scaler"):
+                self.scaler.load_state_dict(ck["scaler"])
+            self.step, self.epoch, self.pos = ck["step"], ck["epoch"], ck["batch_in_epoch"]
             _set_rng_state(ck["rng"])
+            self.window.restore(ck.get("log_window"))
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-            raise CheckpointError(f"checkpoint {last}: does not resume this job's model ({type(e).__name__}: {why})") from None
-        if (ck.get("best") or {}).get("metric") == best["metric"]:
-            best.update(ck["best"])
-        if dist.writer:
-            print(f"resumed from {last} at step {step} (epoch {epoch}, batch {pos})", file=sys.stderr)
-            if dropped := _truncate_metrics(metrics_path, step):
-                print(f"{metrics_path}: {dropped}", file=sys.stderr)
-            if step >= total:  # say why nothing trains, and what the rerun does instead
-                print(f"{run_dir}: already trained {step} of {total} steps: {NOTHING_TO_TRAIN} "
-                      "with the current evaluation settings (eval_every only acts during training: "
-                      "--fresh retrains in this folder; more epochs or max_steps train in a folder of their own)",
-                      file=sys.stderr)
-    elif (not resume or not params) and dist.writer:
-        metrics_path.unlink(missing_ok=True)
-        (ckpt_dir / "best.pt").unlink(missing_ok=True)
-
-    def checkpoint(path: Path) -> None:
-        if not dist.writer:
+            raise CheckpointError(f"checkpoint {self.last}: does not resume this job's model ({type(e).__name__}: {why})") from None
+        if (ck.get("best") or {}).get("metric") == self.best["metric"]:
+            self.best.update(ck["best"])
+        if not self.dist.writer:
             return
+        step, total = self.step, self.total
+        print(f"resumed from {self.last} at step {step} (epoch {self.epoch}, batch {self.pos})", file=sys.stderr)
+        redo = frozenset({"eval", "best"}) if step >= total else frozenset()  # the final evaluation runs again
+        if dropped := truncate_metrics(self.metrics_path, step, redo):
+            print(f"{self.metrics_path}: {dropped}", file=sys.stderr)
+        if step >= total:  # say why nothing trains, and what the rerun does instead
+            print(f"{self.run_dir}: already trained {step} of {total} steps: {NOTHING_TO_TRAIN} "
+                  "with the current evaluation settings (eval_every only acts during training: "
+                  "--fresh retrains in this folder; more epochs or max_steps train in a folder of their own)",
+                  file=sys.stderr)
+
+    def start_over(self, resume: bool) -> None:
+        """A run from step 0: what an earlier run left in metrics.jsonl and best.pt goes (a run killed
+        before its first checkpoint says so)."""
+        if resume and self.params and (n := lines_in(self.metrics_path)):
+            print(f"{self.metrics_path}: dropped {n} line(s) of a run that stopped before its first checkpoint; "
+                  "starting at step 0", file=sys.stderr)
+        self.metrics_path.unlink(missing_ok=True)
+        (self.ckpt_dir / "best.pt").unlink(missing_ok=True)
+
+    # ---- what the run writes -------------------------------------------------------------------
+    def checkpoint(self, path: Path, window: dict | None = None) -> None:
+        if not self.dist.writer:
+            return
+        opt, sched, scaler = self.opt, self.sched, self.scaler
         save_checkpoint(path, {
-            "model": model.state_dict(),
+            "model": self.model.state_dict(),
             "optimizer": opt.state_dict() if opt else None,
             "scheduler": sched.state_dict() if sched else None,
             "scaler": scaler.state_dict() if scaler else None,
-            "step": step, "epoch": epoch, "batch_in_epoch": pos,
-            "rng": _rng_state(), "config": run_cfg.model_dump(mode="json"),
-            "job": getattr(job, "NAME", type(job).__name__), "best": dict(best),
-        })
+            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.pos,
+            "rng": _rng_state(), "config": self.run_cfg.model_dump(mode="json"),
+            "job": getattr(self.job, "NAME", type(self.job).__name__), "best": dict(self.best),
+            "log_window": window,
+        }, keep_previous=path == self.last)
 
-    def log(row: dict) -> None:
-        if not dist.writer:
+    def checkpoint_last(self) -> None:
+        """last.pt with the open log window (every rank calls it: the window is the ranks' mean)."""
+        self.checkpoint(self.last, self.window.state(self.dist))
+
+    def log(self, row: dict) -> None:
+        if not self.dist.writer:
             return
-        with metrics_path.open("a") as fh:
+        with self.metrics_path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+        tracking.record(self.run_dir, row, self.run_cfg, getattr(self.job, "NAME", ""))  # TensorBoard, MLflow, W&B
 
-    def run_eval(tag: str) -> dict:
-        if not dist.writer:  # rank 0 evaluates; the others wait for it
-            dist.barrier()
+    def run_eval(self, tag: str) -> dict:
+        if not self.dist.writer:  # rank 0 evaluates; the others wait for it
+            self.dist.barrier()
             return {}
-        model.eval()
+        self.model.eval()
         with torch.no_grad():
-            res = job.evaluate(model, run_dir / "eval" / tag)
-        model.train()
-        log({"kind": "eval", "step": step, "epoch": epoch, **res})
-        plot_metrics(metrics_path, run_dir / "metrics.png")
-        select_best(res)
-        dist.barrier()
+            res = self.job.evaluate(self.model, self.run_dir / "eval" / tag)
+        self.model.train()
+        self.log({"kind": "eval", "step": self.step, "epoch": self.epoch, **res})
+        plot_metrics(self.metrics_path, self.run_dir / "metrics.png")
+        self.select_best(res)
+        self.dist.barrier()
         return res
 
-    def select_best(res: dict) -> None:
+    def select_best(self, res: dict) -> None:
         """checkpoints/best.pt <- the model now, when res[cfg.best_metric] beats the best so far."""
-        name = best["metric"]
+        best, name = self.best, self.best["metric"]
         val = res.get(name) if name else None
-        if not isinstance(val, (int, float)) or not math.isfinite(val) or not params:
+        if not isinstance(val, (int, float)) or not math.isfinite(val) or not self.params:
             return
-        better = best["value"] is None or (val > best["value"] if cfg.best_mode == "max" else val < best["value"])
+        better = best["value"] is None or (val > best["value"] if self.cfg.best_mode == "max" else val < best["value"])
         if better:
-            best.update(value=float(val), step=step)
-            checkpoint(ckpt_dir / "best.pt")
-            log({"kind": "best", "step": step, "epoch": epoch, "metric": name, "value": float(val)})
+            best.update(value=float(val), step=self.step)
+            self.checkpoint(self.ckpt_dir / "best.pt")
+            self.log({"kind": "best", "step": self.step, "epoch": self.epoch, "metric": name, "value": float(val)})
 
-    bar = _Progress(total, step, progress)
-    model.train()
-    t_last, n_samples, n_steps = time.perf_counter(), 0, 0
-    steps_this_call = 0
-    acc: dict[str, float] = {}
-    interrupted = False
-    while step < total and not interrupted:
-        it = job.batches(epoch, pos)
-        finished_epoch = True
-        for batch in it:
-            ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_on else contextlib.nullcontext()
-            with ctx:
-                loss, extras = job.loss(model, batch)
-            opt.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-            else:
-                loss.backward()
-            dist.average_gradients(params)
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            sched.step()
-            step += 1
-            pos += 1
-            steps_this_call += 1
-            n_steps += 1
-            n_samples += _batch_size(batch)
-            for k, v in {"loss": float(loss.detach()), "grad_norm": float(gn), **extras}.items():
-                acc[k] = acc.get(k, 0.0) + float(v)
-            bar.update({"loss": f"{float(loss.detach()):.4f}"})
-            if step % cfg.log_every == 0 or step == total:
-                dt = max(1e-9, time.perf_counter() - t_last)
-                acc, n_samples = dist.mean(acc), dist.sum(n_samples)  # the ranks' mean; samples of all ranks
-                row = {"kind": "train", "step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
-                       **{k: v / n_steps for k, v in acc.items()},
-                       "steps_per_s": n_steps / dt, "samples_per_s": n_samples / dt}
-                log(row)
-                acc, n_steps, n_samples, t_last = {}, 0, 0, time.perf_counter()
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                run_eval(f"step{step:06d}")
-            if step % cfg.ckpt_every == 0 and step < total:
-                checkpoint(last)
-            if step >= total:
-                finished_epoch = pos >= bpe
-                break
-            if stop_after is not None and steps_this_call >= stop_after:
-                interrupted = True
-                finished_epoch = False
-                break
-        if finished_epoch:
-            epoch += 1
-            pos = 0
-    bar.close()
-    if interrupted:
-        checkpoint(last)
-        if dist.writer:
-            plot_metrics(metrics_path, run_dir / "metrics.png")
-        return {"interrupted_at": step}
-    if params:
-        checkpoint(last)
-        checkpoint(ckpt_dir / "final.pt")
-    elif dist.writer:
-        save_checkpoint(ckpt_dir / "final.pt", {"model": model.state_dict(), "step": 0, "epoch": 0, "batch_in_epoch": 0,
-                                                 "config": run_cfg.model_dump(mode="json")})
-    res = run_eval("final")
-    if not dist.writer:
+    # ---- training ------------------------------------------------------------------------------
+    def optimizer_step(self, batch) -> torch.Tensor:
+        """One forward/backward/update on ``batch`` (autocast, loss scaling, gradients averaged over
+        the ranks, clipping); the window gets its loss, gradient norm and the job's extras."""
+        cfg, opt, scaler = self.cfg, self.opt, self.scaler
+        ctx = torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_on else contextlib.nullcontext()
+        with ctx:
+            loss, extras = self.job.loss(self.model, batch)
+        opt.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        self.dist.average_gradients(self.params)
+        gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip else float("inf"))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        self.sched.step()
+        self.step += 1
+        self.pos += 1
+        self.window.add({"loss": float(loss.detach()), "grad_norm": float(gn), **extras}, _batch_size(batch))
+        return loss
+
+    def after_step(self) -> None:
+        """The step's metric line, evaluation and checkpoint, each when its interval comes round."""
+        cfg, step, total = self.cfg, self.step, self.total
+        if step % cfg.log_every == 0 or step == total:
+            self.log({"kind": "train", "step": step, "epoch": self.epoch, "lr": self.sched.get_last_lr()[0],
+                      **self.window.row(self.dist)})
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+            self.run_eval(f"step{step:06d}")
+        if step % cfg.ckpt_every == 0 and step < total:
+            self.checkpoint_last()
+
+    def train_steps(self, progress: bool, stop_after: int | None) -> bool:
+        """Train to the last step; False when ``stop_after`` steps of this call ended it first (then
+        last.pt holds the position)."""
+        bar = _Progress(self.total, self.step, progress)
+        self.model.train()
+        steps_this_call, interrupted = 0, False
+        while self.step < self.total and not interrupted:
+            finished_epoch = True
+            for batch in self.job.batches(self.epoch, self.pos):
+                loss = self.optimizer_step(batch)
+                steps_this_call += 1
+                bar.update({"loss": f"{float(loss.detach()):.4f}"})
+                self.after_step()
+                if self.step >= self.total:
+                    finished_epoch = self.pos >= self.bpe
+                    break
+                if stop_after is not None and steps_this_call >= stop_after:
+                    interrupted, finished_epoch = True, False
+                    break
+            if finished_epoch:
+                self.epoch += 1
+                self.pos = 0
+        bar.close()
+        if interrupted:
+            self.checkpoint_last()
+            if self.dist.writer:
+                plot_metrics(self.metrics_path, self.run_dir / "metrics.png")
+        return not interrupted
+
+    def finish(self) -> dict:
+        """last.pt and final.pt, the final evaluation and benchmarks, eval/final/metrics.json last."""
+        if self.params:
+            self.checkpoint_last()
+            self.checkpoint(self.ckpt_dir / "final.pt")
+        elif self.dist.writer:
+            save_checkpoint(self.ckpt_dir / "final.pt", {"model": self.model.state_dict(), "step": 0, "epoch": 0,
+                                                         "batch_in_epoch": 0, "config": self.run_cfg.model_dump(mode="json")})
+        res = self.run_eval("final")
+        if not self.dist.writer:
+            return res
+        final = self.run_dir / "eval" / "final"
+        final.mkdir(parents=True, exist_ok=True)
+        if getattr(self.cfg, "benchmarks_at_end", False):
+            final_benchmarks(self.job, self.model, final, self.ckpt_dir / "final.pt", self.step)
+        # written last: a run is finished once its eval/final/metrics.json exists (train sweep skips it)
+        write_bytes_atomic(final / "metrics.json", json.dumps(res, indent=1).encode())
         return res
-    (run_dir / "eval" / "final").mkdir(parents=True, exist_ok=True)
-    if getattr(cfg, "benchmarks_at_end", False):
-        final_benchmarks(job, model, run_dir / "eval" / "final", ckpt_dir / "final.pt", step)
-    # written last: a run is finished once its eval/final/metrics.json exists (train sweep skips it)
-    write_bytes_atomic(run_dir / "eval" / "final" / "metrics.json", json.dumps(res, indent=1).encode())
-    return res
 
 
 def final_benchmarks(job: Job, model: torch.nn.Module, out_dir: Path, checkpoint: Path, step: int) -> None:
