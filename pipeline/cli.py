@@ -10,11 +10,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.cli_help import did_you_mean, typer_settings
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     help="Offline vision-language artifact pipeline.",
+    **typer_settings(),
 )
 log = logging.getLogger("pipeline")
 
@@ -61,6 +64,8 @@ def run(
     from pipeline.config import ManifestError, load_manifest
     from pipeline.stage import RunContext, StageError, dependency_order, registry, run_stage
 
+    if stage != "all" and stage not in registry():  # before any folder is made
+        _fail(did_you_mean("stage", stage, ["all", *registry()]))
     try:
         m = load_manifest(manifest, set_ or [])
     except ManifestError as e:
@@ -79,10 +84,8 @@ def run(
     reg = registry()
     if stage == "all":
         names = dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled])
-    elif stage in reg:
-        names = [stage]
     else:
-        _fail(f"unknown stage {stage!r}; stages: all, {', '.join(reg)}")
+        names = [stage]
     ctx = RunContext(m, force=force, limit=limit)
     from pipeline.report.build import record_stage
 
@@ -104,23 +107,29 @@ def run(
 
 def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bool, location: str | None = None) -> None:
     """The end of `run all`: each stage's rows, errors and time, where the artifacts, the log and the report are."""
-    from pipeline.report.build import main_rows
+    from pipeline.counts import fmt_count
     from pipeline.report.formatting import fmt_num, fmt_seconds
     from pipeline.stage import registry
 
     reg = registry()
     location = location or str(output)
-    lines = ["", f"run all: {len(names)} stages done; artifacts under {location.rstrip('/')}/", f"  {'stage':24s} {'artifact':14s} {'rows':>8s} {'errors':>7s} {'time':>8s}"]
+    lines = ["", f"run all: {len(names)} stages done; artifacts under {location.rstrip('/')}/",
+             f"  {'stage':24s} {'artifact':14s} {'count':>19s} {'errors':>7s} {'time':>8s}"]
     for name in names:
         s = ctx.summaries.get(name, {})
-        try:
+        try:  # the artifact's one count (pipeline/counts.py), as `pipeline status` and the report show it
             am = json.loads((output / reg[name].writes[0] / "_manifest.json").read_text())
-            rows, errors = main_rows(am), am["errors"]["rows"]
+            count, errors = fmt_count(am), am["errors"]["rows"]
         except (OSError, ValueError, KeyError):
-            rows, errors = None, s.get("errors")
-        lines.append(f"  {name:24s} {reg[name].writes[0]:14s} {fmt_num(rows) if rows is not None else '-':>8s} "
+            count, errors = "-", s.get("errors")
+        lines.append(f"  {name:24s} {reg[name].writes[0]:14s} {count:>19s} "
                      f"{fmt_num(errors) if errors is not None else '-':>7s} {fmt_seconds(s.get('seconds', 0)):>8s}")
     total = sum(ctx.summaries.get(n, {}).get("seconds", 0) for n in names)
+    from pipeline.models.scene_oracle import oracle_roles, provenance_line
+
+    roles = oracle_roles(ctx.manifest.models)
+    if roles:  # the demo and the testbed: say where the features come from
+        lines.append(f"  {provenance_line(roles)}")
     lines.append(f"  total {fmt_seconds(total)}; log: {output / '_logs' / 'run-all.log'}; rejected rows: <artifact>/errors/errors.parquet")
     if report:
         from pipeline.report import build_report

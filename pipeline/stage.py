@@ -40,6 +40,7 @@ from pipeline.io.artifacts import (
     release_lock,
 )
 from pipeline.crashes import REASON as WORKER_CRASHED
+from pipeline.counts import unit_rows
 from pipeline.crashes import SampleSplit
 from pipeline.errors import RayStartError, StageError, describe_exception, model_key  # noqa: F401 (the stages' API)
 from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
@@ -300,13 +301,15 @@ class _Progress:
     def __init__(self, desc: str, total_units: int, total_rows: int | None):
         self.desc, self.total_units, self.total_rows = desc, total_units, total_rows
         self.units = self.rows = 0
+        self.unit = "rows"  # what the rows are (pipeline/counts.py: images, concept rows, ...)
         self.t0 = time.perf_counter()
         self.tty = sys.stderr.isatty()
         self._last = 0.0
 
-    def update(self, rows: int) -> None:
+    def update(self, rows: int, unit: str = "rows") -> None:
         self.units += 1
         self.rows += rows
+        self.unit = unit
         now = time.perf_counter()
         if not self.tty and now - self._last < 2.0 and self.units < self.total_units:
             return
@@ -314,14 +317,14 @@ class _Progress:
         dt = max(now - self.t0, 1e-9)
         rate = self.rows / dt
         by_units = dt / self.units * (self.total_units - self.units)
-        if self.total_rows and rate > 0 and self.rows < self.total_rows:
+        if self.total_rows and self.unit == "rows" and rate > 0 and self.rows < self.total_rows:
             eta = (self.total_rows - self.rows) / rate
         else:  # no row estimate, or the estimate was exceeded: the shards left say how long
             eta = by_units
         eta = 0.0 if self.units >= self.total_units else max(0.0, eta)
         msg = (
-            f"{self.desc}: {self.units}/{self.total_units} shards, {self.rows:,} rows, "
-            f"{rate:,.1f} rows/s, ETA {format_seconds(eta)}"
+            f"{self.desc}: {self.units}/{self.total_units} shards, {self.rows:,} {self.unit}, "
+            f"{rate:,.1f} {self.unit}/s, ETA {format_seconds(eta)}"
         )
         if self.tty:
             end = "\n" if self.units == self.total_units else ""
@@ -391,7 +394,7 @@ def run_units(
         ):
             if result.get("failed"):
                 failed.append((result.get("unit", "?"), result["failed"]))
-            progress.update(int(result.get("stats", {}).get("rows", 0)))
+            progress.update(*unit_rows(writer.stage, result))  # the count `pipeline status` shows
     raise_failed_units(writer, failed)
     return names
 

@@ -31,8 +31,9 @@ class ArtifactState:
     stage: str
     state: str  # one of STATES
     detail: str = ""
-    rows: int | None = None
+    rows: int | None = None  # pipeline/counts.py: the artifact's one count, of ``unit``
     created: str = ""
+    unit: str = "rows"
 
 
 def writers() -> dict[str, str]:
@@ -71,7 +72,9 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
             st = ArtifactState(name, stage, "corrupt", f"_manifest.json is not valid JSON ({e}): rerun `pipeline run {stage}`")
         seen[name] = st
         return st
-    rows = sum(int(t.get("rows", 0)) for t in man.get("tables", {}).values())
+    from pipeline.counts import artifact_count
+
+    rows, unit = artifact_count(man)  # the number the run summary, progress lines and report show
     created = str(man.get("created", ""))
     reasons = []
     for inp, fp in sorted((man.get("input_fingerprints") or {}).items()):
@@ -88,16 +91,16 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         elif up.state in ("stale", "corrupt"):
             reasons.append(f"its input {inp} is {up.state}")
     if reasons:
-        st = ArtifactState(name, stage, "stale", "; ".join(reasons) + f": rerun `pipeline run {stage}`", rows, created)
+        st = ArtifactState(name, stage, "stale", "; ".join(reasons) + f": rerun `pipeline run {stage}`", rows, created, unit)
     else:
-        st = ArtifactState(name, stage, "complete", "", rows, created)
+        st = ArtifactState(name, stage, "complete", "", rows, created, unit)
         if verify:
             bad = art.problems()
             if bad:
                 rel, why = bad[0]
                 more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
                 st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: `pipeline verify --fix {loc}`, "
-                                   f"then rerun `pipeline run {stage}`", rows, created)
+                                   f"then rerun `pipeline run {stage}`", rows, created, unit)
     seen[name] = st
     return st
 
@@ -139,8 +142,9 @@ def require_fresh(manifest, names, who: str) -> None:
 
 def format_states(states: list[ArtifactState]) -> str:
     width = max([len(s.name) for s in states] + [8])
-    lines = [f"{'artifact':{width}}  {'state':10}  {'rows':>10}  {'stage':22}  detail"]
-    for s in states:
-        rows = f"{s.rows:,}" if s.rows is not None else "-"
-        lines.append(f"{s.name:{width}}  {s.state:10}  {rows:>10}  {s.stage:22}  {s.detail}")
+    counts = [f"{s.rows:,} {s.unit}" if s.rows is not None else "-" for s in states]
+    cw = max([len(c) for c in counts] + [5])
+    lines = [f"{'artifact':{width}}  {'state':10}  {'count':>{cw}}  {'stage':22}  detail"]
+    for s, count in zip(states, counts):
+        lines.append(f"{s.name:{width}}  {s.state:10}  {count:>{cw}}  {s.stage:22}  {s.detail}".rstrip())
     return "\n".join(lines)

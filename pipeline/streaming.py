@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from pipeline.counts import unit_rows
 from pipeline.io.artifacts import ArtifactWriter
 from pipeline.stage import StageError, check_error_rate, format_seconds, raise_failed_units
 
@@ -70,6 +71,7 @@ def run_units_stream(ctx, writer: ArtifactWriter, units: Iterable[tuple[str, obj
     failed: list[tuple[str, str]] = []
     t0 = last = time.perf_counter()
     finished = rows = 0
+    unit = "rows"
     def waves() -> Iterator[dict]:
         """pipeline.stage.map_units over consecutive waves of pending units: one wave in the
         driver at a time (Ray starts with the first pending unit; none when all are complete)."""
@@ -90,13 +92,14 @@ def run_units_stream(ctx, writer: ArtifactWriter, units: Iterable[tuple[str, obj
         finished += 1
         if result.get("failed"):
             failed.append((result.get("unit", "?"), result["failed"]))
-        rows += int(result.get("stats", {}).get("rows", 0))
+        n, unit = unit_rows(writer.stage, result)  # the count `pipeline status` shows (images for ingest)
+        rows += n
         now = time.perf_counter()
         if now - last >= 2.0:
             last = now
-            log.info("%s: %d shards done (%d read so far, %d already complete), %s rows, %.1f rows/s, %s",
-                     writer.artifact, finished, counts["pending"], counts["done"], f"{rows:,}", rows / max(now - t0, 1e-9),
-                     format_seconds(now - t0))
+            log.info("%s: %d shards done (%d read so far, %d already complete), %s %s, %.1f %s/s, %s",
+                     writer.artifact, finished, counts["pending"], counts["done"], f"{rows:,}", unit,
+                     rows / max(now - t0, 1e-9), unit, format_seconds(now - t0))
     log.info("%s: %d shards done, %d already complete", writer.artifact, counts["pending"], counts["done"])
     writer.prune(set(names))
     if input_rows is not None and writer.input_rows is None:

@@ -4,7 +4,7 @@
     train sweep <job> --manifest M --grid GRID.yaml --seeds K [--max-concurrent M]
     train eval <job> --checkpoint C|RUN_DIR --manifest M [--bench NAME ...]
     train compare RUN_DIR [RUN_DIR ...] [--over-seeds | --paper PAPER]
-    train list
+    train list [JOB]
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipeline.cli_help import did_you_mean, typer_settings
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
-                  help="Lean trainer over pipeline artifacts.")
+                  help="Lean trainer over pipeline artifacts.", **typer_settings())
 
 ManifestOpt = Annotated[Path, typer.Option("--manifest", "-m", help="run description (YAML)")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a manifest key: a.b=c (repeatable)")]
@@ -44,7 +46,7 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
 
     reg = registry()
     if name not in reg:
-        _fail(f"unknown job {name!r}; jobs: {', '.join(reg) or '(none)'}")
+        _fail(did_you_mean("job", name, list(reg)))
     try:
         m = load_manifest(manifest, overrides or [])
     except ManifestError as e:
@@ -133,12 +135,14 @@ def run(
 ) -> None:
     """Train a job on the manifest's artifacts (resumes from the run's last checkpoint when it has
     the same training configuration; another configuration's checkpoint is refused). With
-    ``--workers N`` (N > 1): data-parallel on Ray Train (train/distributed.py)."""
+    --workers N (N > 1): data-parallel on Ray Train (train/distributed.py). The job's own options
+    (train.<job>.<option>, set with --set) and their defaults: train list <job>."""
     if job == "all":
         return _run_all(manifest, list(set_ or []), fresh, progress, max_steps)
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.io.lock import FolderBusy
-    from train.loop import RunMismatch, fresh_hint, restore_previous, train
+    from pipeline.io.artifacts import CorruptArtifact
+    from train.loop import EvaluationInputCorrupt, RunMismatch, fresh_hint, restore_previous, train
 
     key = f"train.{job.replace('-', '_')}"
     set_ = list(set_ or []) + ([f"{key}.workers={workers}"] if workers is not None else []) + \
@@ -159,6 +163,8 @@ def run(
         _fail(str(e))
     except CheckpointError as e:  # a truncated, foreign or refused checkpoints/last.pt
         _fail(f"{e}; the run cannot resume from it: {fresh_hint(job, j.run_dir)}")
+    except (EvaluationInputCorrupt, CorruptArtifact) as e:  # an input changed since it was written: named, with the fix
+        _fail(str(e))
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -205,6 +211,10 @@ def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, 
     from train.summary import runs_table
 
     typer.echo("\n" + runs_table(done, failed))
+    from pipeline.models.scene_oracle import oracle_roles, provenance_line
+
+    if oracle_roles(m.models):  # the demo and the testbed: where the features the jobs learnt from come from
+        typer.echo(provenance_line(oracle_roles(m.models)))
 
     try:
         typer.echo(f"report: {build_report(storage.local_path(m.output), str(manifest), m)}")
@@ -320,14 +330,15 @@ def compare(
                                                  "ordering against the paper's")] = None,
 ) -> None:
     """One table across runs (jobs, variants, seeds), chance level beside each metric. With
-    ``--paper``: the paper's ablation table on the runs (train/paper_tables.py)."""
+    --paper: the paper's ablation table on the runs (train/paper_tables.py)."""
+    from pipeline.io.run_files import CorruptRunFile
     from train.eval.harness import compare as _compare
     from train.paper_tables import PaperTableError, compare_paper
     from train.seeds_table import seeds_table
 
     try:
         typer.echo(compare_paper(paper, runs) if paper else seeds_table(runs) if over_seeds else _compare(runs))
-    except (FileNotFoundError, PaperTableError) as e:
+    except (FileNotFoundError, PaperTableError, CorruptRunFile) as e:  # CorruptRunFile: every run was skipped
         _fail(str(e))
 
 
@@ -360,7 +371,9 @@ def sweep(
     except (GridError, ManifestError) as e:
         _fail(str(e))
     except AttributeError:
-        _fail(f"unknown job {job!r}")
+        from train.registry import registry
+
+        _fail(did_you_mean("job", job, list(registry())))
     if len(set(runs)) < len(runs):
         _fail(f"grid {grid}: two trials share a run folder (a value equal to the default under two spellings?)")
     try:
@@ -378,12 +391,25 @@ def sweep(
 
 
 @app.command("list")
-def list_() -> None:
-    """Jobs and what they read."""
+def list_(job: Annotated[Optional[str], typer.Argument(help="a job: its options, defaults and what each does")] = None) -> None:
+    """Jobs and what they read; with a job, its options (train.<job>.<option>) and their defaults."""
+    import textwrap
+
+    from pipeline.cli_help import help_width, option_lines
     from train.registry import registry
 
-    for name, mod in registry().items():
-        typer.echo(f"{name:16s} reads {', '.join(getattr(mod, 'READS', []))}")
+    reg = registry()
+    if job is None:
+        for name, mod in reg.items():
+            typer.echo(f"{name:16s} reads {', '.join(getattr(mod, 'READS', []))}")
+        return
+    if job not in reg:
+        _fail(did_you_mean("job", job, list(reg)))
+    key = job.replace("-", "_")
+    typer.echo(textwrap.fill(f"{job}: reads {', '.join(getattr(reg[job], 'READS', []))}. Its options, set under "
+                             f"train.{key} in the manifest or with --set train.{key}.<option>=<value> (option, default, "
+                             "what it does):", help_width(), break_on_hyphens=False))
+    typer.echo("\n".join(option_lines(reg[job].Config)))
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 
+from pipeline.cli_help import clip
 from pipeline.io.artifacts import Artifact
 from pipeline.io.wds import iter_shard
 from pipeline.stage import registry
@@ -19,9 +20,9 @@ def _describe_value(v) -> str:
     if isinstance(v, np.ndarray):
         return f"array{list(v.shape)} {v.dtype}"
     if isinstance(v, (dict, list)):
-        return f"json {json.dumps(v, default=str)[:80]}"
+        return f"json {clip(json.dumps(v, default=str), 80)}"
     if isinstance(v, str):
-        return f"text {v[:60]!r}"
+        return f"text {clip(repr(v), 62)}"
     return f"{type(v).__name__} ({len(v)} bytes)" if isinstance(v, bytes) else repr(v)
 
 
@@ -38,7 +39,12 @@ def describe(art: Artifact, rows: int, fmt) -> str:
         flag = " (random weights)" if rec.get("random_weights") else ""
         out.append(f"model      {role}: {rec.get('spec')}{flag} sha256={str(rec.get('weights_sha256'))[:16]}")
     params = {k: v for k, v in (m.get("parameters") or {}).items() if k != "dataset"}
-    out.append(f"parameters {json.dumps(params, default=str)[:400]}")
+    # cut with an ellipsis (`pipeline inspect --json` prints them whole)
+    out.append(f"parameters {clip(json.dumps(params, default=str), 400)}")
+    from pipeline.counts import counted_table, fmt_count
+
+    table = counted_table(m.get("stage", ""), m.get("tables") or {})[0]
+    out.append(f"count      {fmt_count(m)} (table {table}: the count `pipeline status` and the report show)")
     out.append(f"errors     {m['errors']['rows']} rows in {m['errors']['path']}")
     for table, info in m["tables"].items():
         out.append("")
@@ -74,7 +80,7 @@ def describe(art: Artifact, rows: int, fmt) -> str:
         out.append("first errors:")
         for row in errors.slice(0, rows).to_pylist():
             ids = ", ".join(f"{k}={row[k]}" for k in ("sample_id", "caption_id", "source_id") if row[k] is not None)
-            out.append(f"  [{row['reason']}] {ids}: {row['detail'][:120]}")
+            out.append(f"  [{row['reason']}] {ids}: {clip(row['detail'], 120)}")
     try:
         spec = registry().get(m["stage"])
         view = getattr(spec.module, "inspect_view", None) if spec else None

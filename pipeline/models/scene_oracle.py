@@ -48,6 +48,18 @@ def is_oracle(spec) -> bool:
     return isinstance(spec, str) and spec.strip().lower() == SPEC
 
 
+def oracle_roles(models) -> list[str]:
+    """The ``models.<role>`` of a manifest (its ``models`` section) that are the scene-oracle."""
+    return [role for role, spec in (models.model_dump() if hasattr(models, "model_dump") else dict(models)).items()
+            if is_oracle(spec)]
+
+
+def provenance_line(roles: list[str]) -> str:
+    """The line a run's summary prints when its features come from the instrument, not from pixels."""
+    return (f"features: scene-oracle ({', '.join(f'models.{r}' for r in roles)}): computed from the generated scenes' "
+            "ground truth, not from pixels: a testbed instrument, not a trained encoder (docs/testbed.md)")
+
+
 def require_generated(manifest, role: str) -> None:
     """One line, raised before any work, when ``scene-oracle`` is asked for outside the generated dataset."""
     from pipeline.errors import StageError

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.counts import artifact_count
 from pipeline.report import figures as F
 from pipeline.report.formatting import fmt_bytes, fmt_num, fmt_seconds, fmt_value
 from pipeline.report.training import training_section
@@ -154,7 +155,7 @@ def _stage_info(spec, art, runlog_stage: dict | None, manifest_path: str | None,
     info.update(
         created=m.get("created"), code_version=m.get("code_version"), fingerprint=str(m.get("fingerprint", ""))[:16],
         tables=[{"name": t, "rows": v["rows"], "files": v["files"]} for t, v in (m.get("tables") or {}).items()],
-        rows=main_rows(m), shards=m.get("units", 0), errors=errors.num_rows, errors_by_reason=by_reason,
+        rows=main_rows(m), rows_unit=artifact_count(m)[1], shards=m.get("units", 0), errors=errors.num_rows, errors_by_reason=by_reason,
         timings=timings, stats=other_stats, models=models, random_weights=list(m.get("random_weights") or []),
         parameters=json.dumps(params, indent=1, default=str, sort_keys=True), disk=fmt_bytes(disk_usage(art.dir)),
         seconds=(runlog_stage or {}).get("seconds"), path=str(art.dir),
@@ -164,11 +165,8 @@ def _stage_info(spec, art, runlog_stage: dict | None, manifest_path: str | None,
 
 
 def main_rows(m: dict) -> int:
-    tables = m.get("tables") or {}
-    for t in ("negatives", "concepts", "image_negatives", "samples", "shards"):
-        if t in tables:
-            return int(tables[t]["rows"])
-    return int(next(iter(tables.values()))["rows"]) if tables else 0
+    """The artifact's one count (pipeline/counts.py: what `pipeline status` and `run all` show)."""
+    return artifact_count(m)[0]
 
 
 # --------------------------------------------------------------------------- artifact sections
@@ -464,9 +462,10 @@ def build_report(output: str | Path, manifest_path: str | Path | None = None, ma
 
     training = training_section(output, out, manifest_path)
     random_models = sorted({f"{m['role']} ({m['spec']})" for s in stages for m in s.get("models", []) if m["random"]})
+    oracle_models = sorted({m["role"] for s in stages for m in s.get("models", []) if m["detail"].get("testbed_instrument")})
     overview = {
         "rows": [(s["stage"], s["artifact"], s.get("rows"), s.get("shards"), s.get("errors"), s.get("seconds"), s["present"],
-                  bool(s.get("random_weights"))) for s in stages],
+                  bool(s.get("random_weights")), s.get("rows_unit", "")) for s in stages],
         "total_errors": sum(s.get("errors") or 0 for s in stages),
         "total_seconds": sum(s.get("seconds") or 0 for s in stages),
         "missing": [s["artifact"] for s in stages if not s["present"]],
@@ -478,7 +477,7 @@ def build_report(output: str | Path, manifest_path: str | Path | None = None, ma
     html = env.get_template("report.html.j2").render(
         title=f"vlpipe run report: {output.name}", output=str(output), manifest=manifest_path,
         created=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        stages=stages, sections=sections, training=training, overview=overview, random_models=random_models,
+        stages=stages, sections=sections, training=training, overview=overview, random_models=random_models, oracle_models=oracle_models,
         section_ids=SECTION_IDS,
     )
     from pipeline.io.atomic import write_bytes_atomic

@@ -1,0 +1,63 @@
+"""One row count per artifact, and what one row is: the number `pipeline status`, the end of
+`pipeline run all`, a stage's progress lines and the run report all print for an artifact.
+
+An artifact holds several tables (``samples`` has images, captions, instances, phrases and
+relations); summing them, or picking a different one in each place, made the same artifact show
+1,393 rows in one place and 63 in another. Each stage's artifact is counted by one table instead,
+named here with the unit it counts (``400 images``, ``10,274 concept rows``).
+"""
+
+from __future__ import annotations
+
+# stage -> (the table counted, what one of its rows is)
+COUNTED: dict[str, tuple[str, str]] = {
+    "ingest": ("samples", "images"),
+    "extract-clip-tokens": ("images", "images"),
+    "extract-image-groups": ("images", "images"),
+    "extract-regions": ("shards", "images"),
+    "extract-visual-tokens": ("shards", "images"),
+    "build-index": ("image_negatives", "images"),
+    "mine-concepts": ("concepts", "concept rows"),
+    "encode-concepts": ("index", "concepts"),
+    "negative-captions": ("negatives", "nouns"),
+}
+
+
+def counted_table(stage: str, tables: dict) -> tuple[str | None, str]:
+    """(table, unit) of a stage's artifact whose manifest lists ``tables``: the table of
+    :data:`COUNTED`, else (a stage not listed) the first table, counted as ``rows``."""
+    table, unit = COUNTED.get(stage, (None, "rows"))
+    if table in tables:
+        return table, unit
+    return (next(iter(tables), None), "rows")
+
+
+def artifact_count(manifest: dict) -> tuple[int, str]:
+    """(rows, unit) of a finished artifact from its ``_manifest.json``: ``(400, "images")``."""
+    tables = manifest.get("tables") or {}
+    table, unit = counted_table(manifest.get("stage", ""), tables)
+    return (int(tables[table]["rows"]) if table is not None else 0), unit
+
+
+def unit_rows(stage: str, result: dict) -> tuple[int, str]:
+    """(rows, unit) that one finished unit of ``stage`` wrote, for its progress line: the rows of
+    the counted table in the result's ``files`` (``(100, "images")``); a unit of another phase of
+    the stage, which writes other tables (encode-concepts' membership), counts its first table by
+    name (``(10274, "membership rows")``); a result without files, its ``stats.rows``."""
+    table, unit = COUNTED.get(stage, (None, "rows"))
+    files = [f for f in result.get("files") or [] if isinstance(f, dict) and "table" in f]
+    if result.get("failed"):
+        return 0, unit
+    if not files:
+        return int((result.get("stats") or {}).get("rows", 0)), "rows"
+    if table is None:
+        return int((result.get("stats") or {}).get("rows", 0)), "rows"
+    if not any(f["table"] == table for f in files):
+        table, unit = files[0]["table"], f"{files[0]['table']} rows"
+    return sum(int(f.get("rows", 0)) for f in files if f["table"] == table), unit
+
+
+def fmt_count(manifest: dict) -> str:
+    """``"400 images"``: the count with its unit, thousands separated."""
+    n, unit = artifact_count(manifest)
+    return f"{n:,} {unit}"
