@@ -145,3 +145,51 @@ def test_readme_tour_runs_as_written(tmp_path):
 
 def shell_blocks_of(text: str) -> list[str]:
     return [body for lang, body in FENCE.findall(text) if lang in ("bash", "sh", "shell")]
+
+
+# --------------------------------------------------------------------------- every path a page names exists
+CODE_SPAN = re.compile(r"`([^`\s]+)`")
+TOP_DIRS = ("pipeline/", "train/", "tests/", "benchmarks/", "manifests/", "grids/", "docker/", "docs/", ".ci/")
+FILE_LIKE = re.compile(r".*(\.(py|yaml|yml|md|j2|toml|json|txt|sh|csv|png)|/)")
+SOURCE_FILES = {p.name for d in ("pipeline", "train", "benchmarks", "tests") for p in (REPO / d).rglob("*.py")}
+
+
+def _named_paths(text: str):
+    """Repository paths in code spans (`train/jobs/c3/model.py`, `pipeline/loaders/`), without
+    placeholders, globs or run folders (`train/<job>/...` under an output has no extension)."""
+    for tok in CODE_SPAN.findall(text):
+        tok = tok.rstrip(".,:;")
+        if tok.startswith(TOP_DIRS) and FILE_LIKE.fullmatch(tok) and not re.search(r"[<>*{}$]", tok):
+            yield tok
+
+
+def _job_files(text: str):
+    """(package, file) for the bare file names (`model.py`, `ot/`) of a paragraph or table row that
+    names exactly one job package (`train/jobs/concept_ot/`)."""
+    units = [x for x in text.splitlines() if x.startswith("|")]
+    units += [p for p in re.split(r"\n\s*\n", text) if not p.lstrip().startswith("|")]
+    for unit in units:
+        pkgs = re.findall(r"`(train/jobs/\w+/)`", unit)
+        if len(pkgs) == 1:
+            for tok in CODE_SPAN.findall(unit):
+                if re.fullmatch(r"\w+\.py|\w+/", tok):
+                    yield pkgs[0], tok
+
+
+@pytest.mark.parametrize("page", [*PAGES, REPO / "BENCHMARKS.md"], ids=lambda p: str(p.relative_to(REPO)))
+def test_named_paths_and_job_files_exist(page):
+    """Every repository path a page names exists, and every file it names beside a job package is in
+    that package (or, for a module of another folder it names in passing, somewhere in the source):
+    docs/jobs/concept-ot.md naming `ot.py` after it became the package `ot/` fails here."""
+    text = page.read_text()
+    for path in _named_paths(text):
+        assert (REPO / path).exists(), f"{page.relative_to(REPO)}: `{path}` does not exist"
+    for pkg, name in _job_files(text):
+        inside = (REPO / pkg / name).exists() or any((REPO / pkg).rglob(name.rstrip("/")))
+        assert inside or name in SOURCE_FILES, f"{page.relative_to(REPO)}: `{name}` is not in {pkg} (nor anywhere in the source)"
+
+
+def test_every_job_package_has_its_two_files():
+    """docs/ARCHITECTURE.md, A job package: every job has __init__.py and job.py."""
+    for pkg in sorted(p for p in (REPO / "train" / "jobs").iterdir() if p.is_dir() and not p.name.startswith("_")):
+        assert (pkg / "__init__.py").is_file() and (pkg / "job.py").is_file(), pkg
