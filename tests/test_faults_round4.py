@@ -357,3 +357,110 @@ def test_a_corrupt_last_checkpoint_is_refused_and_resume_previous_goes_back_one(
     assert r.exit_code == 2 and f"checkpoint {prev}: its sha256" in r.output
     r = _cli(monkeypatch, _Steps(run), "--resume", "previous", "--fresh")
     assert r.exit_code == 2 and "not with --fresh" in r.output
+
+
+# --- an evaluation that cannot score a corrupt input fails the run; tables across runs skip a corrupt one ----
+
+
+class _CorruptEval(_Steps):
+    """Its final evaluation reads an input that is not the bytes written (what a truncated samples
+    Parquet raises from the harness)."""
+
+    broken = True
+
+    def evaluate(self, model, out_dir):
+        if self.broken and out_dir.name == "final":
+            raise CorruptArtifact("runs/x/samples/samples/samples-00000.parquet: 100 bytes, recorded 2000 since "
+                                  "`ingest` wrote it; artifact samples is not read until it is redone: run "
+                                  "`pipeline verify --fix runs/x/samples`, then `pipeline run ingest`")
+        return super().evaluate(model, out_dir)
+
+
+def test_a_final_evaluation_on_a_corrupt_input_exits_2_keeping_the_trained_model(tmp_path, monkeypatch):
+    import train.loop
+
+    monkeypatch.setattr(train.loop, "plot_metrics", lambda *a, **k: None)
+    run = tmp_path / "run"
+    r = _cli(monkeypatch, _CorruptEval(run))
+    assert r.exit_code == 2, r.output
+    err = [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "samples-00000.parquet: 100 bytes, recorded 2000" in err[0]
+    assert "pipeline verify --fix" in err[0] and f"the trained model is kept in {run / 'checkpoints' / 'final.pt'}" in err[0]
+    assert "Traceback" not in r.output
+    assert load_checkpoint(run / "checkpoints" / "final.pt")["step"] == 12
+    assert not (run / "eval" / "final" / "metrics.json").exists()  # not a finished run: a sweep reruns it
+    fixed = _CorruptEval(run)
+    fixed.broken = False
+    r = _cli(monkeypatch, fixed)  # the input redone: the same command evaluates the kept model
+    assert r.exit_code == 0, r.output
+    assert "already trained 12 of 12 steps" in r.output and (run / "eval" / "final" / "metrics.json").is_file()
+
+
+def _results_run(root: Path, name: str, value: float, seed: int = 0) -> Path:
+    from train.eval.harness import write_results
+
+    run = root / name
+    (run / "eval" / "final").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"variant": "conceptot", "epochs": 3.0, "max_steps": 5, "lr": 1e-5,
+                                                 "device": "cpu", "seed": seed}))
+    write_results([{"job": "concept-ot", "variant": "conceptot", "checkpoint": "c", "step": 5, "benchmark": "sugarcrepe",
+                    "subset": "all", "metric": "accuracy", "value": value, "n": 300, "chance": 50.0, "skipped": 0,
+                    "skip_reasons": "{}", "unit": "%", "note": "", "ci_low": value - 3, "ci_high": value + 3}],
+                  run / "eval" / "final")
+    (run / "eval" / "final" / "metrics.json").write_text(json.dumps({"loss": 0.5}))
+    return run
+
+
+CORRUPT_FILES = {
+    "results.parquet": ("eval/final/results.parquet", lambda p: p.write_bytes(p.read_bytes()[:40]), "Parquet"),
+    "metrics.json": ("eval/final/metrics.json", lambda p: p.write_text('{"loss": 0.'), "JSON"),
+    "config.json": ("config.json", lambda p: p.write_bytes(b'{"seed": "\xff\xfe"}'), "JSON"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPT_FILES))
+def test_tables_across_runs_skip_a_run_folder_with_a_corrupt_file_naming_it(tmp_path, kind):
+    from typer.testing import CliRunner
+
+    import train.cli
+
+    good = [_results_run(tmp_path, f"s{s}", 60.0 + s, s) for s in range(2)]
+    bad = _results_run(tmp_path, "bad", 99.0, 2)
+    rel, corrupt, what = CORRUPT_FILES[kind]
+    corrupt(bad / rel)
+    for extra in ([], ["--over-seeds"], ["--paper", "concept-ot"]):
+        if kind == "config.json" and not extra:
+            continue  # plain compare reads config.json only for the seed in a column's label
+        if kind == "metrics.json" and not extra:
+            continue  # plain compare reads results.parquet only
+        r = CliRunner().invoke(train.cli.app, ["compare", *map(str, good + [bad]), *extra])
+        assert r.exit_code == 0, (extra, r.output)
+        note = next(x for x in r.output.splitlines() if x.startswith("skipped 1 run folder(s) with a corrupt file"))
+        assert f"{bad / rel}: corrupt or unreadable {what}" in note, (extra, r.output)
+        assert "Traceback" not in r.output and "99.0" not in r.output.replace(str(bad), "")
+        assert "60" in r.output  # the good runs are still counted
+        r = CliRunner().invoke(train.cli.app, ["compare", str(bad), *extra])  # nothing left: one line, exit 2
+        if extra[:1] == ["--paper"]:  # the paper's table with no run counted, as for runs matching no row
+            assert r.exit_code == 0 and "skipped 1 run folder(s)" in r.output and str(bad / rel) in r.output
+        else:
+            assert r.exit_code == 2 and str(bad / rel) in r.output, (extra, r.output)
+
+
+@pytest.mark.parametrize("kind", list(CORRUPT_FILES))
+def test_the_reports_training_section_skips_a_run_folder_with_a_corrupt_file(tmp_path, kind, caplog):
+    from types import SimpleNamespace
+
+    from pipeline.report.training import training_section
+
+    root = tmp_path / "out" / "train" / "concept-ot"
+    good, bad = _results_run(root, "good", 61.0), _results_run(root, "bad", 99.0)
+    rel, corrupt, what = CORRUPT_FILES[kind]
+    corrupt(bad / rel)
+    if kind == "metrics.json":  # the report reads it for an evaluation without a harness table
+        (bad / "eval" / "final" / "results.parquet").unlink()
+    img = tmp_path / "out" / "report" / "img"
+    out = SimpleNamespace(img=img, rel=lambda p: str(p))
+    sec = training_section(tmp_path / "out", out, "m.yaml")
+    assert [r["dir"] for r in sec["runs"]] == [str(good)]
+    assert len(sec["skipped"]) == 1 and sec["skipped"][0].startswith(f"{bad / rel}: corrupt or unreadable {what}")
+    assert any(str(bad / rel) in m for m in caplog.messages)

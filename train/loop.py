@@ -66,6 +66,7 @@ import torch
 
 from pipeline.io.checkpoint import load_checkpoint as _load_checkpoint
 from pipeline.io.atomic import remove_stale_tmp, write_bytes_atomic
+from pipeline.io.artifacts import CorruptArtifact
 from pipeline.io.checkpoint import CheckpointError, save_checkpoint_file
 from pipeline.io.lock import lock_folder, unlock_folder
 from train import tracking
@@ -250,6 +251,11 @@ def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_aft
     if not run.train_steps(progress, stop_after):
         return {"interrupted_at": run.step}
     return run.finish()
+
+
+class EvaluationInputCorrupt(RuntimeError):
+    """The final evaluation could not score because an input artifact is corrupt (one line naming
+    the file and the fix); the trained checkpoints are kept."""
 
 
 class _Window:
@@ -498,13 +504,18 @@ class _Run:
         elif self.dist.writer:
             save_checkpoint(self.ckpt_dir / "final.pt", {"model": self.model.state_dict(), "step": 0, "epoch": 0,
                                                          "batch_in_epoch": 0, "config": self.run_cfg.model_dump(mode="json")})
-        res = self.run_eval("final")
-        if not self.dist.writer:
-            return res
         final = self.run_dir / "eval" / "final"
-        final.mkdir(parents=True, exist_ok=True)
-        if getattr(self.cfg, "benchmarks_at_end", False):
-            final_benchmarks(self.job, self.model, final, self.ckpt_dir / "final.pt", self.step)
+        try:
+            res = self.run_eval("final")
+            if not self.dist.writer:
+                return res
+            final.mkdir(parents=True, exist_ok=True)
+            if getattr(self.cfg, "benchmarks_at_end", False):
+                final_benchmarks(self.job, self.model, final, self.ckpt_dir / "final.pt", self.step)
+        except CorruptArtifact as e:  # no metrics.json: the next `train run` evaluates the kept model again
+            raise EvaluationInputCorrupt(
+                f"{e}; the final evaluation could not score (the trained model is kept in {self.ckpt_dir / 'final.pt'}: "
+                "once the input is redone, the same `train run` evaluates it, nothing is retrained)") from None
         # written last: a run is finished once its eval/final/metrics.json exists (train sweep skips it)
         write_bytes_atomic(final / "metrics.json", json.dumps(res, indent=1).encode())
         return res
@@ -512,7 +523,8 @@ class _Run:
 
 def final_benchmarks(job: Job, model: torch.nn.Module, out_dir: Path, checkpoint: Path, step: int) -> None:
     """The harness (train/eval/harness.py) on the final model: eval/final/results.parquet, the
-    table `train compare` reads. Problems are reported, never fail a finished training run."""
+    table `train compare` reads. Problems are reported, never fail a finished training run, except a
+    corrupt input artifact (:class:`CorruptArtifact`): nothing could be scored from it."""
     from train.eval.harness import run_harness
 
     has_own = type(job).job_metrics is not Job.job_metrics
@@ -520,6 +532,8 @@ def final_benchmarks(job: Job, model: torch.nn.Module, out_dir: Path, checkpoint
         return
     try:
         table, errors = run_harness(job, model, job.manifest, out_dir, checkpoint=str(checkpoint), step=step)
+    except CorruptArtifact:  # an input that is not the bytes written: the run fails (_Run.finish), the model is kept
+        raise
     except Exception as e:  # noqa: BLE001 - report, keep the trained model
         print(f"benchmarks: not scored ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
               file=sys.stderr)

@@ -212,6 +212,7 @@ class Collected:
     other: list[str] = field(default_factory=list)  # "<run> (<key>=<value>, ...)": outside the common options
     shared: dict = field(default_factory=dict)      # the options the counted runs set outside the rows' keys
     not_runs: list[str] = field(default_factory=list)  # folders without config.json
+    corrupt: list[str] = field(default_factory=list)   # "<file>: <problem>": run folders skipped (issue 40)
 
 
 def _defaults(table: PaperTable) -> tuple[dict[str, dict], frozenset[str]]:
@@ -241,6 +242,7 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
     share the options they set outside the rows' keys (``--set`` of the sweep: steps, batch size):
     the set shared by the runs of most rows (then most runs) is kept, runs with other ones (a
     control, another learning rate) are listed in ``other`` and not counted."""
+    from pipeline.io.run_files import CorruptRunFile
     from train.seeds_table import _options, final_rows
 
     out = Collected({}, {}, [], [])
@@ -251,7 +253,11 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
         if not (run / "config.json").is_file():  # e.g. <job>/sweeps (Tune's folder) in a glob of run folders
             out.not_runs.append(str(run))
             continue
-        opts = _options(run)
+        try:
+            opts = _options(run)
+        except CorruptRunFile as e:
+            out.corrupt.append(str(e))
+            continue
         row = match_row(table, opts)
         if row is None:
             out.unmatched.append(str(run))
@@ -268,7 +274,11 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
             diff.update({k: "(default)" for k in out.shared if k not in rest})
             out.other.append(f"{run} ({', '.join(f'{k}={v}' for k, v in sorted(diff.items()))})")
             continue
-        results = final_rows(run)
+        try:
+            results = final_rows(run)
+        except CorruptRunFile as e:
+            out.corrupt.append(str(e))
+            continue
         if not results:
             out.without_eval.append(str(run))
             continue
@@ -399,4 +409,8 @@ def compare_paper(paper: str, runs: list[str | Path]) -> str:
         lines += ["", "not run folders (no config.json), skipped: " + ", ".join(got.not_runs)]
     if got.without_eval:
         lines += ["", "runs without a final evaluation (not counted): " + ", ".join(got.without_eval)]
+    if got.corrupt:
+        from pipeline.io.run_files import skipped_line
+
+        lines += ["", skipped_line(got.corrupt)]
     return "\n".join(lines)

@@ -16,6 +16,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.io.run_files import CorruptRunFile, read_json_file, read_parquet_file, skipped_line
+
 
 def _options(run: Path) -> dict:
     path = run / "config.json"
@@ -24,7 +26,10 @@ def _options(run: Path) -> dict:
     from train.config import TrainerConfig
 
     skip = TrainerConfig.EVAL_ONLY | {"seed"}
-    return {k: v for k, v in json.loads(path.read_text()).items() if k not in skip}
+    stored = read_json_file(path)
+    if not isinstance(stored, dict):
+        raise CorruptRunFile(f"{path}: expected a JSON object of training options, got {type(stored).__name__}")
+    return {k: v for k, v in stored.items() if k not in skip}
 
 
 def final_rows(run: Path) -> list[dict]:
@@ -34,14 +39,16 @@ def final_rows(run: Path) -> list[dict]:
     rows = []
     table = run / "eval" / "final" / "results.parquet"
     if table.is_file():
-        import pyarrow.parquet as pq
-
-        rows += [{k: r.get(k) for k in ("benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n")}
-                 for r in pq.read_table(table).to_pylist()]
+        rows += [{k: r.get(k) for k in ("benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n",
+                                        "unit", "baseline_for")}
+                 for r in read_parquet_file(table).to_pylist()]
     metrics = run / "eval" / "final" / "metrics.json"
     if metrics.is_file():
+        res = read_json_file(metrics)
+        if not isinstance(res, dict):
+            raise CorruptRunFile(f"{metrics}: expected a JSON object of metrics, got {type(res).__name__}")
         rows += [{"benchmark": "evaluate", "subset": "", "metric": k, "value": v, "chance": None}
-                 for k, v in json.loads(metrics.read_text()).items() if isinstance(v, (int, float))]
+                 for k, v in res.items() if isinstance(v, (int, float))]
     return rows
 
 
@@ -59,13 +66,19 @@ def _fmt(x) -> str:
 def seeds_table(runs: Sequence[str | Path]) -> str:
     """Markdown: a row per (configuration, benchmark, subset, metric): mean +- std over the
     configuration's seeds (sample std; 0 for one seed), the number of seeds, chance."""
-    runs = [Path(r) for r in runs]
-    labels = configuration_labels([_options(r) for r in runs])
+    read, corrupt = [], []
+    for run in map(Path, runs):  # a run folder with a corrupt file is named and skipped
+        try:
+            read.append((run, _options(run), final_rows(run)))
+        except CorruptRunFile as e:
+            corrupt.append(str(e))
+    if not read and corrupt:
+        raise CorruptRunFile(skipped_line(corrupt))
+    labels = configuration_labels([o for _, o, _ in read])
     cells: dict[tuple, list[float]] = defaultdict(list)
     chance: dict[tuple, object] = {}
     missing = []
-    for run, label in zip(runs, labels):
-        rows = final_rows(run)
+    for (run, _, rows), label in zip(read, labels):
         if not rows:
             missing.append(str(run))
         for r in rows:
@@ -83,4 +96,6 @@ def seeds_table(runs: Sequence[str | Path]) -> str:
     if missing:
         lines.append("")
         lines.append(f"without a final evaluation (not counted): {', '.join(missing)}")
+    if corrupt:
+        lines += ["", skipped_line(corrupt)]
     return "\n".join(lines)

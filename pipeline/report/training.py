@@ -5,12 +5,16 @@ else ``eval/<step>/metrics.json``) and the job's own figures."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
+from pipeline.io.run_files import CorruptRunFile, read_json_file, read_parquet_file
 from pipeline.report.curves import chance_keys, plot_metrics, read_metrics
 from pipeline.report.formatting import fmt_num, fmt_value
-from pipeline.report.significance import BELOW_CHANCE_NOTE, interval, verdict
+from pipeline.report.significance import BELOW_CHANCE_NOTE, interval, verdicts
+
+log = logging.getLogger("pipeline")
 
 
 def eval_tables(run_dir: Path) -> list[dict]:
@@ -21,17 +25,15 @@ def eval_tables(run_dir: Path) -> list[dict]:
     for d in sorted((p for p in ev.iterdir() if p.is_dir()), key=lambda p: (p.name != "final", p.name)):
         res = d / "results.parquet"
         if res.is_file():
-            import pyarrow.parquet as pq
-
-            rows = pq.read_table(res).to_pylist()
+            rows = read_parquet_file(res).to_pylist()
             out_rows = []
-            for r in rows:
+            for r, sig in zip(rows, verdicts(rows)):
                 try:
                     reasons = json.loads(r.get("skip_reasons") or "{}")
                 except ValueError:
                     reasons = {"?": r.get("skip_reasons")}
                 unit = r.get("unit") or ""
-                ci, sig = interval(r), verdict(r)
+                ci = interval(r)
                 note = r.get("note") or ""
                 if sig == "below":
                     note = f"{note}; {BELOW_CHANCE_NOTE}" if note else BELOW_CHANCE_NOTE
@@ -61,10 +63,9 @@ def eval_tables(run_dir: Path) -> list[dict]:
             continue
         mj = d / "metrics.json"
         if mj.is_file():
-            try:
-                res = json.loads(mj.read_text())
-            except ValueError:
-                continue
+            res = read_json_file(mj)
+            if not isinstance(res, dict):
+                raise CorruptRunFile(f"{mj}: expected a JSON object of metrics, got {type(res).__name__}")
             chance_of = chance_keys([k for k in res if "chance" not in k], [k for k in res if "chance" in k])
             out_rows = []
             for k, v in res.items():
@@ -95,8 +96,10 @@ def headline(evals: list[dict], limit: int = 6) -> dict | None:
 
 
 def training_section(output: Path, out, manifest_path: str | None) -> dict:
+    """Every run folder under ``<output>/train``; one with a corrupt config.json, results.parquet or
+    metrics.json is left out, named in the log and in ``skipped``."""
     root = output / "train"
-    runs = []
+    runs, skipped = [], []
     run_dirs: set[Path] = set()
     if root.is_dir():  # a run folder holds config.json / metrics.jsonl: train/<job>/ or train/<job>/<run>/
         for marker in ("config.json", "metrics.jsonl"):
@@ -106,17 +109,19 @@ def training_section(output: Path, out, manifest_path: str | None) -> dict:
                     run_dirs.add(p.parent)
         for run_dir in sorted(run_dirs):
             job = run_dir.relative_to(root).as_posix()
+            try:  # the files a run's entry is made of: a corrupt one leaves the run out, named
+                cfg = read_json_file(run_dir / "config.json") if (run_dir / "config.json").is_file() else {}
+                evals = eval_tables(run_dir)
+            except CorruptRunFile as e:
+                log.warning("report: run folder %s skipped: %s", run_dir, e)
+                skipped.append(str(e))
+                continue
             metrics = run_dir / "metrics.jsonl"
             rows = read_metrics(metrics)
             curves = None
             if rows:
                 png = plot_metrics(metrics, out.img / "train" / job / "curves.png")
                 curves = out.rel(png) if png else None
-            cfg = {}
-            try:
-                cfg = json.loads((run_dir / "config.json").read_text())
-            except (OSError, ValueError):
-                pass
             figs = []
             pngs = [p for p in sorted(run_dir.rglob("*.png")) if p.name != "metrics.png" and "report" not in p.parts]
             tags = sorted({p.relative_to(run_dir).parts[1] for p in pngs if p.relative_to(run_dir).parts[0] == "eval"
@@ -136,7 +141,6 @@ def training_section(output: Path, out, manifest_path: str | None) -> dict:
                     break
             ckpts = sorted((p.name for p in (run_dir / "checkpoints").glob("*.pt")), key=lambda n: (n == "final.pt", n)) \
                 if (run_dir / "checkpoints").is_dir() else []
-            evals = eval_tables(run_dir)
             tr = [r for r in rows if r.get("kind") == "train"]
             last = tr[-1] if tr else {}
             runs.append({
@@ -149,4 +153,4 @@ def training_section(output: Path, out, manifest_path: str | None) -> dict:
                                 f"--manifest {manifest_path or '<manifest.yaml>'}",
                 "run_command": f"train run {job.split('/')[0]} --manifest {manifest_path or '<manifest.yaml>'}",
             })
-    return {"runs": runs, "root": str(root), "command": f"train run concept-ot --manifest {manifest_path or '<manifest.yaml>'}"}
+    return {"runs": runs, "skipped": skipped, "root": str(root), "command": f"train run concept-ot --manifest {manifest_path or '<manifest.yaml>'}"}

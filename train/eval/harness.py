@@ -491,8 +491,8 @@ def _latest_results(path: Path) -> list[Path]:
     """The results.parquet files that describe a run's newest model: the file itself, an eval
     folder's, or, for a run folder, every eval/*/results.parquet of its highest step (a
     `train eval --bench X` of the same checkpoint adds to the end-of-training table instead of
-    hiding it)."""
-    import pyarrow.parquet as pq
+    hiding it). A file that cannot be read raises :class:`CorruptRunFile` naming it."""
+    from pipeline.io.run_files import read_parquet_file
 
     path = Path(path)
     if path.is_file():
@@ -507,7 +507,7 @@ def _latest_results(path: Path) -> list[Path]:
                                 f"--manifest ...` first)")
     steps = {}
     for f in found:
-        st = pq.read_table(f, columns=["step"]).column("step").to_pylist()
+        st = read_parquet_file(f, ["step"]).column("step").to_pylist()
         steps[f] = max(st) if st else -1
     top = max(steps.values())
     return sorted((f for f in found if steps[f] == top), key=lambda f: f.stat().st_mtime)
@@ -544,18 +544,24 @@ def _run_label(res_path: Path, rows: list[dict]) -> str:
 def compare(paths: Sequence[str | Path]) -> str:
     """One Markdown table: a row per (benchmark, subset, metric), a column per run holding
     ``value [ci_low, ci_high]`` (the 95% interval; results written before intervals existed show
-    the value alone), chance beside."""
-    import pyarrow.parquet as pq
+    the value alone), chance beside. A run whose results cannot be read is named and skipped."""
+    from pipeline.io.run_files import CorruptRunFile, read_parquet_file, skipped_line
 
-    runs = []
+    runs, corrupt = [], []
     for p in paths:
-        files = _latest_results(Path(p))
-        merged: dict[tuple, dict] = {}
-        for f in files:  # oldest first: a newer evaluation of the same row wins
-            for r in pq.read_table(f).to_pylist():
-                merged[(r["benchmark"], r["subset"], r["metric"])] = r
+        try:
+            files = _latest_results(Path(p))
+            merged: dict[tuple, dict] = {}
+            for f in files:  # oldest first: a newer evaluation of the same row wins
+                for r in read_parquet_file(f).to_pylist():
+                    merged[(r["benchmark"], r["subset"], r["metric"])] = r
+        except CorruptRunFile as e:
+            corrupt.append(str(e))
+            continue
         rows = list(merged.values())
         runs.append((_run_label(files[-1], rows), ", ".join(str(f) for f in files), rows))
+    if not runs and corrupt:
+        raise CorruptRunFile(skipped_line(corrupt))
     base = [r[0] for r in runs]
     n_of = Counter(base)
     # identical labels (two runs of one variant with other options): name their run folders
@@ -591,4 +597,4 @@ def compare(paths: Sequence[str | Path]) -> str:
             vals.append("-" if r is None else f"{fmt_value(r, unit)}{suffix} (n={int(r['n']):,})")
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {chance} | " + " | ".join(vals) + " |")
     src = "\n".join(f"- {lab}: {f}" for lab, (_, f, _) in zip(labels, runs))
-    return "\n".join(lines) + "\n\n" + src
+    return "\n".join(lines) + "\n\n" + src + (f"\n\n{skipped_line(corrupt)}" if corrupt else "")
