@@ -269,10 +269,11 @@ def verify(
 def status(
     manifest: ManifestOpt,
     set_: SetOpt = None,
-    verify_files: Annotated[bool, typer.Option("--verify", help="also check every shard's size and sha256 (reads every byte)")] = False,
+    verify_files: Annotated[bool, typer.Option("--verify", help="also check every shard's sha256 (reads every byte; without it each shard's presence and size are checked)")] = False,
 ) -> None:
     """Each artifact of the manifest's output: complete, stale (an input changed since it was
-    written), incomplete, corrupt or missing, and what to run. Exit 1 when any is not complete."""
+    written), incomplete, corrupt (a shard missing or of another size; with --verify, of another sha256) or
+    missing, and what to run. Exit 1 when any is not complete."""
     from pipeline.config import ManifestError, load_manifest
     from pipeline.status import format_states, output_states
 

@@ -54,8 +54,8 @@ def _units_done(loc) -> int:
 
 
 def artifact_state(location, name: str, verify: bool = False, _seen: dict | None = None) -> ArtifactState:
-    """The state of ``<location>/<name>`` (see the module docstring). ``verify``: also check every
-    recorded shard's size and sha256 (reads every byte)."""
+    """The state of ``<location>/<name>`` (see the module docstring): every recorded file must be
+    present with its recorded size (a ``stat`` each); ``verify``: its sha256 too (reads every byte)."""
     seen = {} if _seen is None else _seen
     if name in seen:
         return seen[name]
@@ -94,13 +94,12 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         st = ArtifactState(name, stage, "stale", "; ".join(reasons) + f": rerun `pipeline run {stage}`", rows, created, unit)
     else:
         st = ArtifactState(name, stage, "complete", "", rows, created, unit)
-        if verify:
-            bad = art.problems()
-            if bad:
-                rel, why = bad[0]
-                more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
-                st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: `pipeline verify --fix {loc}`, "
-                                   f"then rerun `pipeline run {stage}`", rows, created, unit)
+        bad = art.problems(hashes=verify)  # every file present at its recorded size (a stat each); --verify: sha256s
+        if bad:
+            rel, why = bad[0]
+            more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
+            st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: `pipeline verify --fix {loc}`, "
+                               f"then rerun `pipeline run {stage}`", rows, created, unit)
     seen[name] = st
     return st
 

@@ -464,3 +464,28 @@ def test_the_reports_training_section_skips_a_run_folder_with_a_corrupt_file(tmp
     assert [r["dir"] for r in sec["runs"]] == [str(good)]
     assert len(sec["skipped"]) == 1 and sec["skipped"][0].startswith(f"{bad / rel}: corrupt or unreadable {what}")
     assert any(str(bad / rel) in m for m in caplog.messages)
+
+
+# --- pipeline status: every shard present at its recorded size, by default --------------------------------
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_status_without_verify_sees_a_deleted_or_truncated_shard(tmp_path, damage):
+    from pipeline.io.artifacts import Artifact
+    from pipeline.status import artifact_state
+    from tests.test_status import _chain
+
+    _chain(tmp_path)
+    rel = Artifact(tmp_path / "clip_tokens").manifest["shards"][0]["path"]
+    f = tmp_path / "clip_tokens" / rel
+    if damage == "deleted":
+        f.unlink()
+    else:
+        f.write_bytes(f.read_bytes()[:100])
+    st = artifact_state(tmp_path, "clip_tokens")  # a stat per file, no hashing
+    assert st.state == "corrupt", st
+    assert st.detail.startswith(f"{rel}: {'missing' if damage == 'deleted' else '100 bytes, recorded'}")
+    assert f"pipeline verify --fix {tmp_path / 'clip_tokens'}" in st.detail
+    ix = artifact_state(tmp_path, "index")
+    assert ix.state == "stale" and "its input clip_tokens is corrupt" in ix.detail
+    assert artifact_state(tmp_path, "samples").state == "complete"
