@@ -489,3 +489,33 @@ def test_status_without_verify_sees_a_deleted_or_truncated_shard(tmp_path, damag
     ix = artifact_state(tmp_path, "index")
     assert ix.state == "stale" and "its input clip_tokens is corrupt" in ix.detail
     assert artifact_state(tmp_path, "samples").state == "complete"
+
+
+# --- the scene-oracle guard reads the kind the samples artifact was ingested from --------------------------
+
+
+def _samples(out: Path, kind: str) -> None:
+    import pyarrow as pa
+
+    w = ArtifactWriter(out, "samples", "ingest", {"kind": kind}, force=True)
+    u = w.unit_writer("00000", "fp")
+    u.write_table("samples", pa.table({"sample_id": pa.array([1], pa.int64())}))
+    u.commit()
+    w.finalize(["00000"], extra={"dataset_kind": kind})
+
+
+def test_the_oracle_guard_reads_the_samples_artifacts_own_dataset_kind(tmp_path):
+    from pipeline.config import load_manifest
+    from pipeline.errors import StageError
+    from pipeline.models.scene_oracle import require_generated
+
+    m = load_manifest(None, [f"output={tmp_path}", "dataset.kind=synthetic"])
+    require_generated(m, "clip")  # nothing ingested yet: the manifest's kind decides
+    _samples(tmp_path, "coco")  # a COCO-ingested samples artifact, the manifest overridden to synthetic
+    with pytest.raises(StageError) as e:
+        require_generated(m, "clip")
+    msg = str(e.value)
+    assert "\n" not in msg and f"the samples artifact ({tmp_path / 'samples' / '_manifest.json'}) was ingested " \
+        "from dataset.kind 'coco'" in msg and msg.startswith("models.clip: scene-oracle")
+    _samples(tmp_path, "synthetic")
+    require_generated(m, "clip")

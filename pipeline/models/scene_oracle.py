@@ -61,15 +61,38 @@ def provenance_line(roles: list[str]) -> str:
 
 
 def require_generated(manifest, role: str) -> None:
-    """One line, raised before any work, when ``scene-oracle`` is asked for outside the generated dataset."""
+    """One line, raised before any work, when ``scene-oracle`` is asked for outside the generated
+    dataset: the kind the ``samples`` artifact was ingested from (its ``_manifest.json``
+    ``dataset_kind``, what the stage reads), else, before ingest, the manifest's ``dataset.kind``."""
     from pipeline.errors import StageError
 
-    kind = getattr(getattr(manifest, "dataset", None), "kind", None)
+    kind, where = _ingested_kind(manifest)
+    if where is None:
+        kind = getattr(getattr(manifest, "dataset", None), "kind", None)
     if kind != "synthetic":
+        said = f"the samples artifact ({where}) was ingested from dataset.kind {kind!r}" if where else \
+            f"this manifest's dataset.kind is {kind!r}"
         raise StageError(
             f"models.{role}: scene-oracle is a testbed instrument for the generated dataset (dataset.kind: synthetic); "
-            f"this manifest's dataset.kind is {kind!r}: give a real checkpoint"
+            f"{said}: give a real checkpoint"
         )
+
+
+def _ingested_kind(manifest) -> tuple[str | None, str | None]:
+    """(``dataset_kind`` of the output's samples artifact, its _manifest.json's path); (None, None)
+    when there is no finished samples artifact or it does not record one."""
+    from pipeline.io import storage
+    from pipeline.io.artifacts import Artifact
+
+    output = getattr(manifest, "output", None)
+    if not output:
+        return None, None
+    try:
+        art = Artifact(storage.join(storage.normalize(output), "samples"))
+        kind = art.manifest.get("dataset_kind")
+    except (OSError, ValueError, AttributeError):  # missing (ArtifactMissing is an OSError), unreadable
+        return None, None
+    return (kind, storage.join(art.location, "_manifest.json")) if kind else (None, None)
 
 
 def record(role: str, **extra) -> dict:
