@@ -207,8 +207,9 @@ def manifest_model() -> type[Section]:
 
 
 def _parse_scalar(text: str) -> Any:
-    # YAML's scalar rules, so `--set a.b=null`, `=3`, `=[1,2]`, `=true` mean what they do in the file.
-    return yaml.safe_load(text) if text != "" else ""
+    # YAML's scalar rules, so `--set a.b=null`, `=3`, `=[1,2]`, `=true` mean what they do in the file;
+    # a blank value is the empty string, as `=` is (YAML reads "  " as null: `output` would say "got None")
+    return yaml.safe_load(text) if text.strip() else ""
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -519,3 +519,63 @@ def test_the_oracle_guard_reads_the_samples_artifacts_own_dataset_kind(tmp_path)
         "from dataset.kind 'coco'" in msg and msg.startswith("models.clip: scene-oracle")
     _samples(tmp_path, "synthetic")
     require_generated(m, "clip")
+
+
+# --- every message about a file names the file -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["map.csv", "map.json"])
+def test_an_image_map_that_is_not_utf8_is_one_line_naming_it(tmp_path, name):
+    from train.eval.images import read_image_map
+
+    p = tmp_path / name
+    p.write_bytes(b"key,value\ncaf\xe9.jpg,1\n")
+    with pytest.raises(ValueError) as e:
+        read_image_map(p)
+    assert str(e.value) == f"image_map {p}: not UTF-8 text (byte 0xe9 at offset 13); save it as UTF-8"
+
+
+def test_a_blank_output_is_refused_naming_the_key(tmp_path):
+    from pipeline.config import ManifestError, load_manifest
+
+    for blank in ("output=  ", "output=\t"):
+        with pytest.raises(ManifestError) as e:
+            load_manifest(REPO / "manifests" / "demo.yaml", [blank])
+        msg = str(e.value)
+        assert "key 'output'" in msg and "must name the run's output folder" in msg and "None" not in msg
+    m = load_manifest(None, ["stages.ingest.shard_size=64", "train.c3.max_steps=null"])  # YAML scalars as before
+    assert m.stages.ingest.shard_size == 64 and m.train.c3.max_steps is None
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs (root only; skipped where mounting is not permitted)."""
+    d = tmp_path / "full"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield d
+    finally:
+        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_full_disk_names_the_file_it_stopped(full_disk):
+    import errno
+
+    import pyarrow as pa
+
+    from pipeline.io.atomic import write_bytes_atomic, write_parquet_atomic
+
+    big = pa.table({"x": np.random.default_rng(0).random(100_000)})
+    target = full_disk / "samples" / "samples" / "samples-00000.parquet"
+    with pytest.raises(OSError) as e:  # pyarrow's own error names no file
+        write_parquet_atomic(big, target)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(target)
+    assert str(e.value).startswith("[Errno 28] No space left on device") and str(target) in str(e.value)
+    with pytest.raises(OSError) as e:
+        write_bytes_atomic(full_disk / "x.bin", b"x" * 200_000)
+    assert e.value.filename == str(full_disk / "x.bin") and "No space left on device" in str(e.value)
+    assert list(full_disk.rglob("*.tmp")) == []  # no temporary file left

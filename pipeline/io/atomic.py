@@ -8,6 +8,7 @@ what :func:`remove_stale_tmp` deletes when the folder's next writer holds its lo
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -25,7 +26,9 @@ def _tmp_name(path: Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path):
-    """Yield a temporary path; on success it is fsynced and renamed onto ``path``."""
+    """Yield a temporary path; on success it is fsynced and renamed onto ``path``. An OSError of
+    the write that names no file, or the temporary one (pyarrow's "[Errno 28] Error writing bytes
+    to file"), is raised again naming ``path``: a full disk says which file it stopped."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
@@ -34,6 +37,11 @@ def atomic_path(path: str | Path):
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename not in (None, str(tmp)) or e.errno is None:
+            raise
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)  # the system's words, not pyarrow's "Error writing bytes..."
+        raise OSError(e.errno, os.strerror(e.errno) if full else (e.strerror or str(e)), str(path)) from None
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -211,6 +211,9 @@ def read_image_map(path: str | Path) -> dict[str, str]:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"image_map {p}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"image_map {p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                         "save it as UTF-8") from None
     from train.eval.benchmarks._common import not_lfs_pointer
 
     not_lfs_pointer(p, "image_map", text[:256].encode())
