@@ -187,6 +187,21 @@ def _nonempty_output(value: str) -> str:
     return value
 
 
+OUTPUT_TEMPLATE = "{output}"
+
+
+def expand_output(manifest):
+    """``{output}`` in a ``models.*`` spec stands for the manifest's output folder (as in a benchmark's
+    path, train/eval/harness.py), so a manifest can point a model slot at a checkpoint a job of the
+    same run exports (``clip: "{output}/encoders/clip"``) and it follows ``--set output=...``."""
+    models = manifest.models
+    for key in type(models).model_fields:
+        value = getattr(models, key)
+        if isinstance(value, str) and OUTPUT_TEMPLATE in value:
+            setattr(models, key, value.replace(OUTPUT_TEMPLATE, str(manifest.output).rstrip("/")))
+    return manifest
+
+
 @functools.cache
 def manifest_model() -> type[Section]:
     stages = _sections_model("StagesConfig", _discover("pipeline.stages"))
@@ -262,7 +277,7 @@ def load_manifest(path: str | Path | None, overrides: list[str] | None = None, b
             raise ManifestError(f"manifest {source}: top level must be a mapping")
     data = apply_overrides(data, list(overrides or []))
     try:
-        return manifest_model().model_validate(data)
+        return expand_output(manifest_model().model_validate(data))
     except ValidationError as e:
         raise ManifestError(_format_errors(source, e)) from None
 

@@ -185,14 +185,14 @@ def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, 
 
     from pipeline.config import ManifestError, load_manifest
     from pipeline.io import storage
-    from train.registry import registry
+    from train.registry import feature_jobs
 
     try:
         m = load_manifest(manifest, overrides)
     except ManifestError as e:
         _fail(str(e))
     done, failed = [], []
-    for name in registry():
+    for name in feature_jobs():  # the frozen-encoder jobs make stage inputs: run before the stages, not here
         typer.echo(f"== train run {name}", err=True)
         t0 = time.perf_counter()
         try:

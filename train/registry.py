@@ -23,3 +23,9 @@ def registry() -> dict[str, ModuleType]:
         if getattr(mod, "NAME", None) and hasattr(mod, "make_job"):
             out[mod.NAME] = mod
     return out
+
+
+def feature_jobs() -> dict[str, ModuleType]:
+    """The jobs that train on the stages' artifacts (``train run all``): the registry without the
+    frozen-encoder jobs (``ENCODER = True``: clip-encoder, mlm-encoder), whose exports are the stages' models."""
+    return {k: m for k, m in registry().items() if not getattr(m, "ENCODER", False)}

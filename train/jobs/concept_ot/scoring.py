@@ -250,7 +250,7 @@ class ConceptOTScoring:
 
             tab = self.art.scan("images").select("sample_id", "shard").filter(pl.col("sample_id").is_in(sorted(want))).collect()
         shards = sorted(set(tab["shard"].to_list())) if tab is not None and tab.height else None
-        paths = [str(self.art.dir / s) for s in shards] if shards else self.shards
+        paths = [str(self.art.local_file(s)) for s in shards] if shards else self.shards  # each checked (sha256)
         for p in paths:
             for s in read_shard(p, fields=("patch_tokens", "image_embed", "caption_ids")):
                 if s["sample_id"] in want:

@@ -1,0 +1,156 @@
+"""The frozen-encoder jobs (clip-encoder, mlm-encoder): trained on the training split only, exported as hub-layout
+folders that plain ``from_pretrained`` loads, and the exactness check: the pipeline's adapter on the exported
+folder reproduces the training-time model's embeddings of every held-out image and caption (cosine >= 0.9999).
+
+The jobs run at toy sizes for a few steps on the small testbed's samples (100 generated images): these tests are
+about the contract (what is trained on, what is written, what loads), not about learning (tests/test_encoders_slow.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TINY_CLIP = ["image_size=32", "patch_size=8", "vision_width=32", "vision_layers=1", "text_width=32", "text_layers=1",
+             "heads=2", "projection_dim=16", "max_steps=3", "batch_size=16", "benchmarks_at_end=false"]
+TINY_MLM = ["width=32", "layers=1", "heads=2", "max_steps=3", "batch_size=16", "benchmarks_at_end=false"]
+
+
+def _train(manifest_path: Path, job: str, sets: list[str], run_dir: Path):
+    """Build the job as `train run` does and train it in this process; returns (job, final metrics)."""
+    from train.cli import build_job
+    from train.loop import train
+
+    key = job.replace("-", "_")
+    _, _, _, j = build_job(job, manifest_path, [f"train.{key}.{s}" for s in sets] + [f"train.{key}.run_dir={run_dir}"])
+    return j, train(j, progress=False)
+
+
+@pytest.fixture
+def clip_run(testbed_copy, tmp_path):
+    out, mp = testbed_copy
+    job, res = _train(mp, "clip-encoder", TINY_CLIP, tmp_path / "clip-run")
+    return out, mp, job, res
+
+
+def test_output_template_in_model_specs(tmp_path):
+    from pipeline.config import load_manifest
+
+    m = load_manifest(Path("manifests/pixels.yaml"), [f"output={tmp_path}/x"])
+    assert m.models.clip == f"{tmp_path}/x/encoders/clip"
+    assert m.models.mlm == m.models.word_encoder == f"{tmp_path}/x/encoders/mlm"
+    assert "scene-oracle" not in json.dumps(m.models.model_dump())  # the pixels testbed has no oracle anywhere
+    # a spec without the template is untouched
+    assert load_manifest(Path("manifests/demo.yaml"), [f"output={tmp_path}/y"]).models.clip == "tiny-random"
+
+
+def test_clip_encoder_trains_on_the_train_split_only(clip_run):
+    out, _, job, _ = clip_run
+    c = job.corpus
+    trained = set(c.sample_ids[job.train_idx].tolist())
+    held = set(c.sample_ids[job.eval_idx].tolist())
+    assert trained and held and not trained & held
+    assert set(c.splits[job.train_idx]) == {"train"}
+    # every caption a training batch can draw belongs to a training image
+    assert set(c.caption_sample[np.concatenate(job.pools)].tolist()) <= trained
+    batch = next(iter(job.batches(0, 0)))
+    assert batch["pixel_values"].shape[1:] == (3, 32, 32)
+
+
+def test_clip_export_loads_without_project_code_and_matches_the_training_model(clip_run):
+    """The exported folder: plain transformers loads it; the pipeline's adapter on it gives the training-time
+    model's embeddings (heldout_embeddings.npz) for every held-out image and caption."""
+    import torch
+    from transformers import AutoProcessor, CLIPModel
+
+    from pipeline.models.clip import encode_images, encode_texts, load_clip, preprocess_images
+    from pipeline.readers.images import open_image
+
+    out, _, job, res = clip_run
+    folder = out / "encoders" / "clip"
+    assert {"config.json", "model.safetensors", "preprocessor_config.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    assert json.loads((folder / "training.json").read_text())["trained_on"]["splits"] == ["train"]
+    plain = CLIPModel.from_pretrained(str(folder)).eval()
+    proc = AutoProcessor.from_pretrained(str(folder))
+    assert proc.tokenizer("a red circle")["input_ids"][0] == 49406  # CLIP's BPE: SOT first
+    assert res["export_min_cos_image"] >= 0.9999 and res["export_min_cos_text"] >= 0.9999
+
+    saved = np.load(job.run_dir / "heldout_embeddings.npz")
+    model, processor, tok, record = load_clip(str(folder))
+    assert record["random_weights"] is False
+    c = job.corpus
+    refs = {int(s): c.images[i] for i, s in enumerate(c.sample_ids.tolist())}
+    img = encode_images(model, preprocess_images(processor, [open_image(refs[int(s)]) for s in saved["sample_ids"]]))["image_embed"]
+    texts = dict(zip(c.caption_ids.tolist(), c.texts))
+    txt = encode_texts(model, tok, [texts[int(i)] for i in saved["caption_ids"]])["text_embed"]
+
+    def cos(a, b):
+        a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+        return torch.nn.functional.cosine_similarity(a, b, dim=-1)
+
+    assert len(saved["sample_ids"]) == len(job.eval_idx) and len(saved["caption_ids"]) >= len(job.eval_idx)
+    assert cos(img, saved["image_embed"]).min() >= 0.9999
+    assert cos(txt, saved["text_embed"]).min() >= 0.9999
+    # and plain transformers (the processor it exported, no adapter) agrees as well
+    with torch.no_grad():
+        pv = proc(images=[open_image(refs[int(saved["sample_ids"][0])])], return_tensors="pt")["pixel_values"]
+        e = plain.get_image_features(pixel_values=pv)
+    e = e if isinstance(e, torch.Tensor) else e.pooler_output
+    assert cos(e, saved["image_embed"][:1]).min() >= 0.9999
+
+
+def test_clip_encoder_rows_have_chance_and_intervals(clip_run):
+    _, _, job, _ = clip_run
+    from train.loop import load_model_for_eval
+
+    model, _ = load_model_for_eval(job, job.run_dir / "checkpoints" / "final.pt")
+    rows = {r.metric: r for r in job.job_metrics(model, job.run_dir / "eval" / "x")}
+    assert set(rows) == {"i2t_R@1", "t2i_R@1", "zeroshot_colour", "zeroshot_shape"}
+    n_img = len(job.eval_idx)
+    assert rows["i2t_R@1"].n == n_img
+    assert rows["i2t_R@1"].chance == pytest.approx(100.0 / n_img, rel=0.3)  # 5 captions each of n_img images
+    assert rows["zeroshot_colour"].chance > 100.0 / 12 - 1e-9  # at least one right colour per image
+    for r in rows.values():
+        assert r.ci_low <= r.value <= r.ci_high
+
+
+def test_clip_encoder_control_exports_elsewhere_and_shuffles_pairs(testbed_copy, tmp_path):
+    out, mp = testbed_copy
+    from train.cli import build_job
+
+    _, _, _, job = build_job("clip-encoder", mp, [f"train.clip_encoder.{s}" for s in TINY_CLIP] + ["train.clip_encoder.control=shuffled"])
+    assert job.export_path == out / "encoders" / "clip-shuffled"
+    own = [job.corpus.caption_sample[p[0]] for p in job.pools]
+    moved = np.mean([o != s for o, s in zip(own, job.corpus.sample_ids[job.train_idx])])
+    assert moved > 0.9
+
+
+def test_mlm_encoder_export_loads_as_the_pipeline_mlm(testbed_copy, tmp_path):
+    import torch
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from pipeline.models.mlm import load_mlm, load_word_encoder
+
+    out, mp = testbed_copy
+    job, res = _train(mp, "mlm-encoder", TINY_MLM, tmp_path / "mlm-run")
+    folder = out / "encoders" / "mlm"
+    assert res["masked_tokens"] > 0 and 0 <= res["masked_token_acc_chance"] <= 100
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    assert tok("a red circle")["input_ids"] == job.tokenizer("a red circle")["input_ids"]
+    assert len(tok) == 30522 and tok.mask_token_id is not None
+    plain = AutoModelForMaskedLM.from_pretrained(str(folder)).eval()
+    lm = load_mlm(str(folder))
+    assert lm.record["random_weights"] is False
+    enc = tok(["a small red circle to the left of a blue square"], return_tensors="pt")
+    with torch.no_grad():
+        a = plain(**enc).logits
+        b = lm.head(lm.encoder(**enc).last_hidden_state)
+        w = load_word_encoder(str(folder)).model(**enc).last_hidden_state
+        h = plain.bert(**enc).last_hidden_state
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(w, h, atol=1e-5)
+    # held-out captions only in the evaluation: no training caption is scored
+    held = set(job.corpus.sample_ids[np.isin(job.corpus.splits, ["val", "test"])].tolist())
+    assert set(job.eval_image.tolist()) <= held
