@@ -130,7 +130,7 @@ def run_stage(out: Path, n: int, env: dict) -> dict:
             p = img / f"{i:09d}.jpg"
             if not p.exists():
                 _os.symlink("_one.jpg", p)  # (hard links: ext4 allows 65,000 a file)
-    cmd = [sys.executable, "-c", CHILD_CLI, "run", "extract-regions", "--force", "--manifest", str(REPO / "manifests" / "demo.yaml"),
+    cmd = [sys.executable, "-c", CHILD_CLI, "run", "extract-regions", "--force", "--manifest", str(REPO / "manifests" / "tiny.yaml"),
            "--set", f"output={out}", "--set", "stages.extract_regions.backend=annotations",
            "--set", "stages.extract_regions.min_size=32", "--set", "ray.num_cpus=2"]
     (out / "regions" / "_manifest.json").unlink(missing_ok=True)
@@ -154,7 +154,7 @@ def main() -> None:
     for n in sorted(args.sizes):
         out = args.root / str(n)
         generate(out, n, args.ingest_shard)
-        p = subprocess.run([sys.executable, "-c", CHILD, str(out), str(args.shard_size), str(REPO / "manifests" / "demo.yaml")],
+        p = subprocess.run([sys.executable, "-c", CHILD, str(out), str(args.shard_size), str(REPO / "manifests" / "tiny.yaml")],
                            capture_output=True, text=True, env=env, cwd=args.root)  # not the checkout: PYTHONPATH decides
         if p.returncode != 0:
             raise RuntimeError(p.stderr[-3000:])

@@ -93,7 +93,7 @@ def last_json(text: str) -> dict:
 
 def run_ingest(root: Path, out: Path, n: int, args) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
-    cmd = [sys.executable, "-c", CHILD_CLI, "run", "ingest", "--manifest", str(REPO / "manifests" / "demo.yaml"),
+    cmd = [sys.executable, "-c", CHILD_CLI, "run", "ingest", "--manifest", str(REPO / "manifests" / "tiny.yaml"),
            "--limit", str(n), "--force",
            "--set", f"output={out}", "--set", "dataset.kind=webdataset", "--set", f"dataset.path={root}",
            "--set", f"stages.ingest.shard_size={args.shard_size}", "--set", f"stages.ingest.verify_images={args.verify}",

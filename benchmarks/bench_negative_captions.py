@@ -77,7 +77,7 @@ def run_stage_timed(out: Path, captions: list[str], negatives: str, shard: int) 
     from pipeline.stage import RunContext, run_stage
 
     write_samples(out, captions)
-    m = load_manifest(REPO / "manifests" / "demo.yaml", [
+    m = load_manifest(REPO / "manifests" / "tiny.yaml", [
         f"output={out}", "ray.num_cpus=2", "ray.actors=2", "ray.object_store_memory=268435456",
         "models.mlm=random-bert-base", "models.word_encoder=random-bert-base",
         f"stages.negative_captions.negative_features={negatives}", f"stages.negative_captions.shard_size={shard}",

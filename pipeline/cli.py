@@ -129,7 +129,7 @@ def _run_summary(ctx, names: list[str], output: Path, manifest: Path, report: bo
 
     roles = oracle_roles(ctx.manifest.models)
     if roles:  # the demo and the testbed: say where the features come from
-        lines.append(f"  {provenance_line(roles)}")
+        lines.append(provenance_line(roles, indent="  "))
     lines.append(f"  total {fmt_seconds(total)}; log: {output / '_logs' / 'run-all.log'}; rejected rows: <artifact>/errors/errors.parquet")
     if report:
         from pipeline.report import build_report

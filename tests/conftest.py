@@ -65,11 +65,11 @@ def sugarcrepe_dir(shared_dir) -> Path:
 
 
 def make_manifest(tmp_path: Path, overrides: list[str] | None = None, path: str | None = None):
-    """The demo manifest (or ``path``) with output under ``tmp_path`` and small Ray settings."""
+    """manifests/tiny.yaml (tiny-random models; or ``path``) with output under ``tmp_path`` and small Ray settings."""
     from pipeline.config import load_manifest
 
     base = [f"output={tmp_path / 'run'}", "ray.num_cpus=2", "ray.object_store_memory=134217728"]
-    return load_manifest(path or REPO / "manifests" / "demo.yaml", base + list(overrides or []))
+    return load_manifest(path or REPO / "manifests" / "tiny.yaml", base + list(overrides or []))
 
 
 @pytest.fixture

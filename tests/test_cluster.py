@@ -105,7 +105,7 @@ def _wait_nodes(address: str, n: int, timeout: float = 240) -> None:
 
 
 def _run(stage: str, out: Path, extra: list[str]) -> subprocess.Popen:
-    cmd = [str(BIN / "pipeline"), "run", stage, "--manifest", str(REPO / "manifests" / "demo.yaml"),
+    cmd = [str(BIN / "pipeline"), "run", stage, "--manifest", str(REPO / "manifests" / "tiny.yaml"),
            "--set", f"output={out}", *sum((["--set", e] for e in extra), [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
 

@@ -172,7 +172,7 @@ def test_verify_finds_a_flipped_byte_of_unchanged_size(tmp_path):
 def test_output_path_is_a_file_is_one_line_exit_2(tmp_path):
     out = tmp_path / "out"
     out.write_text("not a folder")
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "ingest", "-m", str(REPO / "manifests" / "demo.yaml"),
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "ingest", "-m", str(REPO / "manifests" / "tiny.yaml"),
                         "--set", f"output={out}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"error: output path {out} is a file, not a folder"]
@@ -207,7 +207,7 @@ def test_output_not_writable(tmp_path):
         ArtifactWriter(ro / "out", "things", "test", {})
     assert str(ro / "out") in str(e.value) and "\n" not in str(e.value)
     # the CLI: one line naming the path, exit code 2
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "ingest", "-m", str(REPO / "manifests" / "demo.yaml"),
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "ingest", "-m", str(REPO / "manifests" / "tiny.yaml"),
                         "--set", f"output={ro / 'out'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -405,7 +405,7 @@ def test_stage_log_is_clean(tmp_path):
     uw.write_table("captions", pa.Table.from_pylist([{"caption_id": i, "sample_id": i, "text": "a picture"} for i in range(3)], schema=CAPTIONS_SCHEMA))
     uw.commit({"rows": 3})
     w.finalize(["00000"])
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", "extract-image-groups", "-m", str(REPO / "manifests" / "demo.yaml"),
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "extract-image-groups", "-m", str(REPO / "manifests" / "tiny.yaml"),
            "--set", f"output={out}", "--set", "ray.num_cpus=2", "--set", "ray.actors=1"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -456,7 +456,7 @@ def test_unforeseen_stage_failure_is_one_line_on_the_cli(tmp_path):
         "from pipeline.cli import app\n"
         "app(sys.argv[1:])\n"
     )
-    args = ["run", "ingest", "-m", str(REPO / "manifests" / "demo.yaml"), "--set", f"output={tmp_path / 'run'}"]
+    args = ["run", "ingest", "-m", str(REPO / "manifests" / "tiny.yaml"), "--set", f"output={tmp_path / 'run'}"]
     r = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [

@@ -117,7 +117,7 @@ def test_missing_captions_file_is_a_clear_error(tmp_path, ray_session):
 def test_demo_ingest_via_cli(tmp_path):
     """The user's command on the demo manifest, in a fresh process with its own embedded Ray."""
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", "ingest", "-m", str(REPO / "manifests" / "demo.yaml"),
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "ingest", "-m", str(REPO / "manifests" / "tiny.yaml"),
            "--set", f"output={tmp_path / 'demo'}", "--set", "ray.num_cpus=2"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -247,7 +247,7 @@ def _demo_output(tmp_path) -> tuple[Path, object]:
 
     from train.cli import app as train_app  # concept-ot, briefly: curves, an eval table, its heatmaps
 
-    args = ["run", "concept-ot", "--manifest", str(REPO / "manifests" / "demo.yaml"), "--no-progress", "--fresh"]
+    args = ["run", "concept-ot", "--manifest", str(REPO / "manifests" / "tiny.yaml"), "--no-progress", "--fresh"]
     for o in [f"output={m.output}", *sets]:
         args += ["--set", o]
     res = CliRunner().invoke(train_app, args)

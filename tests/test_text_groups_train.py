@@ -171,7 +171,7 @@ def test_demo_end_to_end(tmp_path, ray_session):
     m = make_manifest(tmp_path, sets)
     for st in ("ingest", "extract-image-groups"):
         run_stage(st, RunContext(m))
-    args = ["run", "text-groups", "--manifest", str(REPO / "manifests" / "demo.yaml"), "--no-progress", "--fresh"]
+    args = ["run", "text-groups", "--manifest", str(REPO / "manifests" / "tiny.yaml"), "--no-progress", "--fresh"]
     for o in [f"output={m.output}", "ray.num_cpus=2", *sets]:
         args += ["--set", o]
     res = CliRunner().invoke(app, args)

@@ -217,7 +217,7 @@ def test_demo_end_to_end_cli(tmp_path, ray_session):
             "--set", "train.visual_tokens.layers=2", "--set", "train.visual_tokens.benchmarks_at_end=false",
             "--set", "train.visual_tokens.eval_splits=[val,test]"]  # the demo has 1 test image; the paper: test only
     for extra in ([], ["--set", "train.visual_tokens.variant=vit"]):
-        r = CliRunner().invoke(app, ["run", "visual-tokens", "--manifest", str(REPO / "manifests" / "demo.yaml"),
+        r = CliRunner().invoke(app, ["run", "visual-tokens", "--manifest", str(REPO / "manifests" / "tiny.yaml"),
                                      "--no-progress", "--json", *sets, *extra])
         assert r.exit_code == 0, r.output
         res = json.loads([ln for ln in r.output.splitlines() if ln.startswith("{")][-1])  # stderr is mixed in

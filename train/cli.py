@@ -261,9 +261,11 @@ def worker_job(name: str, manifest: Path, overrides: list[str], options: dict):
 @app.command("eval")
 def eval_(
     job: Annotated[str, typer.Argument(help="job name")],
-    checkpoint: Annotated[Path, typer.Option("--checkpoint", "-c", help="checkpoint file (.pt), or a run folder: its "
-                                             "best.pt, else final.pt, else last.pt")],
     manifest: ManifestOpt,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", "-c", help="checkpoint file (.pt), or a run "
+                                                       "folder: its best.pt, else final.pt, else last.pt (default: "
+                                                       "the run folder `train run` uses with the same manifest and "
+                                                       "--set)")] = None,
     set_: SetOpt = None,
     bench: Annotated[Optional[list[str]], typer.Option("--bench", help="only this benchmark of eval.benchmarks "
                                                        "(repeatable)")] = None,
@@ -277,6 +279,11 @@ def eval_(
     from train.eval.harness import markdown_table, run_harness
     from train.loop import load_model_for_eval
 
+    if checkpoint is None:  # the run `train run <job>` trains with this manifest and these --set options
+        checkpoint = Path(build_job(job, manifest, set_)[3].run_dir)
+        if not checkpoint.is_dir():
+            _fail(f"no run of {job} with these options yet ({checkpoint}): `train run {job}` with the same manifest "
+                  "and --set trains it, or pass --checkpoint")
     checkpoint = _checkpoint_file(checkpoint)
     _, _, m, j = build_job(job, manifest, set_, checkpoint=checkpoint)  # the checkpoint's training options and run folder
     try:

@@ -54,10 +54,14 @@ def oracle_roles(models) -> list[str]:
             if is_oracle(spec)]
 
 
-def provenance_line(roles: list[str]) -> str:
-    """The line a run's summary prints when its features come from the instrument, not from pixels."""
-    return (f"features: scene-oracle ({', '.join(f'models.{r}' for r in roles)}): computed from the generated scenes' "
-            "ground truth, not from pixels: a testbed instrument, not a trained encoder (docs/testbed.md)")
+def provenance_line(roles: list[str], indent: str = "") -> str:
+    """What a run's summary prints when its features come from the instrument, not from pixels
+    (wrapped at 100 columns)."""
+    import textwrap
+
+    text = (f"features: scene-oracle for {', '.join(roles)}: computed from the generated scenes' ground truth, "
+            "not from pixels (a testbed instrument, not a trained encoder: docs/testbed.md)")
+    return textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False)
 
 
 def require_generated(manifest, role: str) -> None:

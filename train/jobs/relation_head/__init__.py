@@ -39,7 +39,7 @@ settings of the artifact it was trained on -- the stage refuses it on other embe
     train run relation-head -m manifests/demo.yaml
     pipeline run extract-visual-tokens -m manifests/demo.yaml \
         --set stages.extract_visual_tokens.relations=learned \
-        --set models.relation_head=runs/demo/train/relation-head/default/relation_head.pt
+        --set models.relation_head=runs/demo/train/relation-head/default-*/relation_head.pt   # the run folder
 """
 
 from __future__ import annotations
