@@ -10,12 +10,17 @@
    chance, the control's value and interval, steps and wall time of the run, and a verdict per row:
 
    * a row the testbed's features make learnable (``LEARNABLE`` below): ``learned`` when the interval's
-     lower bound is above chance, and the control ``at chance`` when its interval's lower bound is not
-     above chance (one-sided: a control that learns nothing may land a little below chance);
+     lower bound is above chance *and* above the strongest no-learning baseline the job reports beside
+     the row (a frozen score, a prior, one group, the untrained model: ``baseline_for`` in results.parquet,
+     :mod:`pipeline.report.significance`), and the control ``at chance`` when its interval's lower bound
+     is not above chance (one-sided: a control that learns nothing may land a little below chance);
    * a row that must stay at chance (word order: the scene-oracle's features carry none): ``at chance``
      when its interval's lower bound is not above chance, in the trained run and in the control.
    * a row a prior scores without the images (c3's ``type2_as_trained``: C' drawn as training draws it):
      ``prior`` when its lower bound is above chance in the trained run and in the control alike.
+
+   An expected row that is missing, scored on fewer items than its stated minimum (``MIN_N``, or the
+   pattern's own), or a benchmark the run could not score (``eval/final/errors.json``) fails the check.
 
 A run whose folder had already finished training is not trained again (``train run`` resumes): the job
 only re-evaluates it, and its wall column says ``re-evaluated``, not a training time. ``--fresh`` passes
@@ -42,8 +47,11 @@ BIN = Path(sys.executable).parent
 
 JOBS = ["concept-ot", "c3", "infoground", "visual-tokens", "text-groups", "relation-head"]
 
-# (benchmark, subset, metric) -> expectation: "learn" (ci_low > chance) or "chance" (chance in the interval).
-# A subset or metric of None matches any. Rows not named here are shown only with --all-rows.
+# (benchmark, subset, metric) -> expectation: "learn" (ci_low above chance and above the strongest no-learning
+# baseline reported beside the row), "chance" (not above chance) or "prior"; an optional fifth element is the
+# row's minimum n (default MIN_N). A subset or metric of None matches any. Every pattern must match a row.
+# Rows not named here are shown only with --all-rows.
+MIN_N = 30
 LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
     # concept-ot's score adds a trained local term to the *frozen* global score g, and the oracle's g already
     # retrieves (R@1 60 vs chance 2) and tells replaced objects apart: its control sits at g there, not at
@@ -124,13 +132,33 @@ def _steps(run_dir: Path) -> int | None:
     return rows[-1].get("step") if rows else None
 
 
-def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[dict]:
-    from train.seeds_table import final_rows
+def _failure(job: str, what: str, verdict: str) -> dict:
+    return {"job": job, "row": what, "value": None, "ci": "-", "chance": None, "n": None, "control": None,
+            "control_ci": "-", "verdict": verdict, "ok": False}
 
-    got = [r for r in final_rows(run) if isinstance(r.get("value"), (int, float))]
-    ctl = {(r["benchmark"], r.get("subset") or "", r["metric"]): r for r in (final_rows(control) if control else [])}
+
+def benchmark_errors(run: Path) -> list[str]:
+    """The benchmarks the run's final evaluation could not score (the harness's errors.json)."""
+    path = run / "eval" / "final" / "errors.json"
+    if not path.is_file():
+        return []
+    try:
+        errs = json.loads(path.read_text())
+    except ValueError:
+        return [f"{path}: not valid JSON"]
+    return [str(e) for e in errs] if isinstance(errs, list) else [f"{path}: not a list"]
+
+
+def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[dict]:
+    from train.summary import result_rows
+
+    got = [r for r in result_rows(run) if isinstance(r.get("value"), (int, float))]
+    ctl = {(r["benchmark"], r.get("subset") or "", r["metric"]): r for r in (result_rows(control) if control else [])}
     pats = LEARNABLE.get(job, [])
-    out = []
+    out = [_failure(job, f"benchmark not scored: {e}", "BENCHMARK FAILED") for e in benchmark_errors(run)]
+    for pat in pats:
+        if not any(_matches(r, pat) for r in got):
+            out.append(_failure(job, "/".join(x or "*" for x in pat[:3]) + " (expected row absent)", "MISSING"))
     for r in got:
         pat = next((p for p in pats if _matches(r, p)), None)
         if pat is None and not (all_rows and r.get("chance") is not None):
@@ -138,10 +166,16 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
         c = ctl.get((r["benchmark"], r.get("subset") or "", r["metric"]))
         expect = pat[3] if pat else "-"
         chance = r.get("chance")
-        if expect == "learn":
-            ok = _above(r, chance)
-            verdict = ("learned" if ok else "NOT LEARNED") + ("" if control is None else
-                                                              (", control at chance" if _in(c, chance) else ", CONTROL OFF CHANCE"))
+        min_n = (pat[4] if pat and len(pat) > 4 else MIN_N) if pat else 0
+        if pat and (r.get("n") or 0) < min_n:
+            ok, verdict = False, f"TOO FEW ITEMS (n {r.get('n')} < {min_n})"
+        elif expect == "learn":
+            bar = r.get("bar")
+            above_bar = bar is None or _above(r, bar[1])
+            ok = _above(r, chance) and above_bar
+            verdict = ("learned" if ok else "NOT LEARNED" if above_bar else f"NOT ABOVE BASELINE {bar[0]} ({bar[1]:.4g})")
+            verdict += (f" (bar: {bar[0]} {bar[1]:.4g})" if ok and bar is not None else "")
+            verdict += "" if control is None else (", control at chance" if _in(c, chance) else ", CONTROL OFF CHANCE")
             ok = ok and (control is None or _in(c, chance))
         elif expect == "prior":  # a row a prior without the images scores: above chance, the control too
             ok = _above(r, chance) and (control is None or _above(c, chance))
@@ -155,9 +189,6 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
                     "value": r["value"], "ci": _interval(r), "chance": chance, "n": r.get("n"),
                     "control": None if c is None else c["value"], "control_ci": _interval(c),
                     "verdict": verdict, "ok": ok})
-    if pats and not any(o["verdict"] for o in out):
-        out.append({"job": job, "row": "(no main metric in results.parquet)", "value": None, "ci": "-", "chance": None,
-                    "n": None, "control": None, "control_ci": "-", "verdict": "MISSING", "ok": False})
     return out
 
 

@@ -135,7 +135,7 @@ def test_harness_pairwise_skips_results_and_compare(tmp_path, monkeypatch):
     H.run_harness(job2, torch.nn.Linear(1, 1), m, out2, log=lambda s: None)
     txt = H.compare([tmp_path / "run", tmp_path / "run2"])
     line = next(x for x in txt.splitlines() if x.startswith("| toy | all | acc"))
-    assert line == "| toy | all | acc | 50.0 % | 33.3 % (n=3) | 66.7 % (n=3) |"
+    assert line == "| toy | all | acc | 50.0 % | 33.3 % (n=3; too few items) | 66.7 % (n=3; too few items) |"
     assert "fake/v1 s3" in txt.splitlines()[0] and "fake/v2" in txt.splitlines()[0]
 
 
@@ -232,14 +232,14 @@ def test_compare_merges_evaluations_of_the_newest_step(tmp_path):
     write(run / "eval" / "final", 9, "a", 60.0)
     write(run / "eval" / "step000009", 9, "b", 70.0)  # `train eval --bench b` of the final checkpoint
     txt = H.compare([run])
-    assert "| a | all | acc | 50.0 % | 60.0 % (n=3) |" in txt and "| b | all | acc | 50.0 % | 70.0 % (n=3) |" in txt
+    assert "| a | all | acc | 50.0 % | 60.0 % (n=3; too few items) |" in txt and "| b | all | acc | 50.0 % | 70.0 % (n=3; too few items) |" in txt
     assert "old-step" not in txt
     # a fraction (IoU, AUC) carries no percent sign, beside percentages in the same table
     H.write_results([{"job": "j", "variant": "v", "checkpoint": "c", "step": 9, "benchmark": "grounding",
                       "subset": "all", "metric": "mean_IoU", "value": 0.0717, "n": 44, "chance": 0.07, "skipped": 0,
                       "skip_reasons": "{}", "unit": "fraction", "note": ""}], run / "eval" / "step000009-own")
     txt = H.compare([run])
-    assert "| grounding | all | mean_IoU | 0.070 | 0.072 (n=44) |" in txt and "| a | all | acc | 50.0 % | 60.0 % (n=3) |" in txt
+    assert "| grounding | all | mean_IoU | 0.070 | 0.072 (n=44) |" in txt and "| a | all | acc | 50.0 % | 60.0 % (n=3; too few items) |" in txt
     # two runs of one job and variant (other options, e.g. conceptot and conceptot-34a1d0): each column
     # names its run folder (before: "j/v #1" and a bare "j/v")
     write(tmp_path / "j" / "v-34a1d0" / "eval" / "final", 9, "a", 61.0)
@@ -319,3 +319,48 @@ def test_image_splits_scores_held_out_items_only(tmp_path, monkeypatch):
     rows, _ = H.run_harness(FakeJob(table, scorable={18, 19, 1, 2}), torch.nn.Linear(1, 1), m, tmp_path / "e2",
                             job_metrics=False, log=lambda s: None)
     assert next(r for r in rows if r["benchmark"] == "toy")["n"] == 1
+
+
+def test_a_jobs_frozen_score_is_reported_as_the_baseline_its_result_is_judged_against(tmp_path, monkeypatch):
+    """A job with a frozen score (concept-ot's g) gets every pairwise row again as ``<metric>[frozen]``
+    with ``baseline_for``; a baseline protocol's retrieval rows point at the learnt protocol; the
+    verdict of a result that does not clear its frozen score is not 'above'."""
+    from pipeline.report.significance import verdicts
+
+    monkeypatch.setitem(H.BUILTIN, "toy", _toy_reader)
+    table = {(1, "a red cube"): 0.9, (1, "a cube red"): 0.1, (2, "a blue ball"): 0.2, (2, "a red ball"): 0.7,
+             (3, "x"): 0.5, (3, "y"): 0.5}
+
+    class Frozen(FakeJob):
+        baseline_protocols = {"global": "score"}
+
+        def has_frozen_baseline(self):
+            return True
+
+        def score_pairs_frozen(self, model, sids, texts, boxes=None):  # right on every item: a strong frozen score
+            return np.array([1.0 if t in ("a red cube", "a blue ball", "x") else 0.0 for t in texts])
+
+        def retrieval_scores(self, model, sids, cids, texts):
+            s = super().retrieval_scores(model, sids, cids, texts)["score"]
+            return {"score": s, "global": s}
+
+    job = Frozen(table, scorable={1, 2, 3})
+    m = _manifest(tmp_path, [("toy", "toy", None)])
+    rows, _ = H.run_harness(job, torch.nn.Linear(1, 1), m, tmp_path / "o", job_metrics=False, log=lambda s: None)
+    by = {(r["subset"], r["metric"]): r for r in rows}
+    assert by[("all", "acc[frozen]")]["value"] == 100.0 and by[("all", "acc[frozen]")]["baseline_for"] == "all/acc"
+    assert by[("all", "acc")]["baseline_for"] == ""
+    # many items so that the verdict is not "too few items": the learnt row above chance, below its frozen score
+    rows = [{**by[("all", "acc")], "value": 70.0, "ci_low": 60.0, "ci_high": 80.0, "n": 100},
+            {**by[("all", "acc[frozen]")], "value": 75.0, "n": 100}]
+    assert verdicts(rows) == ["not above acc[frozen] (75)", "baseline"]
+    rows[1]["value"] = 55.0
+    assert verdicts(rows)[0] == "above"
+
+    # retrieval: the frozen protocol's rows are the learnt protocol's baselines
+    items = [Item([Pair(f"sample_id:{i}", t)], key=str(i)) for i, t in ((1, "a red cube"), (2, "a blue ball"))]
+    data = BenchData("ret", items, score=lambda its, sc: [], kind="retrieval")
+    got = H._score_retrieval(job, None, None, data, items, {"sample_id:1": 1, "sample_id:2": 2})
+    assert {r.baseline_for for r in got if r.subset == "global"} == {f"score/{d}_R@{k}" for d in ("i2t", "t2i")
+                                                                       for k in (1, 5, 10)}
+    assert {r.baseline_for for r in got if r.subset == "score"} == {""}

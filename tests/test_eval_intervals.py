@@ -1,5 +1,6 @@
-"""The 95% intervals of results rows: Wilson against scipy, the vectorised bootstraps against a
-brute-force loop over resamples with the same seed, and the columns in results tables."""
+"""The 95% intervals of results rows: Wilson against scipy, the vectorised cluster bootstraps against
+a brute-force loop over resampled images with the same seed, the coverage of every metric kind
+simulated with a known truth, and the columns in results tables."""
 
 from __future__ import annotations
 
@@ -37,43 +38,164 @@ def _auc(pos, neg):
     return np.mean([(p > q) + 0.5 * (p == q) for p in pos for q in neg])
 
 
-def test_mean_bootstrap_matches_a_loop():
-    v = np.random.default_rng(1).random(23)
-    got = iv.mean_boot(v, resamples=200, seed=7)
-    want = _brute(lambda i: v[i].mean(), v.size, 200, 7)
+def test_cluster_bootstrap_of_the_mean_matches_a_loop_over_images():
+    r = np.random.default_rng(1)
+    v = r.random(23)
+    img = r.integers(0, 9, 23)
+    got = iv.mean_boot(iv.mean(v, img), resamples=200, seed=7)
+    imgs = np.unique(img)
+
+    def stat(draw):  # draw: indices into the images; every item of a drawn image, as often as drawn
+        items = np.concatenate([np.flatnonzero(img == imgs[d]) for d in draw])
+        return v[items].mean()
+
+    want = _brute(stat, imgs.size, 200, 7)
     np.testing.assert_allclose(got, want)
-    assert iv.mean_interval(v, 100.0, 200, 7) == pytest.approx(tuple(100 * np.percentile(want, [2.5, 97.5])))
 
 
-def test_mean_bootstrap_in_blocks_is_the_same(monkeypatch):
+def test_bootstrap_in_blocks_is_the_same(monkeypatch):
     v = np.random.default_rng(2).random(50)
-    whole = iv.mean_boot(v, resamples=100, seed=3)
+    whole = iv.mean_boot(iv.mean(v), resamples=100, seed=3)
     monkeypatch.setattr(iv, "CHUNK_ELEMENTS", 170)  # 3 resamples per block
-    np.testing.assert_allclose(iv.mean_boot(v, resamples=100, seed=3), whole)
+    np.testing.assert_allclose(iv.mean_boot(iv.mean(v), resamples=100, seed=3), whole)
 
 
-def test_auc_bootstrap_matches_a_loop():
+def test_auc_cluster_bootstrap_matches_a_loop():
     r = np.random.default_rng(4)
     pos, neg = r.integers(0, 6, 17).astype(float), r.integers(0, 5, 17).astype(float)  # ties on purpose
-    got = iv.auc_boot(pos, neg, resamples=150, seed=11)
-    want = _brute(lambda i: _auc(pos[i], neg[i]), pos.size, 150, 11)
-    np.testing.assert_allclose(got, want, atol=1e-12)
-    assert iv.auc_interval(pos, neg, 150, 11) == pytest.approx(tuple(np.percentile(want, [2.5, 97.5])))
+    img = r.integers(0, 6, 17)
+    imgs = np.unique(img)
+
+    def stat(draw):
+        items = np.concatenate([np.flatnonzero(img == imgs[d]) for d in draw])
+        return _auc(pos[items], neg[items])
+
+    got = iv.auc_boot(pos, neg, resamples=150, seed=11, clusters=img)
+    np.testing.assert_allclose(got, _brute(stat, imgs.size, 150, 11), atol=1e-12)
+    assert iv.auc(pos, neg) == pytest.approx(_auc(pos, neg))
 
 
-def test_macro_bootstrap_matches_a_loop():
-    r = np.random.default_rng(5)
-    v = r.random(30) > 0.4
-    g = np.array(["b"] * 12 + ["a"] * 18)
-    boots = iv.group_means_boot(v, g, resamples=100, seed=9)
-    rng = np.random.default_rng(9)  # groups in sorted order, one stream
-    want = {}
-    for name in ("a", "b"):
-        vals = v[g == name].astype(float)
-        want[name] = np.array([vals[rng.integers(0, vals.size, vals.size)].mean() for _ in range(100)])
-    for name in ("a", "b"):
-        np.testing.assert_allclose(boots[name], want[name])
-    np.testing.assert_allclose(iv.macro([boots["a"], boots["b"]]), (want["a"] + want["b"]) / 2)
+def test_clustered_variance_is_the_sandwich_over_images():
+    """A plain proportion's clustered variance against the sandwich formula written out."""
+    r = np.random.default_rng(3)
+    y = (r.random(40) < 0.4).astype(float)
+    img = np.repeat(np.arange(10), 4)
+    var, nc = iv.clustered_variance(iv.proportion(y, img))
+    p = y.mean()
+    scale = np.sqrt(40 / 39)  # one group of 40: residuals scaled by sqrt(n / (n - 1))
+    u = np.array([((y[img == c] - p) * scale).sum() / 40 for c in range(10)])
+    assert nc == 10 and var == pytest.approx(np.sum(u * u))
+
+
+def test_degenerate_intervals_have_width():
+    assert iv.wilson_of(np.zeros(50, bool), 100.0)[1] == pytest.approx(100 * 3.8415 / (50 + 3.8415), rel=1e-3)
+    lo, hi = iv.wilson_of(np.zeros(50, bool), 100.0, clusters=np.repeat(np.arange(10), 5))
+    assert lo == 0 and hi > iv.wilson(0, 50)[1]  # 10 images hold 50 items: wider than 50 independent ones
+    lo, hi = iv.interval(iv.macro([iv.proportion([True], [i]) for i in range(200)]), 100.0)
+    assert hi == 100 and lo < 99  # 200 one-item groups, all right: not [100, 100]
+
+
+# -- coverage: 1,000 replications of each metric kind with a known truth and image clustering ----
+
+REPS = 1000
+
+
+def _coverage(draw, truth, seed=123) -> float:
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for _ in range(REPS):
+        lo, hi = draw(rng)
+        hits += lo <= truth <= hi
+    return 100.0 * hits / REPS
+
+
+def _images(rng, n_img, per, p, icc):
+    """0/1 outcomes of ``per`` items on each of ``n_img`` images, the image's rate drawn from a Beta
+    of mean ``p`` and intra-image correlation ``icc`` (beta-binomial): the truth is ``p``."""
+    a, b = p * (1 - icc) / icc, (1 - p) * (1 - icc) / icc
+    q = rng.beta(a, b, n_img)
+    return (rng.random((n_img, per)) < q[:, None]).reshape(-1), np.repeat(np.arange(n_img), per)
+
+
+def _macro_draw(n_groups, n_items, n_img, p_lo, p_hi):
+    """Groups of 1+ items (one-item groups included), each with its own rate, items on shared
+    images; the truth is the mean of the groups' rates."""
+    def draw(rng, pg):
+        sizes = 1 + np.bincount(rng.integers(0, n_groups, n_items - n_groups), minlength=n_groups)
+        g = np.repeat(np.arange(n_groups), sizes)
+        img = rng.integers(0, n_img, g.size)
+        y = rng.random(g.size) < pg[g]
+        return iv.interval(iv.macro([iv.proportion(y[g == k], img[g == k]) for k in range(n_groups)]), 1.0)
+    pg = np.linspace(p_lo, p_hi, n_groups)
+    return (lambda rng: draw(rng, pg)), float(pg.mean())
+
+
+@pytest.mark.parametrize("case", [
+    "proportion n=40 p=0.3",
+    "proportion n=60 p=0.03 (0 hits in 16% of draws)",
+    "proportion n=60 p=0.97 (all hits in 16% of draws)",
+    "clustered proportion 30 images x 4, icc 0.3",
+    "clustered proportion 20 images x 5, icc 0.5",
+    "clustered proportion p=0.01, 40 images x 5, icc 0.3 (0 hits in 29% of draws)",
+    "macro 66 groups over 169 items (VG-Attribution's size)",
+    "macro 200 one-item groups",
+    "macro 10 groups x 10",
+])
+def test_binary_intervals_cover(case):
+    if case.startswith("proportion"):
+        n, p = {"n=40": (40, 0.3), "n=60 p=0.03": (60, 0.03), "n=60 p=0.97": (60, 0.97)}[
+            next(k for k in ("n=40", "n=60 p=0.03", "n=60 p=0.97") if k in case)]
+        got = _coverage(lambda rng: iv.wilson_of(rng.random(n) < p, 1.0), p)
+    elif case.startswith("clustered"):
+        n_img, per, p, icc = {"30 images": (30, 4, 0.4, 0.3), "20 images": (20, 5, 0.3, 0.5),
+                              "p=0.01": (40, 5, 0.01, 0.3)}[next(k for k in ("30 images", "20 images", "p=0.01")
+                                                                  if k in case)]
+        def draw(rng):
+            y, img = _images(rng, n_img, per, p, icc)
+            return iv.wilson_of(y, 1.0, clusters=img)
+        got = _coverage(draw, p)
+    else:
+        args = {"66 groups": (66, 169, 100, 0.4, 0.8), "200 one-item": (200, 200, 150, 0.4, 0.8),
+                "10 groups": (10, 100, 25, 0.4, 0.6)}[next(k for k in ("66 groups", "200 one-item", "10 groups")
+                                                          if k in case)]
+        draw, truth = _macro_draw(*args)
+        got = _coverage(draw, truth)
+    assert 93.0 <= got <= 97.0, f"{case}: the 95% interval covered the truth in {got:.1f}% of {REPS} draws"
+
+
+def test_cluster_bootstrap_mean_covers():
+    """Per-item values in (0, 1) (an IoU-like skewed metric) on 30 images of 4 items that share an
+    image effect; the truth E[sigmoid(Z - 0.5)], Z ~ N(0, 1), by quadrature."""
+    from scipy.integrate import quad
+    from scipy.stats import norm
+
+    truth = quad(lambda z: norm.pdf(z) / (1 + np.exp(-(z - 0.5))), -12, 12)[0]
+
+    def draw(rng):
+        img = np.repeat(np.arange(30), 4)
+        z = rng.normal(0, np.sqrt(0.3), 30)[img] + rng.normal(0, np.sqrt(0.7), img.size)
+        return iv.mean_interval(1 / (1 + np.exp(-(z - 0.5))), 1.0, resamples=400, seed=rng, clusters=img)
+
+    got = _coverage(draw, truth)
+    assert 93.0 <= got <= 97.0, got
+
+
+def test_cluster_bootstrap_auc_covers():
+    """Paired AUC of 30 images x 3 triplets whose scores share an image shift (s = 0.7): the truth
+    Phi(d / sqrt(2 (1 + s^2)))."""
+    from scipy.stats import norm
+
+    d, s = 0.8, 0.7
+    truth = float(norm.cdf(d / np.sqrt(2 * (1 + s * s))))
+
+    def draw(rng):
+        img = np.repeat(np.arange(30), 3)
+        e = rng.normal(0, s, 30)[img]
+        pos, neg = d + e + rng.normal(size=img.size), e + rng.normal(size=img.size)
+        return iv.auc_interval(pos, neg, resamples=400, seed=rng, clusters=img)
+
+    got = _coverage(draw, truth)
+    assert 93.0 <= got <= 97.0, got
 
 
 def test_benchmark_rows_carry_intervals():
@@ -84,7 +206,7 @@ def test_benchmark_rows_carry_intervals():
     ci = binomtest(30, 40).proportion_ci(method="wilson")
     assert (x.ci_low, x.ci_high) == pytest.approx((100 * ci.low, 100 * ci.high))
     m = macro_row("b", "all", rows)
-    assert m.ci_low < m.value < m.ci_high and m.boot is not None
+    assert m.ci_low < m.value < m.ci_high and m.est is not None
     p = pooled_row("b", "all", correct, 0.5)
     assert p.ci_low < p.value < p.ci_high
     assert "no interval" in macro_row("b", "all", [Row("b", "x", "accuracy", 50.0, 4, 50.0)]).note
@@ -112,4 +234,4 @@ def test_results_table_and_compare_show_intervals(tmp_path):
     assert "no interval: a loss, no items" in t.column("note").to_pylist()[1]
     assert "75.0 [60.1, 85.8] %" in markdown_table(table)
     out = compare([tmp_path / "a"])
-    assert "75.0 [60.1, 85.8] % (n=40)" in out and "| 1.5 (n=3)" in out
+    assert "75.0 [60.1, 85.8] % (n=40; above)" in out and "| 1.5 (n=3) |" in out

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.eval.intervals import wilson
+from train.eval.intervals import wilson, wilson_of
 
 # structural fixtures (ids, empty region sets, widths) from the benchmark's artifact generator;
 # learning is shown through the real stages in tests/test_testbed_infoground.py
@@ -493,10 +493,16 @@ def test_noun_vs_negatives_reports_the_prior_baseline(tmp_path):
         counts[t.lower()] = counts.get(t.lower(), 0) + 1
     test_ids = {im["sample_id"] for im in job.eval_set(job.cfg.test_splits).images}
     wins = n = 0
+    outcomes, images = [], []
     for r in neg.scan("negatives").collect().filter(pl.col("sample_id").is_in(sorted(test_ids))).iter_rows(named=True):
         n += 1
-        wins += all(counts.get(r["noun"].lower(), 0) > counts.get(c.lower(), 0) for c in r["candidates"])
+        won = all(counts.get(r["noun"].lower(), 0) > counts.get(c.lower(), 0) for c in r["candidates"])
+        wins += won
+        outcomes.append(won)
+        images.append(r["sample_id"])
     assert g["nouns"] == n > 0 and g["noun_vs_negatives_prior"] == pytest.approx(100 * wins / n)
     row = [r for r in grounding_rows(g, "b", "test") if r.metric == "noun vs its negatives[prior]"]
     assert len(row) == 1 and row[0].n == n and row[0].chance == g["noun_vs_negatives_chance"]
-    assert (row[0].ci_low, row[0].ci_high) == pytest.approx(wilson(wins, n))
+    # nouns of one image are not independent: Wilson on the effective n of nouns clustered by image
+    assert (row[0].ci_low, row[0].ci_high) == pytest.approx(wilson_of(np.array(outcomes), clusters=np.array(images)))
+    assert row[0].baseline_for == "test/noun vs its negatives"

@@ -143,7 +143,7 @@ def test_compare_groups_runs_by_row_and_judges_the_ordering(tmp_path):
     assert _line(out, "R@1", "contextual")[2] == "37.50 +- 3.54" and _line(out, "R@1", "contextual")[-1] == \
         "no published number"
     summary = out.split("### ordering against the reference row, per row", 1)[1]
-    assert "| random | 0 | 1 | 0 | pointing_accuracy |" in summary and "| contextual | 1 | 0 | 0 | - |" in summary
+    assert "| random | 0 | 0 | 1 | pointing_accuracy | - |" in summary and "| contextual | 1 | 0 | 0 | - | - |" in summary
     assert "| contextual-no-exclusion | - | - | - | no job option: Contextual negatives without" in summary
     assert "control=shuffled" in out.split("runs whose options outside")[1] and str(runs[6]) in out
     assert f"runs matching no row of the table (not counted; rows set negatives): {runs[7]}" in out
@@ -164,9 +164,9 @@ def test_compare_within_seed_std_scale_and_subset_alternatives(tmp_path):
     assert _line(out, "tIoU", "grouped-k4")[2:7] == ["75.00 +- 7.07", "2", "40.00", "[65.00, 85.00]", "76.42 +- 2.28"]
     assert _line(out, "tIoU", "grouped-k1")[-1] == "agrees"
     # SVO: K=1 70.5 +- 2.12 vs K=4 70.5 +- 0.71: difference 0 exactly (paper: K=1 below K=4) -> a tie, not a verdict
-    assert _line(out, "svo", "grouped-k1")[-1] == "tie (paper: lower)"
+    assert _line(out, "svo", "grouped-k1")[-1] == "unresolved: tie (paper: lower)"
     summary = out.split("### ordering against the reference row, per row", 1)[1]
-    assert "| grouped-k1 | 1 | 0 | 1 | - |" in summary, summary
+    assert "| grouped-k1 | 1 | 1 | 0 | - | svo |" in summary, summary
     assert _line(out, "svo", "no-contrastive")[-1] == "not run"
 
     # a list of subsets: the first one the run has
@@ -215,9 +215,9 @@ def test_compare_keeps_per_row_defaults_and_lists_runs_set_otherwise(tmp_path):
             _run(tmp_path, "c8", {"variant": "conceptot", "epochs": 8.0, "max_steps": 5}, res(70.0))]
     out = compare_paper("concept-ot", runs)
     assert "runs per row: global-only 1, conceptot 1." in out and "set besides the rows': lr=1e-05, max_steps=5." in out
-    # one seed each: no std; the intervals [62, 68] and [57, 63] overlap, so the ordering is qualified
+    # one seed each: no std; the intervals [62, 68] and [57, 63] overlap, so the ordering is unresolved
     assert _line(out, "sugarcrepe", "conceptot")[2:] == ["65.00 +- 0.00", "1", "50.00", "[62.00, 68.00]", "80.50",
-                                                         "1/1", "agrees (intervals overlap)"]
+                                                         "1/1", "unresolved: intervals overlap (would agree)"]
     far = _run(tmp_path, "c-far", {"variant": "conceptot", "epochs": 3.0, "max_steps": 5}, res(70.0))
     assert f"{runs[2]} (epochs=8.0)" in out
     out = compare_paper("concept-ot", [runs[0], far])  # [67, 73] clear of [57, 63]: resolved by the evaluation sample

@@ -1,5 +1,7 @@
-"""benchmarks/testbed.py's verdicts from a run's and its control's results.parquet: a learnable row,
-a word-order row that must stay at chance, and c3's concept-prior row (above chance in the control too)."""
+"""benchmarks/testbed.py's verdicts from a run's and its control's results.parquet: a learnable row (above
+chance and above the strongest no-learning baseline), a word-order row that must stay at chance, c3's
+concept-prior row (above chance in the control too), and the failures: a missing row, a benchmark that
+could not be scored, too few items."""
 
 from __future__ import annotations
 
@@ -19,33 +21,71 @@ def _testbed():
     return mod
 
 
-def _run(root: Path, name: str, rows: list[tuple]) -> Path:
+def _run(root: Path, name: str, rows: list[tuple], errors: list[str] | None = None) -> Path:
     run = root / name
     (run / "eval" / "final").mkdir(parents=True)
-    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n"]
-    pq.write_table(pa.Table.from_pylist([dict(zip(cols, r)) for r in rows]), run / "eval" / "final" / "results.parquet")
+    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n", "baseline_for"]
+    pq.write_table(pa.Table.from_pylist([dict(zip(cols, (*r, "") if len(r) == 8 else r)) for r in rows]),
+                   run / "eval" / "final" / "results.parquet")
+    if errors:
+        import json
+
+        (run / "eval" / "final" / "errors.json").write_text(json.dumps(errors))
     return run
+
+
+C3_OTHER = [("c3_mcp", t, "auc", 0.60, 0.5, 0.58, 0.62, 1500) for t in ("type2_random", "type2_hard", "type2_binding")]
+C3_CTL = [("c3_mcp", t, "auc", 0.50, 0.5, 0.49, 0.51, 1500) for t in ("type2_random", "type2_hard", "type2_binding")]
 
 
 def test_verdicts_learn_prior_and_a_failing_control(tmp_path):
     tb = _testbed()
     run = _run(tmp_path, "run", [("c3_mcp", "type1", "auc", 0.59, 0.5, 0.58, 0.60, 1989),
-                                 ("c3_mcp", "type2_as_trained", "auc", 0.82, 0.5, 0.80, 0.83, 2000)])
+                                 ("c3_mcp", "type2_as_trained", "auc", 0.82, 0.5, 0.80, 0.83, 2000), *C3_OTHER])
     ctl = _run(tmp_path, "ctl", [("c3_mcp", "type1", "auc", 0.50, 0.5, 0.499, 0.502, 1989),
-                                 ("c3_mcp", "type2_as_trained", "auc", 0.79, 0.5, 0.77, 0.80, 2000)])
+                                 ("c3_mcp", "type2_as_trained", "auc", 0.79, 0.5, 0.77, 0.80, 2000), *C3_CTL])
     got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", run, ctl, False)}
-    assert got == {"c3_mcp/type1/auc": ("learned, control at chance", True),
-                   "c3_mcp/type2_as_trained/auc": ("prior: above chance, the control too", True)}
+    assert got["c3_mcp/type1/auc"] == ("learned, control at chance", True)
+    assert got["c3_mcp/type2_as_trained/auc"] == ("prior: above chance, the control too", True)
+    assert len(got) == 5 and all(ok for _, ok in got.values())
     # a control that learnt the learnable row fails it; a prior the control lacks fails the prior row
     bad = _run(tmp_path, "bad", [("c3_mcp", "type1", "auc", 0.56, 0.5, 0.55, 0.57, 1989),
-                                 ("c3_mcp", "type2_as_trained", "auc", 0.50, 0.5, 0.49, 0.51, 2000)])
+                                 ("c3_mcp", "type2_as_trained", "auc", 0.50, 0.5, 0.49, 0.51, 2000), *C3_CTL])
     got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", run, bad, False)}
-    assert got == {"c3_mcp/type1/auc": ("learned, CONTROL OFF CHANCE", False),
-                   "c3_mcp/type2_as_trained/auc": ("PRIOR NOT ABOVE CHANCE", False)}
+    assert got["c3_mcp/type1/auc"] == ("learned, CONTROL OFF CHANCE", False)
+    assert got["c3_mcp/type2_as_trained/auc"] == ("PRIOR NOT ABOVE CHANCE", False)
     # word order must stay at chance, in the run and the control
     wo = _run(tmp_path, "wo", [("vg-relation", "all", "macro_accuracy", 58.0, 50.0, 55.0, 61.0, 1147)])
-    (row,) = tb.job_rows("concept-ot", wo, None, False)
-    assert (row["verdict"], row["ok"]) == ("OFF CHANCE", False)
+    got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("concept-ot", wo, None, False)}
+    assert got["vg-relation/all/macro_accuracy"] == ("OFF CHANCE", False)
+
+
+def test_learned_means_above_the_strongest_baseline_not_only_chance(tmp_path):
+    """c3's frozen global-cosine AUC is reported beside each MCP AUC: a trained AUC whose interval is
+    above chance but not above that frozen score is not 'learned' (issue 37: type2_random 0.593 vs 0.641)."""
+    tb = _testbed()
+    rows = [("c3_mcp", "type1", "auc", 0.70, 0.5, 0.66, 0.74, 900),
+            ("c3_mcp", "type1", "auc_global_cosine", 0.60, 0.5, 0.57, 0.63, 900, "type1/auc"),
+            ("c3_mcp", "type2_random", "auc", 0.593, 0.5, 0.57, 0.61, 900),
+            ("c3_mcp", "type2_random", "auc_global_cosine", 0.641, 0.5, 0.62, 0.66, 900, "type2_random/auc"),
+            *C3_OTHER[1:], ("c3_mcp", "type2_as_trained", "auc", 0.82, 0.5, 0.80, 0.83, 2000)]
+    got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", _run(tmp_path, "r", rows), None, False)}
+    assert got["c3_mcp/type1/auc"] == ("learned (bar: auc_global_cosine 0.6)", True)
+    assert got["c3_mcp/type2_random/auc"] == ("NOT ABOVE BASELINE auc_global_cosine (0.641)", False)
+
+
+def test_missing_rows_failed_benchmarks_and_too_few_items_fail(tmp_path):
+    tb = _testbed()
+    # relation-head expects recall@1, @3 and @5: @5 is absent; @3 was scored on 12 items (minimum 30)
+    run = _run(tmp_path, "r", [("relation-head", "held_out", "recall@1", 60.0, 10.0, 50.0, 70.0, 280),
+                               ("relation-head", "held_out", "recall@3", 80.0, 30.0, 60.0, 95.0, 12)],
+               errors=["sugarcrepe: 0 of 40 items scorable"])
+    out = tb.job_rows("relation-head", run, None, False)
+    got = {r["row"]: (r["verdict"], r["ok"]) for r in out}
+    assert got["relation-head/held_out/recall@1"] == ("learned", True)
+    assert got["relation-head/held_out/recall@3"] == ("TOO FEW ITEMS (n 12 < 30)", False)
+    assert got["relation-head/held_out/recall@5 (expected row absent)"] == ("MISSING", False)
+    assert got["benchmark not scored: sugarcrepe: 0 of 40 items scorable"] == ("BENCHMARK FAILED", False)
 
 
 def test_wall_column_says_when_a_run_was_only_re_evaluated(tmp_path, capsys):

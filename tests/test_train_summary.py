@@ -62,11 +62,13 @@ def test_runs_table_lists_trained_and_failed_jobs(tmp_path):
     text = runs_table([("concept-ot", run, {"sugarcrepe/overall": 47.4, "chance/sugarcrepe": 50.0}, 41.6),
                        ("concept-ot", run, {"sugarcrepe/overall": 47.4})], ["c3"])
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["job", "steps", "final"] and "wall" in lines[0].split()
-    assert lines[1].split()[:7] == ["concept-ot", "20", "0.5", "sugarcrepe/overall", "47.4", "50", "42s"]
-    assert lines[2].split()[6] == "-"  # no wall time given
-    lines = [lines[0], lines[1], lines[3]]
-    assert lines[2].split()[:3] == ["c3", "-", "-"] and "did not train" in lines[2]
+    assert lines[0].split()[:3] == ["job", "steps", "loss"] and "wall" in lines[0].split()
+    # no results.parquet: the evaluate() metric beside its chance, no interval, no verdict
+    assert lines[1].split() == ["concept-ot", "20", "0.5", "sugarcrepe/overall", "47.4", "—", "50", "(chance)", "—",
+                                "—", "42s"]
+    assert lines[2].split()[-1] == "-"  # no wall time given
+    assert lines[3].split()[:3] == ["c3", "-", "-"] and "did not train" in lines[3]
+    assert lines[4] == "run folders:" and lines[5].split() == ["concept-ot:", str(run)]
 
 
 def test_train_run_all_goes_on_past_jobs_that_cannot_train(tmp_path):
@@ -106,7 +108,32 @@ def test_runs_table_takes_chance_from_results_parquet(tmp_path):
                    run / "eval" / "final" / "results.parquet")
     text = runs_table([("infoground", run, {"val_r1": 31.0})], [])
     row = text.splitlines()[1].split()
-    assert row[:6] == ["infoground", "20", "0.5", "val_r1", "31", "4"], text
+    assert row == ["infoground", "20", "0.5", "infoground/val_r1", "31", "[20,", "40]", "4", "(chance)", "64", "above",
+                   "-"], text
+
+
+def test_runs_table_judges_the_headline_against_the_strongest_baseline(tmp_path):
+    """A result above chance but not above a no-learning baseline reported beside it is not 'above'; a
+    row on fewer than 10 items gets no verdict; baseline rows never headline."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from train.summary import runs_table, summary_table
+
+    run = tmp_path / "run"
+    (run / "eval" / "final").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "loss": 0.5}) + "\n")
+    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n", "baseline_for"]
+    rows = [("c3_mcp", "type2_random", "auc_global_cosine", 0.641, 0.5, 0.62, 0.66, 900, "type2_random/auc"),
+            ("c3_mcp", "type2_random", "auc", 0.593, 0.5, 0.57, 0.61, 900, ""),
+            ("c3_mcp", "type1", "auc", 0.9, 0.5, 0.6, 1.0, 8, "")]
+    pq.write_table(pa.Table.from_pylist([dict(zip(cols, r)) for r in rows]), run / "eval" / "final" / "results.parquet")
+    row = runs_table([("c3", run, {})], []).splitlines()[1]
+    assert "c3_mcp/type2_random/auc " in row and "0.641 (auc_global_cosine)" in row
+    assert row.split()[-2:] == ["(0.641)", "-"] and "not above auc_global_cosine" in row, row
+    text = summary_table("c3", run, {})
+    assert "too few items" in text and "c3_mcp/type1/auc" in text
+    assert not any(ln.startswith("c3_mcp/type2_random/auc_global_cosine") for ln in text.splitlines())
 
 
 def test_runs_table_reads_a_metric_chance_suffix(tmp_path):
@@ -118,4 +145,4 @@ def test_runs_table_reads_a_metric_chance_suffix(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "loss": 0.5}) + "\n")
     res = {"val_r1": 39.3, "val_r1_chance": 37.5, "val_phrases": 112}
     row = runs_table([("infoground", run, res)], []).splitlines()[1].split()
-    assert row[:6] == ["infoground", "20", "0.5", "val_r1", "39.3", "37.5"], row
+    assert row[:8] == ["infoground", "20", "0.5", "val_r1", "39.3", "—", "37.5", "(chance)"], row

@@ -20,13 +20,13 @@ counted, chance, and the 95% interval: the mean over the seeds of each run's own
 every metric carries beside chance), not an interval of the mean over seeds (with 3 seeds that one
 is mostly the t quantile); seed-to-seed spread is the std. Then the published number, the row's rank
 among the rows with both numbers (testbed / paper, 1 = highest), and against the reference row:
-``agrees`` when the testbed's difference row - reference has the paper's sign, ``disagrees``
-otherwise, ``(within seed std)`` added when that difference is no larger than the larger of the two
-rows' std over seeds (the ordering is then not resolved by the seeds run); with a single seed on
-either side there is no std, and ``(intervals overlap)`` is added when the two rows' 95% intervals
-overlap (the evaluation sample does not resolve the ordering). An exact testbed tie is neither:
-``tie (paper: higher|lower)``; a paper tie with a testbed difference is ``paper tie``. A closing
-table counts the agreeing, disagreeing and tied columns per row.
+``agrees`` when the testbed's difference row - reference is resolved and has the paper's sign,
+``disagrees`` when it is resolved and has the opposite sign, ``unresolved: ...`` otherwise: the
+difference is no larger than the larger of the two rows' std over seeds (``within the seeds' spread``),
+or, with a single seed on either side (no std), the two rows' 95% intervals overlap (``intervals
+overlap``); the way it leans is said (``would agree`` / ``would disagree``). An exact testbed tie,
+or a paper tie with a testbed difference, is unresolved too. A closing table counts the agreeing,
+unresolved and disagreeing columns per row: only resolved columns are counted as agreements.
 
 The grid ``grids/<paper>.yaml`` for ``train sweep`` is :func:`grid_of` of the table (the runnable
 rows as ``configurations``).
@@ -314,16 +314,16 @@ def verdict(table: PaperTable, got: Collected, row: Row, col: Column) -> str:
         return "no published number"
     d, dp = c.mean - cr.mean, p - pr
     if _sign(d) == 0 and _sign(dp) != 0:
-        return f"tie (paper: {'higher' if dp > 0 else 'lower'})"
+        return f"unresolved: tie (paper: {'higher' if dp > 0 else 'lower'})"
     if _sign(dp) == 0 and _sign(d) != 0:
-        return "paper tie"
-    out = "agrees" if _sign(d) == _sign(dp) else "disagrees"
+        return "unresolved: paper tie"
+    direction = "agrees" if _sign(d) == _sign(dp) else "disagrees"
     if c.n > 1 and cr.n > 1:
         if abs(d) <= max(c.std, cr.std):
-            out += " (within seed std)"
+            return f"unresolved: within the seeds' spread (would {direction[:-1]})"
     elif _overlap(c.interval, cr.interval):
-        out += " (intervals overlap)"
-    return out
+        return f"unresolved: intervals overlap (would {direction[:-1]})"
+    return direction
 
 
 def _overlap(a: tuple[float | None, float | None], b: tuple[float | None, float | None]) -> bool:
@@ -370,17 +370,22 @@ def column_table(table: PaperTable, got: Collected, col: Column) -> list[str]:
 def summary_lines(table: PaperTable, got: Collected) -> list[str]:
     """Per row: the columns where its order against the reference agrees with the paper's."""
     lines = ["### ordering against the reference row, per row", "",
-             "| row | agrees | disagrees | ties | columns that disagree |", "|---|---:|---:|---:|---|"]
+             "agrees / disagrees: the testbed's difference from the reference row is resolved (beyond the seeds' "
+             "spread, or disjoint intervals for one seed) and its sign matches / opposes the paper's; "
+             "unresolved: not resolved (or a tie), whichever way it leans.", "",
+             "| row | agrees | unresolved | disagrees | columns that disagree | columns unresolved |",
+             "|---|---:|---:|---:|---|---|"]
     for r in table.rows:
         if r.options is None or r.id == table.reference:
             what = "no job option: " + " ".join(r.no_option.split()) if r.options is None else "reference"
-            lines.append(f"| {r.id} | - | - | - | {what} |")
+            lines.append(f"| {r.id} | - | - | - | {what} | |")
             continue
         v = {c.id: verdict(table, got, r, c) for c in table.columns}
-        ok = [k for k, x in v.items() if x.startswith("agrees")]
-        bad = [k for k, x in v.items() if x.startswith("disagrees")]
-        tie = [k for k, x in v.items() if x.startswith(("tie", "paper tie"))]
-        lines.append(f"| {r.id} | {len(ok)} | {len(bad)} | {len(tie)} | {', '.join(bad) or '-'} |")
+        ok = [k for k, x in v.items() if x == "agrees"]
+        bad = [k for k, x in v.items() if x == "disagrees"]
+        open_ = [k for k, x in v.items() if x.startswith("unresolved")]
+        lines.append(f"| {r.id} | {len(ok)} | {len(open_)} | {len(bad)} | {', '.join(bad) or '-'} | "
+                     f"{', '.join(open_) or '-'} |")
     return lines
 
 

@@ -9,6 +9,7 @@ chance level (else the first few) so that it fits on a screen.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from pipeline.report.curves import COUNT_PREFIXES, chance_keys, is_count, read_metrics
@@ -70,6 +71,70 @@ def _align(rows: list[list[str]], right: set[int]) -> list[str]:
             for r in rows]
 
 
+MAIN_SUBSETS = ("all", "overall", "", "held_out", "i2t", "t2i")
+
+
+def result_rows(run_dir: Path) -> list[dict]:
+    """The run's final ``results.parquet`` rows (the harness's and the job's own, with interval and n),
+    each with its ``verdict`` against chance and the strongest no-learning baseline reported beside it
+    (:func:`pipeline.report.significance.verdicts`) and that ``bar``: [] when the run has none."""
+    from pipeline.report.significance import baselines_of, verdicts
+    from train.seeds_table import final_rows
+
+    rows = [r for r in final_rows(Path(run_dir)) if r.get("benchmark") != "evaluate"]
+    base = baselines_of(rows)
+    for r, v in zip(rows, verdicts(rows)):
+        r["verdict"] = v or ""
+        bl = base.get((r.get("benchmark"), f"{r.get('subset') or ''}/{r.get('metric')}"), [])
+        r["bar"] = max(bl, key=lambda b: b[1], default=None)
+    return rows
+
+
+def _main(rows: list[dict]) -> list[dict]:
+    """Result rows worth a headline: not a baseline, with a chance level, a benchmark's overall row
+    (or any row of a benchmark without one)."""
+    with_all = {r["benchmark"] for r in rows if (r.get("subset") or "") in ("all", "overall")}
+    return [r for r in rows if r["verdict"] != "baseline" and r.get("chance") is not None
+            and ((r.get("subset") or "") in MAIN_SUBSETS or r["benchmark"] not in with_all)]
+
+
+def _headline(job: str, rows: list[dict]) -> dict | None:
+    """The job's headline row: the first of its module's ``HEADLINE`` patterns ((benchmark, subset,
+    metric), None matching any) found, else its first main row."""
+    try:
+        from train.registry import registry
+
+        pats = getattr(registry().get(job), "HEADLINE", ())
+    except Exception:  # an unknown job name (tests): no patterns
+        pats = ()
+    main = _main(rows)
+    for b, s, m in pats:
+        for r in main:
+            if (b is None or r["benchmark"] == b) and (s is None or (r.get("subset") or "") == s) and \
+                    (m is None or r["metric"] == m):
+                return r
+    return main[0] if main else None
+
+
+def _label(r: dict) -> str:
+    return "/".join(x for x in (r["benchmark"], r.get("subset") or "", r["metric"]) if x)
+
+
+def _ci(r: dict) -> str:
+    lo, hi = r.get("ci_low"), r.get("ci_high")
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return "—"
+    return f"[{fmt_num(lo)}, {fmt_num(hi)}]"
+
+
+def _bar(r: dict) -> str:
+    """The no-learning bar the verdict used: the strongest baseline when it beats chance, else chance."""
+    b, c = r.get("bar"), r.get("chance")
+    if b is not None and (c is None or b[1] > c):
+        return f"{fmt_num(b[1])} ({b[0]})"
+    return f"{fmt_num(c)} (chance)" if c is not None else "—"
+
+
 def summary_table(job: str, run_dir: Path, res: dict) -> str:
     """The lines ``train run`` prints at its end."""
     train_rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind") == "train"]
@@ -79,28 +144,49 @@ def summary_table(job: str, run_dir: Path, res: dict) -> str:
     lines = _align(head, right={2, 3})
     if "interrupted_at" in res:
         return "\n".join([*lines, f"interrupted at step {res['interrupted_at']}: rerun the command to resume"])
-    metrics, more = headline_metrics(res)
-    metrics = _with_chance(metrics, run_dir)
-    if metrics:
-        table = [["metric", "value", "chance"], *([k, fmt_num(v), fmt_num(c) if c is not None else ""] for k, v, c in metrics)]
-        lines += ["", *_align(table, right={1, 2})]
-    where = Path(run_dir) / "eval" / "final" / "metrics.json"
-    lines.append(f"{f'{more} more metrics' if more else 'all metrics'}: {where} (--json prints them on one line)")
+    main = _main(result_rows(run_dir))
+    if main:  # held-out results with interval, n and a verdict against the no-learning bar
+        shown = main[:HEADLINE_ROWS]
+        table = [["metric", "value", "95% interval", "no-learning bar", "n", "verdict"],
+                 *([_label(r), fmt_num(r["value"]), _ci(r), _bar(r), fmt_num(r.get("n")), r["verdict"] or "—"]
+                   for r in shown)]
+        lines += ["", *_align(table, right={1, 4})]
+        more = len(main) - len(shown)
+        where = Path(run_dir) / "eval" / "final" / "results.md"
+    else:
+        metrics, more = headline_metrics(res)
+        metrics = _with_chance(metrics, run_dir)
+        if metrics:
+            table = [["metric", "value", "chance"],
+                     *([k, fmt_num(v), fmt_num(c) if c is not None else ""] for k, v, c in metrics)]
+            lines += ["", *_align(table, right={1, 2})]
+        where = Path(run_dir) / "eval" / "final" / "metrics.json"
+    what = "rows" if main else "metrics"
+    lines.append(f"{f'{more} more {what}' if more else f'all {what}'}: {where} (--json prints the metrics on one line)")
     return "\n".join(lines)
 
 
 def runs_table(done: list[tuple], failed: list[str]) -> str:
     """``train run all``'s closing table: per job (``done``: (job, run folder, result[, wall seconds]))
-    its steps, final loss, first headline metric beside chance, wall time of the whole run (training,
-    evaluation, benchmarks) and run folder; the jobs that did not train."""
-    rows = [["job", "steps", "final loss", "headline metric", "value", "chance", "wall", "run folder"]]
+    its steps, final loss, headline result (value, 95% interval, the no-learning bar it is judged
+    against: chance or the strongest baseline the job reports, n, verdict) and wall time of the whole
+    run; the jobs that did not train; the run folders below the table."""
+    rows = [["job", "steps", "loss", "headline", "value", "95% interval", "no-learning bar", "n", "verdict", "wall"]]
+    folders = []
     for job, run_dir, res, *wall in done:
         train_rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind") == "train"]
         last = train_rows[-1] if train_rows else {}
-        head = _with_chance(headline_metrics(res, limit=1)[0], run_dir)
-        k, v, c = head[0] if head else ("-", None, None)
-        rows.append([job, fmt_num(last.get("step")), fmt_num(last.get("loss")), k, fmt_num(v), fmt_num(c),
-                     f"{wall[0]:.0f}s" if wall else "-", str(run_dir)])
-    rows += [[job, "-", "-", "did not train (see the error above)", "", "", "", ""] for job in failed]
-    return "\n".join(_align(rows, right={1, 2, 4, 5, 6}))
-
+        w = f"{wall[0]:.0f}s" if wall else "-"
+        r = _headline(job, result_rows(run_dir))
+        if r is not None:
+            rows.append([job, fmt_num(last.get("step")), fmt_num(last.get("loss")), _label(r), fmt_num(r["value"]),
+                         _ci(r), _bar(r), fmt_num(r.get("n")), r["verdict"] or "—", w])
+        else:  # no results table: the job's evaluate() metric beside its chance, no interval
+            head = _with_chance(headline_metrics(res, limit=1)[0], run_dir)
+            k, v, c = head[0] if head else ("-", None, None)
+            rows.append([job, fmt_num(last.get("step")), fmt_num(last.get("loss")), k, fmt_num(v), "—",
+                         f"{fmt_num(c)} (chance)" if c is not None else "—", "—", "—", w])
+        folders.append(f"  {job}: {run_dir}")
+    rows += [[job, "-", "-", "did not train (see the error above)", "", "", "", "", "", ""] for job in failed]
+    out = _align(rows, right={1, 2, 4, 7, 9})
+    return "\n".join([*out, *(["run folders:", *folders] if folders else [])])

@@ -1,12 +1,22 @@
-"""Is a result distinguishable from chance? The 95 % interval decides, not ``value > chance``.
+"""Is a result distinguishable from what no learning gets? The 95 % interval decides, not ``value > chance``.
 
 An evaluation row carries ``value``, ``n`` (items scored), ``chance`` and, where the harness
-computed it, ``ci_low`` / ``ci_high`` (its 95 % interval). A row without them gets a Wilson score
-interval when its value is a percentage accuracy over ``n`` items (``unit == "%"``); any other
-metric (an AUC, a mean IoU, a recall over a ranking) gets no interval and no verdict.
+computed it, ``ci_low`` / ``ci_high`` (its 95 % interval, :mod:`train.eval.intervals`). A row without
+them gets a Wilson score interval when its value is a percentage accuracy over ``n`` items
+(``unit == "%"``); any other metric without an interval gets no verdict.
 
-The verdict: ``above`` when the whole interval lies above chance, ``below`` when it lies below,
-else ``not significant`` (AUC 0.515 on 45 items, 26 % on 52 items against 25 %).
+A job may report no-learning baselines beside a result: a frozen score, a prior without the image, one
+group, a random assignment, the untrained model. Such a row names the result it is the baseline of in
+``baseline_for`` (``"<subset>/<metric>"`` in the same benchmark; older results: a metric spelled
+``<metric>[<baseline>]``). The verdicts (:func:`verdicts`):
+
+* ``baseline``: the row is a no-learning baseline, not a result;
+* ``too few items``: fewer than ``MIN_ITEMS`` (10) items: no verdict at all;
+* ``above``: the whole interval lies above chance *and* above the strongest baseline reported for it;
+* ``not above <baseline>``: above chance, but the interval does not clear that baseline's value;
+* ``below``: the whole interval lies below chance;
+* ``not significant``: chance lies inside the interval (AUC 0.515 on 45 items, 26 % on 52 items
+  against 25 %).
 """
 
 from __future__ import annotations
@@ -52,14 +62,59 @@ def interval(row: dict) -> tuple[float, float] | None:
     return None
 
 
-def verdict(row: dict) -> str | None:
-    """``above`` / ``below`` / ``not significant`` (against ``chance``), or None when the row has
-    no chance level or no interval."""
+MIN_ITEMS = 10  # below this many scored items a row gets "too few items", not a verdict
+# the no-learning baselines a metric spelled ``<metric>[<name>]`` can name (older results without baseline_for)
+NO_LEARNING = ("random", "one-group", "chunks", "untrained", "prior", "frozen", "global_cosine")
+
+
+def baseline_target(row: dict) -> str | None:
+    """``"<subset>/<metric>"`` of the result this row is a no-learning baseline of, else None."""
+    b = row.get("baseline_for")
+    if b:
+        return str(b)
+    m = str(row.get("metric") or "")
+    if m.endswith("]") and "[" in m:
+        base, name = m[:-1].rsplit("[", 1)
+        if name in NO_LEARNING:
+            return f"{row.get('subset') or ''}/{base}"
+    return None
+
+
+def baselines_of(rows: list[dict]) -> dict[tuple, list[tuple[str, float]]]:
+    """(benchmark, "<subset>/<metric>") -> [(baseline label, value)] over ``rows`` (one evaluation)."""
+    out: dict[tuple, list[tuple[str, float]]] = {}
+    for r in rows:
+        t, v = baseline_target(r), _num(r.get("value"))
+        if t and v is not None:
+            same_subset = (r.get("subset") or "") == t.split("/", 1)[0]
+            label = str(r.get("metric")) if same_subset else f"{r.get('subset')}/{r.get('metric')}"
+            out.setdefault((r.get("benchmark"), t), []).append((label, v))
+    return out
+
+
+def verdict(row: dict, baselines: list[tuple[str, float]] = ()) -> str | None:
+    """The row's verdict (module doc), or None when it has no chance level or no interval.
+    ``baselines``: [(label, value)] of the no-learning baselines reported for it."""
+    if baseline_target(row):
+        return "baseline"
+    n = _num(row.get("n"))
     chance, ci = _num(row.get("chance")), interval(row)
+    if n is not None and n < MIN_ITEMS and (chance is not None or ci is not None):
+        return "too few items"
     if chance is None or ci is None:
         return None
-    if ci[0] > chance:
-        return "above"
     if ci[1] < chance:
         return "below"
-    return "not significant"
+    if ci[0] <= chance:
+        return "not significant"
+    strongest = max(baselines, key=lambda b: b[1], default=None)
+    if strongest is not None and ci[0] <= strongest[1]:
+        return f"not above {strongest[0]} ({strongest[1]:.4g})"
+    return "above"
+
+
+def verdicts(rows: list[dict]) -> list[str | None]:
+    """:func:`verdict` of every row of one evaluation, each against the baselines reported beside it."""
+    base = baselines_of(rows)
+    return [verdict(r, base.get((r.get("benchmark"), f"{r.get('subset') or ''}/{r.get('metric')}"), []))
+            for r in rows]

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from train.eval.interface import RESULT_COLUMNS, BenchData, Item, NoScorableItems, Pair, Row
-from train.eval.intervals import mean_boot, percentile_interval
+from train.eval.intervals import interval, proportion
 
 # ------------------------------------------------------------------------------------ chance
 
@@ -70,8 +70,10 @@ def recall_first_hit(scores: np.ndarray, gt: np.ndarray) -> np.ndarray:
 
 def retrieval_rows(name: str, protocol: str, S: np.ndarray, img_of_caption: np.ndarray,
                    ks: Sequence[int] = (1, 5, 10)) -> list[Row]:
-    """R@K image->text and text->image for one score matrix S [I, T] (percent), chance beside, with a
-    bootstrap interval over the queries.
+    """R@K image->text and text->image for one score matrix S [I, T] (percent), chance beside. R@K is
+    a proportion of queries: i2t's queries are the images (Wilson); t2i's are the captions, several
+    per image, so its interval is Wilson on the effective n of captions clustered by their image
+    (:mod:`train.eval.intervals`).
 
     A protocol named ``<p>/i2t`` (``<p>/t2i``) is a matrix valid in one direction only, e.g. a
     two-stage rerank that ranks each query's own candidate set (ConceptOT G.4): it is read along
@@ -88,12 +90,13 @@ def retrieval_rows(name: str, protocol: str, S: np.ndarray, img_of_caption: np.n
     f_i2t = recall_first_hit(S, gt) if "i2t" in directions else None
     f_t2i = recall_first_hit(S.T, gt.T) if "t2i" in directions else None
     for k in ks:
-        for d, first, n, chance in (("i2t", f_i2t, I, lambda: retrieval_chance(caps, T, k)),
-                                    ("t2i", f_t2i, T, lambda: retrieval_chance(np.ones(T, dtype=np.int64), I, k))):
+        for d, first, n, chance, img in (("i2t", f_i2t, I, lambda: retrieval_chance(caps, T, k), None),
+                                         ("t2i", f_t2i, T, lambda: retrieval_chance(np.ones(T, dtype=np.int64), I, k),
+                                          img_of_caption)):
             if first is not None:
-                boot = mean_boot(first < k)
+                est = proportion(first < k, img)
                 rows.append(Row(name, protocol, f"{d}_R@{k}", 100.0 * float((first < k).mean()), n, chance(),
-                                boot=boot).with_ci(percentile_interval(boot, 100.0)))
+                                est=est).with_ci(interval(est, 100.0)))
     return rows
 
 
@@ -321,15 +324,30 @@ def _score_pairwise(job, model, data: BenchData, keep: list[Item], sid_of: dict,
     texts = [k[1] for k in keys]
     has_box = any(k[2] is not None for k in keys)
     boxes = np.array([k[2] if k[2] is not None else (np.nan,) * 4 for k in keys], dtype=np.float64) if has_box else None
-    out = np.empty(len(keys), dtype=np.float64)
-    for s in range(0, len(keys), pairs_chunk):
-        e = min(len(keys), s + pairs_chunk)
-        sc = job.score_pairs(model, sids[s:e], texts[s:e], None if boxes is None else boxes[s:e])
-        sc = np.asarray(sc.detach().cpu() if hasattr(sc, "detach") else sc, dtype=np.float64).reshape(-1)
-        if sc.shape[0] != e - s:
-            raise RuntimeError(f"{type(job).__name__}.score_pairs returned {sc.shape[0]} scores for {e - s} pairs")
-        out[s:e] = sc
-    return data.score(keep, [out[np.asarray(ix)] for ix in index])
+
+    def scores(fn, what: str) -> np.ndarray:
+        out = np.empty(len(keys), dtype=np.float64)
+        for s in range(0, len(keys), pairs_chunk):
+            e = min(len(keys), s + pairs_chunk)
+            sc = fn(model, sids[s:e], texts[s:e], None if boxes is None else boxes[s:e])
+            sc = np.asarray(sc.detach().cpu() if hasattr(sc, "detach") else sc, dtype=np.float64).reshape(-1)
+            if sc.shape[0] != e - s:
+                raise RuntimeError(f"{type(job).__name__}.{what} returned {sc.shape[0]} scores for {e - s} pairs")
+            out[s:e] = sc
+        return out
+
+    out = scores(job.score_pairs, "score_pairs")
+    rows = data.score(keep, [out[np.asarray(ix)] for ix in index])
+    frozen = getattr(job, "score_pairs_frozen", None)
+    if callable(frozen) and getattr(job, "has_frozen_baseline", lambda: False)():
+        # the job's score without anything it learnt (e.g. concept-ot's frozen global cosine g): the
+        # same items scored again, each row a no-learning baseline of its result row
+        fz = scores(frozen, "score_pairs_frozen")
+        for r in data.score(keep, [fz[np.asarray(ix)] for ix in index]):
+            r.baseline_for, r.metric = f"{r.subset}/{r.metric}", f"{r.metric}[frozen]"
+            r.note = "; ".join(x for x in ("the job's frozen score alone (no learnt term)", r.note) if x)
+            rows.append(r)
+    return rows
 
 
 def _score_retrieval(job, model, spec, data: BenchData, keep: list[Item], sid_of: dict) -> list[Row]:
@@ -351,6 +369,14 @@ def _score_retrieval(job, model, spec, data: BenchData, keep: list[Item], sid_of
             raise RuntimeError(f"{type(job).__name__}.retrieval_scores[{proto!r}] has shape {S.shape}, "
                                f"expected {(len(keep), len(texts))}")
         rows += retrieval_rows(data.name, proto, S, np.array(img_of))
+    # a protocol that learns nothing (concept-ot's frozen ``global`` g beside its ``rerank``): its rows
+    # are that protocol's no-learning baseline (Job.baseline_protocols: {baseline: result protocol})
+    protos = {r.subset for r in rows}
+    for base, target in getattr(job, "baseline_protocols", {}).items():
+        if target in protos:
+            for r in rows:
+                if r.subset == base:
+                    r.baseline_for = f"{target}/{r.metric}"
     return rows
 
 
@@ -429,11 +455,11 @@ def write_results(table: list[dict], out_dir: Path, errors: Sequence[str] = ()) 
 
     from pipeline.io.atomic import write_parquet_atomic
 
-    cols = {c: [r.get(c) for r in table] for c in RESULT_COLUMNS}
+    cols = {c: [r.get(c, "" if c == "baseline_for" else None) for r in table] for c in RESULT_COLUMNS}
     types = {"job": pa.string(), "variant": pa.string(), "checkpoint": pa.string(), "step": pa.int64(),
              "benchmark": pa.string(), "subset": pa.string(), "metric": pa.string(), "value": pa.float64(),
              "n": pa.int64(), "chance": pa.float64(), "ci_low": pa.float64(), "ci_high": pa.float64(), "skipped": pa.int64(), "skip_reasons": pa.string(),
-             "unit": pa.string(), "note": pa.string()}
+             "unit": pa.string(), "note": pa.string(), "baseline_for": pa.string()}
     t = pa.table({c: pa.array(cols[c], type=types[c]) for c in RESULT_COLUMNS})
     write_parquet_atomic(t, out_dir / "results.parquet")
     md = markdown_table(table)
@@ -472,15 +498,19 @@ def fmt_value(r: dict, unit: str) -> str:
 
 
 def markdown_table(table: list[dict]) -> str:
-    head = ("| benchmark | subset | metric | value [95% CI] | chance | n | skipped |\n"
-            "|---|---|---|---:|---:|---:|---:|")
+    """The results as Markdown, each row with its verdict against chance and the strongest no-learning
+    baseline reported beside it (:mod:`pipeline.report.significance`)."""
+    from pipeline.report.significance import verdicts
+
+    head = ("| benchmark | subset | metric | value [95% CI] | chance | n | skipped | verdict |\n"
+            "|---|---|---|---:|---:|---:|---:|---|")
     lines = [head]
-    for r in table:
+    for r, v in zip(table, verdicts(table)):
         unit = r.get("unit") or ""
         suffix = " %" if unit == "%" else ""
         chance = fmt_num(r["chance"], unit)
         lines.append(f"| {r['benchmark']} | {r['subset']} | {r['metric']} | {fmt_value(r, unit)}{suffix} | "
-                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} |")
+                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} | {v or '-'} |")
     return "\n".join(lines)
 
 
@@ -543,8 +573,10 @@ def _run_label(res_path: Path, rows: list[dict]) -> str:
 
 def compare(paths: Sequence[str | Path]) -> str:
     """One Markdown table: a row per (benchmark, subset, metric), a column per run holding
-    ``value [ci_low, ci_high]`` (the 95% interval; results written before intervals existed show
-    the value alone), chance beside. A run whose results cannot be read is named and skipped."""
+    ``value [ci_low, ci_high] (n=N; verdict)`` (the 95% interval; results written before intervals
+    existed show the value alone; the verdict against chance and the strongest no-learning baseline the
+    run reports beside the row, :mod:`pipeline.report.significance`), chance beside. A run whose results
+    cannot be read is named and skipped."""
     from pipeline.io.run_files import CorruptRunFile, read_parquet_file, skipped_line
 
     runs, corrupt = [], []
@@ -572,10 +604,13 @@ def compare(paths: Sequence[str | Path]) -> str:
         if n_of[lab] > 1:
             seen[lab] += 1
             labels[i] = f"{lab} #{seen[lab]}"
+    from pipeline.report.significance import verdicts
+
     keys: list[tuple] = []
     cell: dict[tuple, dict[int, dict]] = {}
     for j, (_, _, rows) in enumerate(runs):
-        for r in rows:
+        for r, v in zip(rows, verdicts(rows)):
+            r["verdict"] = v
             k = (r["benchmark"], r["subset"], r["metric"])
             if k not in cell:
                 keys.append(k)
@@ -594,7 +629,8 @@ def compare(paths: Sequence[str | Path]) -> str:
         vals = []
         for j in range(len(runs)):
             r = rs.get(j)
-            vals.append("-" if r is None else f"{fmt_value(r, unit)}{suffix} (n={int(r['n']):,})")
+            vals.append("-" if r is None else f"{fmt_value(r, unit)}{suffix} (n={int(r['n']):,}"
+                        + (f"; {r['verdict']})" if r.get("verdict") else ")"))
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {chance} | " + " | ".join(vals) + " |")
     src = "\n".join(f"- {lab}: {f}" for lab, (_, f, _) in zip(labels, runs))
     return "\n".join(lines) + "\n\n" + src + (f"\n\n{skipped_line(corrupt)}" if corrupt else "")

@@ -100,6 +100,7 @@ def score_folders(job, model, name: str, dirs, samples_dir, max_per_kind: int | 
     scorable = {int(s) for s in job.scorable_sample_ids()}
     try:
         rows = evaluate_benchmark(job, model, spec, samples_dir, scorable, pairs_chunk, log=lambda m: None, data=data)
+        rows = [r for r in rows if not r.baseline_for]  # in-job figures are the model's (baselines: their own call)
     except NoScorableItems:
         return FolderResult([], available, 0, kinds)
     # matched = scored + those whose image is in samples but not in the job's artifacts (the "all"

@@ -49,7 +49,7 @@ import numpy as np
 
 # results.parquet columns, in order (DESIGN.md, Evaluation)
 RESULT_COLUMNS = ("job", "variant", "checkpoint", "step", "benchmark", "subset", "metric", "value", "n", "chance",
-                  "ci_low", "ci_high", "skipped", "skip_reasons", "unit", "note")
+                  "ci_low", "ci_high", "skipped", "skip_reasons", "unit", "note", "baseline_for")
 
 
 @dataclass
@@ -57,8 +57,8 @@ class Row:
     """One result: a metric of a benchmark subset (``subset='all'`` for the benchmark's overall
     figure), the number of items it was computed on, its chance level (None only where no chance
     level is defined, e.g. a loss), the number of items skipped and why, and the 95% interval of
-    ``value`` in its unit (:mod:`train.eval.intervals`: Wilson for a proportion, a bootstrap over
-    items otherwise). A row that has no interval says why in its note (:meth:`no_interval`)."""
+    ``value`` in its unit (:mod:`train.eval.intervals` chooses it by the metric's kind: Wilson for a
+    proportion, on the effective n where items share an image; a bootstrap that resamples images otherwise). A row that has no interval says why in its note (:meth:`no_interval`)."""
 
     benchmark: str
     subset: str
@@ -72,8 +72,13 @@ class Row:
     note: str = ""
     ci_low: float = float("nan")
     ci_high: float = float("nan")
-    # the bootstrap distribution of ``value`` (not a column): a macro average over rows combines them
-    boot: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # set on a no-learning baseline's row (a frozen score, a prior, one group, a random assignment, the
+    # untrained model): "<subset>/<metric>" of the result row in the same benchmark it is the baseline of.
+    # Verdicts (pipeline.report.significance) call a result "above" only when its interval clears its
+    # strongest baseline as well as chance; the baseline row itself is labelled a baseline, no verdict.
+    baseline_for: str = ""
+    # the per-item estimate behind ``value`` (not a column): a macro average over rows combines them
+    est: Any = field(default=None, repr=False, compare=False)
 
     def with_ci(self, interval: tuple[float, float]) -> Row:
         self.ci_low, self.ci_high = float(interval[0]), float(interval[1])
@@ -92,7 +97,7 @@ class Row:
                 "n": int(self.n), "chance": None if self.chance is None else float(self.chance),
                 "ci_low": float(self.ci_low), "ci_high": float(self.ci_high),
                 "skipped": int(self.skipped), "skip_reasons": json.dumps(self.skip_reasons, sort_keys=True),
-                "unit": self.unit, "note": self.note}
+                "unit": self.unit, "note": self.note, "baseline_for": self.baseline_for}
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from train.eval.interface import Item, Row
-from train.eval.intervals import group_means_boot, macro, percentile_interval, wilson_of
+from train.eval.intervals import interval, macro, proportion
 
 
 class BenchmarkError(ValueError):
@@ -139,45 +139,55 @@ def correct_vector(items: Sequence[Item], scores: Sequence[np.ndarray], fn: Call
     return np.fromiter((fn(s) for s in scores), dtype=bool, count=len(scores))
 
 
+def item_images(items: Sequence[Item]) -> list[str]:
+    """Each item's image (its first pair's): the unit its interval resamples (items of one image are
+    not independent)."""
+    return [it.pairs[0].image if it.pairs else it.key for it in items]
+
+
 def group_rows(name: str, groups: Sequence[str], correct: np.ndarray, chance: np.ndarray | float,
-               metric: str = "accuracy", order: Sequence[str] | None = None, note: str = "") -> list[Row]:
-    """One accuracy row per group (pooled over its items), in ``order`` (default sorted), with its
-    Wilson interval and its bootstrap distribution (for macro averages over groups)."""
+               metric: str = "accuracy", order: Sequence[str] | None = None, note: str = "",
+               images: Sequence | None = None) -> list[Row]:
+    """One accuracy row per group (pooled over its items), in ``order`` (default sorted), each with
+    its interval (:mod:`train.eval.intervals`: Wilson, on the effective n where ``images`` repeat)
+    and its per-item estimate (for macro averages over groups)."""
     by: dict[str, list[int]] = defaultdict(list)
     for k, g in enumerate(groups):
         by[g].append(k)
     ch = np.broadcast_to(np.asarray(chance, dtype=np.float64), correct.shape)
-    boots = group_means_boot(correct, groups)
+    img = np.asarray(images if images is not None else np.arange(len(correct)), dtype=object)
     out = []
     for g in (order if order is not None else sorted(by)):
         idx = by.get(g)
         if not idx:
             continue
+        est = proportion(correct[idx], img[idx])
         out.append(Row(name, g, metric, 100.0 * float(correct[idx].mean()), len(idx), 100.0 * float(ch[idx].mean()),
-                       note=note, boot=100.0 * boots[str(g)]).with_ci(wilson_of(correct[idx])))
+                       note=note, est=est).with_ci(interval(est, 100.0)))
     return out
 
 
 def pooled_row(name: str, subset: str, correct: np.ndarray, chance: np.ndarray | float, metric: str = "accuracy",
-               note: str = "") -> Row:
+               note: str = "", images: Sequence | None = None) -> Row:
     ch = np.broadcast_to(np.asarray(chance, dtype=np.float64), correct.shape)
+    est = proportion(correct, None if images is None else np.asarray(images, dtype=object))
     return Row(name, subset, metric, 100.0 * float(correct.mean()), int(correct.size), 100.0 * float(ch.mean()),
-               note=note).with_ci(wilson_of(correct))
+               note=note, est=est).with_ci(interval(est, 100.0))
 
 
 def macro_row(name: str, subset: str, rows: Sequence[Row], metric: str = "macro_accuracy", note: str = "") -> Row | None:
-    """Unweighted mean of ``rows``' values (and chances); n = the items under them. Its interval is
-    the percentile interval of the same mean over the rows' bootstrap distributions (items
-    resampled within each group), which it keeps for a macro over macros."""
+    """Unweighted mean of ``rows``' values (and chances); n = the items under them. Its interval
+    resamples images across all the rows at once and recomputes the macro
+    (:func:`train.eval.intervals.macro`); it keeps the estimate for a macro over macros."""
     if not rows:
         return None
     chances = [r.chance for r in rows]
     chance = None if any(c is None for c in chances) else float(np.mean(chances))
     row = Row(name, subset, metric, float(np.mean([r.value for r in rows])), int(sum(r.n for r in rows)), chance, note=note)
-    if any(r.boot is None for r in rows):
-        return row.no_interval("a row it averages has no bootstrap distribution")
-    row.boot = macro([r.boot for r in rows])
-    return row.with_ci(percentile_interval(row.boot))
+    if any(r.est is None for r in rows):
+        return row.no_interval("a row it averages has no per-item estimate")
+    row.est = macro([r.est for r in rows])
+    return row.with_ci(interval(row.est, 100.0))
 
 
 def karpathy_split_images(data: dict, split: str, rows: "Rows"):

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, karpathy_split_images,
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, item_images, karpathy_split_images,
                                            load_json, macro_row, missing, pooled_row, tie_note)
 from train.eval.interface import BenchData, Item, Pair, Row
 
@@ -119,14 +119,15 @@ def text_or_none(v) -> str | None:
 def score_vg(name: str, items, scores, min_count: int = 1, label: str = "relations") -> list[Row]:
     correct = correct_vector(items, scores)
     groups = [it.subset for it in items]
-    per = group_rows(name, groups, correct, 0.5)
+    img = item_images(items)
+    per = group_rows(name, groups, correct, 0.5, images=img)
     kept = [r for r in per if r.n >= min_count]
     out = list(per)
     ties = tie_note(scores)
     m = macro_row(name, "all", kept, note=f"mean over {len(kept)} of {len(per)} {label} with >= {min_count} items{ties}")
     if m is not None:
         out.append(m)
-    out.append(pooled_row(name, "all", correct, 0.5, note=f"micro: pooled over every item{ties}"))
+    out.append(pooled_row(name, "all", correct, 0.5, note=f"micro: pooled over every item{ties}", images=img))
     return out
 
 
@@ -258,4 +259,4 @@ def score_order(name: str, items, scores) -> list[Row]:
     note = "true caption strictly highest of its options (ties wrong)"
     if dropped:
         note += f"; {dropped} perturbations identical to their caption dropped"
-    return [pooled_row(name, "all", correct, chance, note=note + tie_note(scores))]
+    return [pooled_row(name, "all", correct, chance, note=note + tie_note(scores), images=item_images(items))]

@@ -29,8 +29,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, load_json, missing,
-                                           not_lfs_pointer, pooled_row, tie_note)
+import numpy as np
+
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, item_images, load_json,
+                                           missing, not_lfs_pointer, pooled_row, tie_note)
 from train.eval.interface import BenchData, Item, Pair
 
 KINDS = ["replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att"]
@@ -134,7 +136,8 @@ def score(name: str, items, scores):
     correct = correct_vector(items, scores)
     kinds = [it.subset for it in items]
     order = KINDS + sorted(set(kinds) - set(KINDS))
-    rows = group_rows(name, kinds, correct, 0.5, order=order)
+    img = np.asarray(item_images(items), dtype=object)
+    rows = group_rows(name, kinds, correct, 0.5, order=order, images=img)
     for r in rows:  # a model blind to what a kind changes (word order for the swaps) ties there: say so
         r.note = tie_note([sc for sc, k in zip(scores, kinds) if k == r.subset]).removeprefix("; ")
     main = [k for k, s in enumerate(kinds) if s in MAIN]
@@ -142,9 +145,10 @@ def score(name: str, items, scores):
     if main:
         rows.append(pooled_row(name, "all", correct[main], 0.5,
                                note="triple-weighted mean over replace_obj/att/rel, swap_obj/att; ties wrong"
-                               + tie_note([scores[k] for k in main])))
+                               + tie_note([scores[k] for k in main]), images=img[main]))
     else:
-        rows.append(pooled_row(name, "all", correct, 0.5, note="none of the five main kinds present: pooled over all kinds"))
+        rows.append(pooled_row(name, "all", correct, 0.5, note="none of the five main kinds present: pooled over all kinds",
+                               images=img))
     if add:
-        rows.append(pooled_row(name, "add", correct[add], 0.5, note="add_obj/add_att, reported separately"))
+        rows.append(pooled_row(name, "add", correct[add], 0.5, note="add_obj/add_att, reported separately", images=img[add]))
     return rows

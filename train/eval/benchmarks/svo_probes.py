@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, not_lfs_pointer,
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, item_images, not_lfs_pointer,
                                            pooled_row)
 from train.eval.interface import BenchData, Item, Pair, Row
 
@@ -63,4 +63,6 @@ def score(name: str, items, scores) -> list[Row]:
     correct = correct_vector(items, scores)
     subsets = [it.subset for it in items]
     order = ["subject", "verb", "object"] + sorted(set(subsets) - {"subject", "verb", "object"})
-    return group_rows(name, subsets, correct, 0.5, order=order) + [pooled_row(name, "all", correct, 0.5)]
+    img = item_images(items)
+    return (group_rows(name, subsets, correct, 0.5, order=order, images=img)
+            + [pooled_row(name, "all", correct, 0.5, images=img)])

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, files_in, group_rows, load_json,
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, files_in, group_rows, item_images, load_json,
                                            macro_row, missing, pooled_row)
 from train.eval.interface import BenchData, Item, Pair, Row
 
@@ -92,7 +92,8 @@ def read(spec) -> BenchData:
 def score(name: str, items, scores) -> list[Row]:
     correct = correct_vector(items, scores)
     subsets = [it.subset for it in items]
-    pieces = group_rows(name, subsets, correct, 0.5)
+    img = item_images(items)
+    pieces = group_rows(name, subsets, correct, 0.5, images=img)
     out = list(pieces)
     by_ph: dict[str, list[Row]] = {}
     for r in pieces:
@@ -100,5 +101,5 @@ def score(name: str, items, scores) -> list[Row]:
     for ph, rs in sorted(by_ph.items()):
         out.append(macro_row(name, ph, rs, metric="accuracy", note=f"mean over {len(rs)} piece(s)"))
     out.append(macro_row(name, "all", pieces, note=f"mean over {len(pieces)} pieces"))
-    out.append(pooled_row(name, "all", correct, 0.5, note="pooled over every item"))
+    out.append(pooled_row(name, "all", correct, 0.5, note="pooled over every item", images=img))
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, files_in, group_rows, load_json,
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, files_in, group_rows, item_images, load_json,
                                            macro_row, not_lfs_pointer, pooled_row)
 from train.eval.interface import BenchData, Item, Pair, Row
 
@@ -119,7 +119,8 @@ def read(spec) -> BenchData:
 
 def score(name: str, items, scores) -> list[Row]:
     correct = correct_vector(items, scores)
-    leaves = group_rows(name, [it.subset for it in items], correct, 0.5)
+    img = item_images(items)
+    leaves = group_rows(name, [it.subset for it in items], correct, 0.5, images=img)
     out = list(leaves)
     by_type: dict[str, list[Row]] = {}
     for r in leaves:
@@ -137,5 +138,5 @@ def score(name: str, items, scores) -> list[Row]:
     out += cats
     if cats:
         out.append(macro_row(name, "all", cats, note="mean of the Attribute / Object / Relation averages present"))
-    out.append(pooled_row(name, "all", correct, 0.5, note="pooled over every item"))
+    out.append(pooled_row(name, "all", correct, 0.5, note="pooled over every item", images=img))
     return out

@@ -21,20 +21,13 @@ import torch.nn.functional as F
 
 from pipeline.loaders.concept_tokens import ConceptTokens
 from train.eval.interface import Row
-from train.eval.intervals import auc_interval, mean_interval
+from train.eval.intervals import auc, auc_interval, mean_interval
 from train.jobs.c3.model import conditioned_sim, encode_batch, fuse_pairs
 
 EVAL_TYPES = ("type1", "type2_random", "type2_hard", "type2_binding", "type2_as_trained")
 AS_TRAINED_NOTE = ("C' drawn as training draws it (type2_source, from the training rows' concepts), not "
                    "concept-matched: a model of the concept alone can exceed 0.5 here (the concept prior)")
 RARE_BASE = 0.1  # c3_retrieval/rare: concepts contained by at most this share of the held-out images
-
-
-def auc(pos: np.ndarray, neg: np.ndarray) -> float:
-    """P(score of a positive > score of a negative), ties counting one half (Mann-Whitney U / n_pos n_neg)."""
-    pos, neg = np.asarray(pos, np.float64), np.sort(np.asarray(neg, np.float64))
-    lo, hi = np.searchsorted(neg, pos, "left"), np.searchsorted(neg, pos, "right")
-    return float((lo + 0.5 * (hi - lo)).sum() / (len(pos) * len(neg)))
 
 
 def pq_text(ct: ConceptTokens) -> dict[int, str]:
@@ -236,18 +229,21 @@ class HeldOut:
                 else:  # concept-matched: positive d's image pair with this positive's concept
                     sn, bn = self.triplet_scores(model, E["ai"][neg[v]], E["aj"][neg[v]], E["c"][v])
                 sk = {"no_negative_found": skipped} if skipped else {}
-                # intervals: a bootstrap over held-out triplets, each resampled with its negative
+                # intervals: a cluster bootstrap over the triplets' anchor images (triplets reuse images),
+                # each triplet resampled with its negative
+                img = E["ai"][v]
                 note = note_src + ("; " + AS_TRAINED_NOTE if name == "type2_as_trained" else "")
                 rows.append(Row("c3_mcp", name, "auc", auc(sp[v], sn), n, 0.5, skipped, sk, "fraction", note)
-                            .with_ci(auc_interval(sp[v], sn)))
+                            .with_ci(auc_interval(sp[v], sn, clusters=img)))
                 rows.append(Row("c3_mcp", name, "auc_global_cosine", auc(bp[v], bn), n, 0.5, skipped, sk, "fraction",
-                                "frozen CLIP: cos(e_i, t_C) + cos(e_j, t_C)").with_ci(auc_interval(bp[v], bn)))
+                                "frozen CLIP: cos(e_i, t_C) + cos(e_j, t_C)", baseline_for=f"{name}/auc")
+                            .with_ci(auc_interval(bp[v], bn, clusters=img)))
                 if self.cfg.objectives != "mcc":
                     acc = 50.0 * (float((sp[v] > 0).mean()) + float((sn <= 0).mean()))
                     per = 0.5 * ((sp[v] > 0).astype(np.float64) + (sn <= 0))  # per triplet: its mean of the two
                     rows.append(Row("c3_mcp", name, "balanced_accuracy", acc, 2 * n, 50.0, skipped, sk, "%",
                                     "threshold p = 0.5; mean of positive and negative accuracy")
-                                .with_ci(mean_interval(per, 100.0)))
+                                .with_ci(mean_interval(per, 100.0, clusters=img)))
             rows += self.retrieval_rows(model, E)
         return rows
 
@@ -297,18 +293,20 @@ class HeldOut:
             # "rare": concepts in <= 10% of the held-out images, where precision@k can exceed its
             # base rate many times over (at a base rate of 1/3, 3x the base rate is already 100%)
             for key in (f"n={n}", "all") + (("rare",) if base <= RARE_BASE else ()):
-                st = stats.setdefault(key, [[], [], []])
+                st = stats.setdefault(key, [[], [], [], []])
                 st[0].append(p_model.cpu().numpy())
                 st[1].append(p_glob.cpu().numpy())
                 st[2].append(np.full(len(qs), base))
+                st[3].append(sid_ev[qs])  # the query images: one image queries for each concept it holds
         rows = []
         note = "" if cfg.objectives != "mcp" else "phi_MCC untrained (objectives: mcp)"
-        for key, (pm, pg, br) in sorted(stats.items()):
-            pm, pg, br = np.concatenate(pm), np.concatenate(pg), np.concatenate(br)
+        for key, (pm, pg, br, qi) in sorted(stats.items()):
+            pm, pg, br, qi = np.concatenate(pm), np.concatenate(pg), np.concatenate(br), np.concatenate(qi)
             rows.append(Row("c3_retrieval", key, f"precision@{k}", 100 * float(pm.mean()), len(pm), 100 * float(br.mean()),
                             0, {}, "%", ("chance = base rate of images containing C; " + note).strip("; "))
-                        .with_ci(mean_interval(pm, 100.0)))
+                        .with_ci(mean_interval(pm, 100.0, clusters=qi)))
             rows.append(Row("c3_retrieval", key, f"precision@{k}_global_cosine", 100 * float(pg.mean()), len(pg),
-                            100 * float(br.mean()), 0, {}, "%", "frozen CLIP image embeddings, unconditioned")
-                        .with_ci(mean_interval(pg, 100.0)))
+                            100 * float(br.mean()), 0, {}, "%", "frozen CLIP image embeddings, unconditioned",
+                            baseline_for=f"{key}/precision@{k}")
+                        .with_ci(mean_interval(pg, 100.0, clusters=qi)))
         return rows

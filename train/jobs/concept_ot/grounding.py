@@ -109,9 +109,9 @@ def grounding_rows(job, model: ConceptOTModel) -> list:
     note = (f"chance: the whole-image box; a random patch-aligned box scores {100 * float((rnd >= 0.5).mean()):.1f}% "
             f"/ mean IoU {float(rnd.mean()):.3f}; threshold {job.cfg.box_threshold} x max, patch envelope")
     return [Row("grounding", "all", "acc@IoU0.5", 100 * float((iou >= 0.5).mean()), n, 100 * float((whole >= 0.5).mean()),
-                nsk, dict(skipped), "%", note).with_ci(wilson_of(iou >= 0.5)),
+                nsk, dict(skipped), "%", note).with_ci(wilson_of(iou >= 0.5, clusters=np.asarray(psid))),
             Row("grounding", "all", "mean_IoU", float(iou.mean()), n, float(whole.mean()), nsk, dict(skipped),
-                "fraction", note).with_ci(mean_interval(iou))]
+                "fraction", note).with_ci(mean_interval(iou, clusters=np.asarray(psid)))]
 
 
 def save_heatmaps(job, model: ConceptOTModel, samples: list[dict], E: dict, out_dir: Path) -> None:

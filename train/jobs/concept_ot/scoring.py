@@ -196,6 +196,17 @@ class ConceptOTScoring:
                     out[int(c)] = (torch.from_numpy(np.array(tk[j])[m]).float(), torch.from_numpy(np.array(em[j])).float())
         return out
 
+    # the harness's no-learning baselines: the frozen global cosine g, on every pairwise benchmark and as
+    # the ``global`` retrieval protocol beside the learnt ``rerank`` (pipeline.report.significance)
+    baseline_protocols = {"global": "rerank"}
+
+    def has_frozen_baseline(self) -> bool:
+        return self.cfg.variant != "global-only"  # global-only's score is g itself
+
+    def score_pairs_frozen(self, model: ConceptOTModel, sample_ids, texts, boxes=None) -> np.ndarray:
+        """g alone (the frozen pooled CLIP cosine): what concept-ot scores without its trained local term."""
+        return self.score_pairs(model, sample_ids, texts, boxes, local=False)
+
     @torch.no_grad()
     def retrieval_scores(self, model: ConceptOTModel, sample_ids, caption_ids, texts) -> dict:
         """ConceptOT G.4: ``global`` = g [I, T]; the two-stage protocol (global top-``rerank_top_k``

@@ -203,7 +203,7 @@ class InfoGroundJob(Job):
         for name, splits in (("val", self.cfg.val_splits), ("test", self.cfg.test_splits)):
             es = self.eval_set(splits)
             g = self.ground(model, es, out_dir if name == "test" else None)
-            report[name] = {"splits": splits, **g}
+            report[name] = {"splits": splits, **{k: v for k, v in g.items() if k != "items"}}
             if g["phrases"] == 0:
                 print(f"infoground: no scorable phrase in splits {splits} (skipped: {g['skip_reasons']})", file=sys.stderr)
             res.update(split_figures(name, g))

@@ -24,7 +24,7 @@ from pipeline.loaders.negatives import NegativesReader
 from train.boxes import box_iou
 from train.data import ParquetMultiJoin
 from train.eval.interface import Row
-from train.eval.intervals import wilson
+from train.eval.intervals import wilson, wilson_of
 
 GROUNDING_METRICS = ("r1", "r5", "r10", "pointing_accuracy")
 
@@ -181,6 +181,7 @@ def ground(model, es: EvalSet, device, cfg, heat_dir: Path | None = None) -> dic
     model.eval()
     dev = device
     sums: dict[str, float] = {}
+    items: dict[str, list] = {}  # per-item 0/1 outcomes and their images: the intervals resample images
     n = n_nouns = 0
     heat_left = cfg.heatmaps if heat_dir is not None else 0
     for im in es.images:
@@ -199,16 +200,20 @@ def ground(model, es: EvalSet, device, cfg, heat_dir: Path | None = None) -> dic
             phi_n, _ = model.attention_all(qn, vn, k, v, rmask)
             phi_n = phi_n[:, 0]
             sums["noun_vs_negatives"] = sums.get("noun_vs_negatives", 0.0) + float(phi_n[0] > phi_n[1:].max())
+            items.setdefault("noun_vs_negatives", []).append((float(phi_n[0] > phi_n[1:].max()), im["sample_id"]))
             sums["noun_vs_negatives_chance"] = sums.get("noun_vs_negatives_chance", 0.0) + 1.0 / len(x)
             n_nouns += 1
         if im.get("noun_prior"):
             sums["noun_vs_negatives_prior"] = sums.get("noun_vs_negatives_prior", 0.0) + sum(im["noun_prior"])
+            items.setdefault("noun_vs_negatives_prior", []).extend((float(x), im["sample_id"]) for x in im["noun_prior"])
         for cap in im["captions"]:
             for ph in cap["phrases"]:
                 score = att[ph["rows"]].max(0)
                 o = phrase_outcome(score, boxes, ph["gt"], cfg.iou_threshold, cfg.iou_plus_one)
                 for key, val in o.items():
                     sums[key] = sums.get(key, 0.0) + val
+                    if not key.endswith("_chance"):
+                        items.setdefault(key, []).append((float(val), im["sample_id"]))
                 n += 1
             if heat_left > 0:
                 heat_left -= 1
@@ -223,6 +228,7 @@ def ground(model, es: EvalSet, device, cfg, heat_dir: Path | None = None) -> dic
     out["nouns"] = n_nouns
     out["skipped"] = int(sum(es.skipped.values()))
     out["skip_reasons"] = dict(es.skipped)
+    out["items"] = {k: (np.array([v for v, _ in xs]), np.array([i for _, i in xs])) for k, xs in items.items()}
     return out
 
 
@@ -243,26 +249,32 @@ def split_figures(name: str, g: dict) -> dict:
 
 def grounding_rows(g: dict, bench: str, subset: str) -> list:
     """:func:`ground`'s figures as harness rows of benchmark ``bench``. Every figure is a share of
-    phrases (nouns) with a 0/1 outcome: its interval is Wilson's."""
+    phrases (nouns) with a 0/1 outcome, several per image: its interval is Wilson's on the effective
+    n of items clustered by image (:mod:`train.eval.intervals`), from ``g["items"]``; figures given
+    without their items (old results) get Wilson's over independent items."""
     names = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "pointing_accuracy": "pointing accuracy"}
+    per = g.get("items") or {}
 
-    def ci(pct: float, n: int) -> tuple[float, float]:
+    def ci_of(key: str, pct: float, n: int) -> tuple[float, float]:
+        if key in per and len(per[key][0]) == n:
+            return wilson_of(per[key][0] > 0.5, 100.0, clusters=per[key][1])
         return wilson(round(pct * n / 100.0), n)
 
     rows = [Row(bench, subset, names[k], g[k], g["phrases"], g[f"{k}_chance"],
                 skipped=g["skipped"], skip_reasons=g["skip_reasons"], unit="%",
                 note="phrase score = max attention over its noun/adjective words; chance: random region ranking")
-            .with_ci(ci(g[k], g["phrases"])) for k in GROUNDING_METRICS]
+            .with_ci(ci_of(k, g[k], g["phrases"])) for k in GROUNDING_METRICS]
     if g.get("nouns"):
         rows.append(Row(bench, subset, "noun vs its negatives", g["noun_vs_negatives"], g["nouns"],
                         g["noun_vs_negatives_chance"], unit="%",
                         note="phi of the true noun above all its stored negatives in context (held-out L_lang); "
-                             "chance 1/(1+negatives) per noun").with_ci(ci(g["noun_vs_negatives"], g["nouns"])))
+                             "chance 1/(1+negatives) per noun").with_ci(ci_of("noun_vs_negatives", g["noun_vs_negatives"], g["nouns"])))
         if "noun_vs_negatives_prior" in g:
             rows.append(Row(bench, subset, "noun vs its negatives[prior]", g["noun_vs_negatives_prior"], g["nouns"],
                             g["noun_vs_negatives_chance"], unit="%",
                             note="baseline without the image: the true noun's count in the training captions above "
-                                 "every negative's (ties wrong)").with_ci(ci(g["noun_vs_negatives_prior"], g["nouns"])))
+                                 "every negative's (ties wrong)", baseline_for=f"{subset}/noun vs its negatives").with_ci(ci_of("noun_vs_negatives_prior", g["noun_vs_negatives_prior"],
+                                                                     g["nouns"])))
     return rows
 
 

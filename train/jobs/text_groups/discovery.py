@@ -69,6 +69,7 @@ class GoldCaptions:
     texts: list[str] = field(default_factory=list)
     n_tokens: list[int] = field(default_factory=list)
     phrases: list[list[tuple[int, int]]] = field(default_factory=list)
+    images: list[int] = field(default_factory=list)  # each caption's image (the intervals resample images)
     skipped: dict[str, int] = field(default_factory=dict)
     truncated: int = 0
     phrases_dropped: int = 0
@@ -78,14 +79,15 @@ class GoldCaptions:
 
 
 def gold_captions(tok, captions: Sequence[tuple[int, str]], spans: dict[int, list[tuple[int, int]]],
-                  max_len: int = 77, limit: int | None = None) -> GoldCaptions:
+                  max_len: int = 77, limit: int | None = None, image_of: dict[int, int] | None = None) -> GoldCaptions:
     """Tokenise captions and map their gold character spans onto word-token ranges.
 
     ``captions`` [(caption_id, text)], ``spans`` {caption_id: [(start, end)]} (characters).
     Counted skips: ``no_gold_phrase`` (the caption has no phrase row), ``empty_after_tokenisation``,
     ``no_phrase_inside_tokens`` (every phrase of the caption falls outside the kept tokens); a
     phrase outside the kept tokens (past a truncation at ``max_len``, or a bad span) is dropped and
-    counted in ``phrases_dropped``; captions cut at ``max_len`` are counted in ``truncated``."""
+    counted in ``phrases_dropped``; captions cut at ``max_len`` are counted in ``truncated``.
+    ``image_of`` {caption_id: sample_id}: each kept caption's image (default: the caption itself)."""
     from train.jobs.text_groups.tokenizer import char_span_to_tokens, encode
 
     out = GoldCaptions()
@@ -117,6 +119,7 @@ def gold_captions(tok, captions: Sequence[tuple[int, str]], spans: dict[int, lis
         out.texts.append(text)
         out.n_tokens.append(len(off))
         out.phrases.append(sorted(set(ranges)))
+        out.images.append(int(image_of.get(int(cid), -1 - int(cid))) if image_of else -1 - int(cid))
     return out
 
 
@@ -162,9 +165,9 @@ def baseline_labels(method: str, n: int, k: int, rng: np.random.Generator, feats
 
 
 def score_labels(all_labels: Sequence[np.ndarray], gold: GoldCaptions) -> dict[str, dict[str, float]]:
-    """{subset: {metric: mean over captions, "<metric>_ci": its 95% bootstrap interval over captions,
-    "n": captions}} for subsets ``all`` and ``ge2_phrases``. Metrics: tIoU as a fraction; P, R, F1 in
-    percent."""
+    """{subset: {metric: mean over captions, "<metric>_ci": its 95% interval (a cluster bootstrap over
+    the captions' images, ``gold.images``), "n": captions}} for subsets ``all`` and ``ge2_phrases``.
+    Metrics: tIoU as a fraction; P, R, F1 in percent."""
     per = np.array([caption_scores(lab, ph) for lab, ph in zip(all_labels, gold.phrases)], np.float64).reshape(-1, 4)
     many = np.array([len(ph) >= 2 for ph in gold.phrases], bool)
     out = {}
@@ -176,5 +179,6 @@ def score_labels(all_labels: Sequence[np.ndarray], gold: GoldCaptions) -> dict[s
         out[subset] = {"tIoU": float(m[0]), "P": 100 * float(m[1]), "R": 100 * float(m[2]), "F1": 100 * float(m[3]),
                        "n": int(sel.sum())}
         for j, metric in enumerate(METRICS):
-            out[subset][f"{metric}_ci"] = mean_interval(per[sel, j], 1.0 if metric == "tIoU" else 100.0)
+            img = np.asarray(gold.images)[sel] if len(gold.images) == len(per) else None
+            out[subset][f"{metric}_ci"] = mean_interval(per[sel, j], 1.0 if metric == "tIoU" else 100.0, clusters=img)
     return out

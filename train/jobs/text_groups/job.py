@@ -21,6 +21,7 @@ from train.loop import load_checkpoint
 
 CLUSTERINGS = ("kmeans", "spectral", "meanshift")
 SIMPLE_BASELINES = ("random", "one-group", "chunks")
+NO_LEARNING = (*SIMPLE_BASELINES, "untrained")  # baselines that learn nothing (the verdicts' bar)
 
 
 def _log(msg: str) -> None:
@@ -227,7 +228,8 @@ class TextGroupsJob(Job):
         spans: dict[int, list[tuple[int, int]]] = {}
         for c, s, e in zip(ph["caption_id"], ph["start"], ph["end"]):
             spans.setdefault(int(c), []).append((int(s), int(e)))
-        gold = D.gold_captions(self.tok, captions, spans, self.cfg.max_len, self.cfg.discovery_max_captions)
+        gold = D.gold_captions(self.tok, captions, spans, self.cfg.max_len, self.cfg.discovery_max_captions,
+                               image_of=dict(zip(caps["caption_id"], caps["sample_id"])))
         gold.skipped = {k: v for k, v in gold.skipped.items() if v}
         return gold
 
@@ -329,7 +331,9 @@ class TextGroupsJob(Job):
                             note += "; " + notes[m]
                         rows.append(Row(benchmark=f"phrase-discovery/{name}", subset=subset, metric=label,
                                         value=s[metric], n=s["n"], chance=chance.get(metric), skipped=skipped,
-                                        skip_reasons=reasons, unit="fraction" if metric == "tIoU" else "%", note=note)
+                                        skip_reasons=reasons, unit="fraction" if metric == "tIoU" else "%", note=note,
+                                        # the no-learning baselines (not the clusterings of a trained model's features)
+                                        baseline_for=f"{subset}/{metric}" if m in NO_LEARNING else "")
                                     .with_ci(s[f"{metric}_ci"]))
             if out_dir is not None and self.cfg.figures and self.cfg.variant != "vanilla":
                 self._figure(model, gold, Path(out_dir) / f"assignments_{name.replace('/', '_')}.png")
