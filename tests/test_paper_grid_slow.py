@@ -82,12 +82,13 @@ def test_compare_paper_has_both_rows_beside_the_published_numbers(compare_table)
         assert lo <= float(m.group(1)) <= hi, col[row]
     assert col["random"][3] == "0" and col["random"][8] == "not run", col["random"]  # a row of the paper not in the grid
     assert col["none-pretrained"][8] == "reference"
-    # one seed per row: the verdict is qualified exactly when the two rows' 95% intervals overlap
+    # one seed per row: the ordering is unresolved exactly when the two rows' 95% intervals overlap
     (lo_c, hi_c), (lo_n, hi_n) = (map(float, re.fullmatch(r"\[(\S+), (\S+)\]", col[r][5]).groups())
                                   for r in ("contextual", "none-pretrained"))
     overlap = lo_c <= hi_n and lo_n <= hi_c
-    assert col["contextual"][8] in ([f"{v} (intervals overlap)" for v in ("agrees", "disagrees")] if overlap else
-                                    ["agrees", "disagrees"]) or col["contextual"][8].startswith("tie"), col["contextual"]
+    assert col["contextual"][8] in ([f"unresolved: intervals overlap (would {v})" for v in ("agree", "disagree")]
+                                    if overlap else ["agrees", "disagrees"]) \
+        or col["contextual"][8].startswith("unresolved: tie"), col["contextual"]
     assert "runs per row: none-pretrained 1, contextual 1" in compare_table or \
         "runs per row: contextual 1, none-pretrained 1" in compare_table, compare_table[:600]
     assert "not run folders (no config.json), skipped: " in compare_table and "sweeps" in compare_table
