@@ -579,3 +579,21 @@ def test_a_full_disk_names_the_file_it_stopped(full_disk):
         write_bytes_atomic(full_disk / "x.bin", b"x" * 200_000)
     assert e.value.filename == str(full_disk / "x.bin") and "No space left on device" in str(e.value)
     assert list(full_disk.rglob("*.tmp")) == []  # no temporary file left
+
+
+# --- docs/errors.md names a test beside each case, and the tests exist ---------------------------------------
+
+
+def test_every_case_in_docs_errors_names_tests_that_exist():
+    import re
+
+    text = (REPO / "docs" / "errors.md").read_text()
+    bullets = re.split(r"\n- ", text.split("\n- ", 1)[1])
+    assert len(bullets) >= 15
+    for b in bullets:
+        assert "Tests: `tests/" in b, b[:120]
+    refs = re.findall(r"`(tests/[\w/]+\.py)::(test_\w+)`", text)
+    assert len(refs) >= 60
+    for path, name in refs:
+        src = (REPO / path).read_text()
+        assert re.search(rf"^def {name}\(", src, re.M), f"{path}::{name} is not a test"
