@@ -79,6 +79,9 @@ from train.config import TrainerConfig
 
 NAME = "concept-ot"
 READS = ["clip_tokens", "samples", "index"]  # `index` only with hard_negatives: index (else optional, for hn_index_hit)
+# the closing tables' headline (train/summary.py): the first (benchmark, subset, metric) found, None any;
+# SugarCrepe overall is judged against the frozen global score alone (what training adds)
+HEADLINE = [("sugarcrepe", "all", "accuracy"), ("retrieval", "rerank", "i2t_R@1")]
 
 Variant = Literal["conceptot", "dense-uot", "balanced-ot", "filip", "text-attn", "global-patch", "global-only"]
 

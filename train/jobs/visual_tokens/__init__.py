@@ -85,6 +85,8 @@ from train.config import TrainerConfig
 
 NAME = "visual-tokens"
 READS = ["visual_tokens", "clip_tokens", "samples"]
+# the closing tables' headline (train/summary.py): the first (benchmark, subset, metric) found, None any
+HEADLINE = [("eval-split-retrieval", "all", "i2t_R@1")]  # Table 1's retrieval, on the eval splits
 
 Variant = Literal["additive", "no-additive", "tangible-only", "fixed-w", "shuffled-ranks", "vit"]
 
