@@ -37,11 +37,33 @@ _STORAGE_ENV = ("VLPIPE_CACHE_DIR", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "
 _WORKER_ENV = {"TQDM_DISABLE": "1"}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _init(ray, ray_cfg, runtime_env) -> None:
     if ray_cfg.address:
         ray.init(address=ray_cfg.address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
-    else:
+        return
+    # Embedded: a new instance of our own, whatever else runs on the machine. address="local" never
+    # attaches to another instance (ray.init() alone joins the one `ray start` last recorded, and
+    # reads RAY_ADDRESS); its GCS listens on a port chosen here, and the workers get that address as
+    # RAY_ADDRESS, so Ray's own helpers inside them (state API lookups) never search the machine
+    # for "the" instance ("Found multiple active Ray instances").
+    from ray._private.services import get_node_ip_address
+
+    port = _free_port()
+    own = f"{get_node_ip_address()}:{port}"  # the GCS address this instance will have
+    runtime_env = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), "RAY_ADDRESS": own}}
+    before = os.environ.get("RAY_GCS_SERVER_PORT")
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    try:
         ray.init(
+            address="local",
             num_cpus=ray_cfg.num_cpus or os.cpu_count(),
             object_store_memory=ray_cfg.object_store_memory,
             include_dashboard=False,
@@ -50,6 +72,11 @@ def _init(ray, ray_cfg, runtime_env) -> None:
             log_to_driver=True,
             configure_logging=True,
         )
+    finally:
+        if before is None:
+            os.environ.pop("RAY_GCS_SERVER_PORT", None)
+        else:
+            os.environ["RAY_GCS_SERVER_PORT"] = before
 
 
 def _log_files() -> list[logging.Handler]:

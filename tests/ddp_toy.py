@@ -18,6 +18,7 @@ class ToyConfig(TrainerConfig):
     n: int = 96
     d: int = 8
     kill_rank_at_step: int | None = None  # the first run with this (marker file absent) kills that rank's worker
+    raise_rank_at_step: int | None = None  # that rank's training code raises ValueError at this step (every time)
 
 
 class ToyJob(Job):
@@ -34,15 +35,16 @@ class ToyJob(Job):
         return torch.nn.Sequential(torch.nn.Linear(self.cfg.d, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
     def _n_batches(self) -> int:
-        return self.cfg.n // self.cfg.batch_size
+        return self.cfg.n // self.fit_batch(self.cfg.n)  # the jobs' short-split rule (train.job.Job.fit_batch)
 
     def batches_per_epoch(self) -> int:
         return self.steps_per_epoch(self._n_batches())
 
     def batches(self, epoch, start):
         perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(self.cfg.n)
-        B = self.cfg.batch_size
-        for b in self.rank_batches(self._n_batches(), start):
+        nb = self._n_batches()
+        B = self.train_batch
+        for b in self.rank_batches(nb, start):
             idx = torch.from_numpy(perm[b * B:(b + 1) * B])
             yield {"sample_id": idx, "x": self.x[idx], "y": self.y[idx]}
 
@@ -53,6 +55,10 @@ class ToyJob(Job):
         if k is not None and self.rank == 1 and self.steps_done == k and not marker.exists():
             marker.touch()
             os._exit(1)  # the worker process dies mid-epoch
+        if self.cfg.raise_rank_at_step is not None and self.rank == 1 and self.steps_done == self.cfg.raise_rank_at_step:
+            with (Path(self.run_dir) / "raised").open("a") as f:  # one line per time the error is raised
+                f.write("x\n")
+            raise ValueError(f"toy: bad sample at step {self.steps_done}")
         return torch.nn.functional.mse_loss(model(batch["x"]).squeeze(-1), batch["y"]), {}
 
     def evaluate(self, model, out_dir):

@@ -156,7 +156,7 @@ def run(
         if resume_from == "previous":
             typer.echo(restore_previous(j.run_dir), err=True)
         if cfg.workers > 1:
-            res = _train_on_workers(job, manifest, set_, cfg, m, j.run_dir, fresh, progress)
+            res = _train_on_workers(job, manifest, set_, cfg, m, j, fresh, progress)
         else:
             res = train(j, resume=not fresh, progress=progress)
     except (RunMismatch, FolderBusy) as e:
@@ -225,29 +225,39 @@ def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, 
         raise typer.Exit(2)
 
 
-def _train_on_workers(job: str, manifest: Path, overrides: list[str], cfg, m, run_dir: Path, fresh: bool,
-                      progress: bool) -> dict:
-    """``train run --workers N``: the run on Ray Train workers (the manifest's ``ray``: embedded or a cluster)."""
+def _train_on_workers(job: str, manifest: Path, overrides: list[str], cfg, m, j, fresh: bool, progress: bool) -> dict:
+    """``train run --workers N``: the run on Ray Train workers (the manifest's ``ray``: embedded or a
+    cluster). The workers get the manifest and every path of it absolute (train/paths.py); Ray's
+    and the workers' output go to ``<run>/train.log``; what cannot train is refused before a
+    worker starts (train.distributed.preflight), a worker's error is one line."""
     import functools
 
+    from pipeline.config import ManifestError
     from pipeline.runtime import RayStartError, ensure_ray
-    from train.distributed import train_data_parallel
+    from train.distributed import PreflightError, WorkerFailed, check_config, run_log, train_data_parallel
+    from train.paths import absolute_inputs
 
+    run_dir = Path(j.run_dir).resolve()
     try:
-        ensure_ray(m.ray)
-    except RayStartError as e:
+        manifest, overrides = absolute_inputs(manifest, overrides, job)
+        check_config(cfg, cfg.workers, cfg.gpus_per_worker)  # the batch split, the device: before Ray starts
+    except (ManifestError, PreflightError) as e:
         _fail(str(e))
+    if not fresh:  # another configuration's checkpoint (RunMismatch): refused here, not in every worker
+        from train.loop import check_run_folder
+
+        check_run_folder(run_dir, cfg, job)
     make = functools.partial(worker_job, job, manifest, overrides)
-    try:
-        return train_data_parallel(make, cfg, run_dir, cfg.workers, gpus_per_worker=cfg.gpus_per_worker,
-                                   resume=not fresh, progress=progress)
-    except ValueError as e:
-        _fail(str(e).splitlines()[0])
-    except Exception as e:  # ray.train's TrainingFailedError wraps the worker's error
-        cause = e.__cause__ or e
-        _fail(f"{job} on {cfg.workers} workers failed ({type(cause).__name__}: "
-              f"{str(cause).strip().splitlines()[-1][:300] if str(cause).strip() else ''}); the run folder {run_dir} "
-              "resumes from its last checkpoint")
+    with run_log(run_dir) as log_path:
+        try:
+            ensure_ray(m.ray)
+            return train_data_parallel(make, cfg, run_dir, cfg.workers, gpus_per_worker=cfg.gpus_per_worker,
+                                       resume=not fresh, progress=progress, job=j, embedded=not m.ray.address)
+        except (RayStartError, PreflightError) as e:
+            _fail(str(e))
+        except WorkerFailed as e:
+            _fail(f"{job} on {cfg.workers} workers: {e}; the full traceback is in {log_path}; the run folder resumes "
+                  "from its last checkpoint")
 
 
 def worker_job(name: str, manifest: Path, overrides: list[str], options: dict):
@@ -358,16 +368,23 @@ def sweep(
     max_concurrent: Annotated[Optional[int], typer.Option("--max-concurrent", min=1, help="trials at once (default: "
                                                           "as the cluster's CPUs allow)")] = None,
     set_: SetOpt = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="start the Tune experiment over (its saved state is not "
+                                        "read; finished trials are still reused)")] = False,
 ) -> None:
     """A grid of ordinary runs as Ray Tune trials (train/sweep.py), ending with the table of
-    `train compare --over-seeds` over them. A rerun skips finished trials."""
+    `train compare --over-seeds` over them. A rerun reuses a finished trial whose stored
+    configuration is its own, and resumes the others."""
     from pipeline.config import ManifestError, load_manifest
     from pipeline.runtime import RayStartError, ensure_ray
+    from train.paths import absolute_inputs
     from train.sweep import GridError, read_grid, sweep as run_sweep, trials
+    from train.sweep_state import StateError
 
     key = job.replace("-", "_")
     try:
         ts = trials(read_grid(grid, job), seeds, job)
+        # the trials run in Tune's folders: every path of the command line and the manifest made absolute here
+        manifest, set_ = absolute_inputs(manifest, list(set_ or []), job)
         m = load_manifest(manifest, set_ or [])
         runs = []
         for t in ts:
@@ -388,8 +405,11 @@ def sweep(
     except RayStartError as e:
         _fail(str(e))
     storage = run_folder(job, m, getattr(m.train, key).model_copy(update={"run_dir": None})).parent / "sweeps"
-    table, errors = run_sweep(job, manifest, list(set_ or []), grid, seeds, [str(r) for r in runs], storage,
-                              build_job, max_concurrent=max_concurrent)
+    try:
+        table, errors = run_sweep(job, manifest, list(set_ or []), grid, seeds, [str(r) for r in runs], storage,
+                                  build_job, max_concurrent=max_concurrent, fresh=fresh)
+    except StateError as e:
+        _fail(str(e))
     typer.echo(table)
     for e in errors:
         typer.echo(f"error: {e}", err=True)

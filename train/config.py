@@ -48,8 +48,12 @@ class TrainerConfig(Section):
     # a training option: with N workers a contrastive loss sees N batches of batch_size // N (the
     # gradients of the effective batch are averaged), not one batch of batch_size
     workers: int = Field(1, ge=1, description="data-parallel workers on Ray Train (train run --workers); batch_size "
-                         "stays the effective batch, each worker takes batch_size // workers")
+                         "stays the effective batch, split exactly: each worker takes batch_size / workers")
     gpus_per_worker: float = Field(0, ge=0, description="GPUs per Ray Train worker (0: CPU workers, gloo)")
+    logger: Literal["none", "mlflow", "wandb"] = Field(
+        "none", description="experiment tracker beside the TensorBoard event files every run writes (train/tracking.py): "
+        "mlflow (local file store <output>/train/mlruns unless MLFLOW_TRACKING_URI) or wandb (offline unless WANDB_MODE); "
+        "each an optional extra: pip install -e '.[mlflow]' / '.[wandb]'")
     benchmarks_at_end: bool = Field(True, description="after training, score the final model on the manifest's "
                                     "eval.benchmarks and the job's own metrics (eval/final/results.parquet)")
 
@@ -65,7 +69,8 @@ class TrainerConfig(Section):
     # options with ``EVAL_ONLY = TrainerConfig.EVAL_ONLY | {...}``.
     EVAL_ONLY: ClassVar[frozenset[str]] = frozenset(
         {"run_dir", "device", "threads", "num_workers", "log_every", "eval_every", "ckpt_every", "best_metric",
-         "best_mode", "benchmarks_at_end", "gpus_per_worker"})
+         "best_mode", "benchmarks_at_end", "gpus_per_worker", "logger",
+         "batch_per_step"})  # not an option: the batch that trained, recorded in config.json (train.job.batch_record)
     # Options named in the run folder instead of hashed (a job's ``variant``)
     NAMED: ClassVar[tuple[str, ...]] = ("variant",)
 

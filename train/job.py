@@ -19,6 +19,10 @@ batches, and global step ``k`` on rank ``r`` trains on the epoch's batch ``k * N
 ranks of a step together see exactly the samples of the single-process batch ``k`` of the full batch
 size, every rank reads only its own batches, and ``batches_per_epoch`` (steps, the same on every rank)
 is ``n // N``. ``batches(epoch, start)``'s ``start`` stays a step index.
+
+A training split smaller than one batch (the demo): one process trains on the whole split as one
+batch; N workers do the same, the split's ``n`` samples as one global batch of ``n - n % N`` (``n // N``
+per rank), :meth:`Job.fit_batch`, the one rule every job's batch size goes through.
 """
 
 from __future__ import annotations
@@ -123,10 +127,31 @@ class Splits:
         return np.isin(self.of_many(sample_ids), list(splits))
 
 
+def batch_record(job: "Job") -> dict:
+    """``{"batch_per_step": {"global", "per_worker", "workers"}}``: the batch that trains each step,
+    for the run's config.json beside its options (the configured ``batch_size`` is the run's
+    option; a split smaller than one batch trains on less, :meth:`Job.fit_batch`). {} for a job
+    whose batch does not go through ``fit_batch``."""
+    if job.train_batch is None:
+        try:
+            job.batches_per_epoch()  # a job chooses its batch (once, cached) when it counts its batches
+        except Exception:  # noqa: BLE001 - the loop raises it where it always has
+            return {}
+    if job.train_batch is None:
+        return {}
+    n = max(1, job.world_size)
+    return {"batch_per_step": {"global": job.train_batch * n, "per_worker": job.train_batch, "workers": n}}
+
+
 def rank_batches(n_batches: int, start: int, rank: int = 0, world_size: int = 1) -> range:
     """The epoch's batch indices (of ``n_batches``) that ``rank`` trains on from step ``start`` on:
     ``start * N + rank, (start + 1) * N + rank, ...`` for the ``n_batches // N`` steps of the epoch."""
     return range(start * world_size + rank, (n_batches // world_size) * world_size, world_size)
+
+
+# (rank, world_size) of the jobs built in this process: train/distributed.py sets it in each Ray Train
+# worker before the job is built, so a job knows its place from its constructor on
+PLACE: tuple[int, int] = (0, 1)
 
 
 class Job:
@@ -134,9 +159,31 @@ class Job:
 
     rank: int = 0        # data-parallel rank and number of ranks (train/distributed.py sets them)
     world_size: int = 1
+    train_items: int | None = None  # the training split's size, once fit_batch has seen it
+    train_batch: int | None = None  # this rank's batch, once fit_batch has chosen it
 
     def __init__(self, cfg, manifest, run_dir: Path, device: torch.device):
         self.cfg, self.manifest, self.run_dir, self.device = cfg, manifest, Path(run_dir), device
+        self.rank, self.world_size = PLACE
+
+    def fit_batch(self, n: int, what: str = "samples") -> int:
+        """This rank's batch for a training split of ``n`` items: ``cfg.batch_size`` (with N workers
+        already the run's batch // N), or, when the split is smaller than one global batch, the whole
+        split as one global batch split exactly over the ranks (``n // N`` each; ``n % N < N`` items
+        wait for the next epoch's order, as ``drop_last`` leaves a remainder). One process: ``n``.
+        A split of fewer than 2 items (fewer than N with N workers) keeps ``cfg.batch_size``, i.e. no
+        batch: the loop, or the preflight of ``--workers``, says so."""
+        B, N = int(self.cfg.batch_size), max(1, self.world_size)
+        self.train_items, self.train_batch = int(n), B
+        if max(2, N) <= n < B * N:
+            self.train_batch = n // N
+            if self.rank == 0:
+                import sys
+
+                each = f" ({n // N} on each of {N} workers)" if N > 1 else ""
+                print(f"{getattr(self, 'NAME', type(self).__name__)}: training split has {n} {what} < batch_size "
+                      f"{B * N}; using batches of {n // N * N}{each}", file=sys.stderr)
+        return self.train_batch
 
     def rank_batches(self, n_batches: int, start: int) -> range:
         """This rank's batch indices of an epoch of ``n_batches`` from step ``start`` (:func:`rank_batches`)."""

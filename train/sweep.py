@@ -39,8 +39,17 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
     """{manifest key: values} from GRID.yaml; every key under ``train.<job>.``. The key
     ``configurations`` (when given) maps to a list of {manifest key: value} mappings."""
     try:
-        grid = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise GridError(f"grid {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GridError(f"grid {path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                        "save it as UTF-8") from None
+    try:
+        grid = yaml.safe_load(text)
+    except yaml.YAMLError as e:
         raise GridError(f"grid {path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     prefix = f"train.{job.replace('-', '_')}."
     if not isinstance(grid, dict) or not grid:
@@ -111,10 +120,31 @@ def finished(run_dir: Path) -> bool:
     return (run_dir / "checkpoints" / "final.pt").is_file() and (run_dir / "eval" / "final" / "metrics.json").is_file()
 
 
+def stored_differences(job: str, manifest: str | Path, sets: list[str], run_dir: Path) -> dict:
+    """{option: (stored, the trial's)}: how the training options stored in a run folder (its
+    config.json) differ from the trial's ({}: the same configuration; a folder without a readable
+    config.json counts as different)."""
+    from pipeline.config import load_manifest
+    from train.config import config_differences
+
+    cfg = getattr(load_manifest(Path(manifest), sets).train, job.replace("-", "_"))
+    try:
+        stored = json.loads((Path(run_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {"config.json": ("(unreadable)", "")}
+    return config_differences(stored, cfg) if isinstance(stored, dict) else {"config.json": ("(not a mapping)", "")}
+
+
+def reusable(job: str, manifest: str | Path, sets: list[str], run_dir: Path) -> bool:
+    """A finished run folder whose stored configuration is the trial's: reused, not retrained."""
+    return finished(Path(run_dir)) and not stored_differences(job, manifest, sets, run_dir)
+
+
 def _trial(config: dict, build_job=None) -> None:
     """One Tune trial: the ordinary run of the job with the trial's options (``build_job``, i.e.
-    train.cli.build_job, then the shared loop), output in <run>/train.log (a finished run folder is
-    skipped)."""
+    train.cli.build_job, then the shared loop), output in <run>/train.log. A finished run folder
+    whose stored configuration is the trial's is reused; one of another configuration is retrained
+    from the start."""
     import typer
     from ray import tune
 
@@ -123,9 +153,16 @@ def _trial(config: dict, build_job=None) -> None:
     trial = config["trial"]
     os.chdir(trial["cwd"])  # Tune starts trials in their own folder: the manifest's relative paths need ours
     run_dir = Path(trial["run_dir"])
+    retrain = False
     if finished(run_dir):
-        tune.report({"skipped": 1})
-        return
+        diff = stored_differences(trial["job"], trial["manifest"], trial["sets"], run_dir)
+        if not diff:
+            tune.report({"reused": 1})
+            return
+        retrain = True
+        with (run_dir / "train.log").open("a") as log:
+            log.write(f"{run_dir} holds a finished run of another configuration ("
+                      + ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in list(diff.items())[:4]) + "): retraining it\n")
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "train.log"
     with log_path.open("a") as log, contextlib.redirect_stderr(log), contextlib.redirect_stdout(log):
@@ -135,8 +172,8 @@ def _trial(config: dict, build_job=None) -> None:
             log.flush()
             lines = [x for x in log_path.read_text().splitlines() if x.startswith("error: ")]
             raise RuntimeError(lines[-1][len("error: "):] if lines else f"the job could not be built (see {log_path})") from None
-        res = train(j, resume=True, progress=False)
-    tune.report({k: v for k, v in res.items() if isinstance(v, (int, float))})
+        res = train(j, resume=not retrain, progress=False)
+    tune.report({**{k: v for k, v in res.items() if isinstance(v, (int, float))}, "trained": 1})
 
 
 def _latest(run_dir: Path) -> str:
@@ -178,13 +215,25 @@ class _ProgressLines:
         self.thread.join(timeout=5)
 
 
+def _stamp(run: str) -> int | None:
+    """The finished run's final.pt time (None: not finished)."""
+    return (Path(run) / "checkpoints" / "final.pt").stat().st_mtime_ns if finished(Path(run)) else None
+
+
 def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds: int, trial_runs: list[str],
           storage: Path, build_job, max_concurrent: int | None = None, cpus_per_trial: float = 1.0,
-          progress_every: float = 30.0) -> tuple[str, list[str]]:
+          progress_every: float = 30.0, fresh: bool = False) -> tuple[str, list[str]]:
     """Run the grid on Ray Tune; returns (the seeds table, one error line per crashed trial).
     ``trial_runs[i]``: the run folder of ``trials(...)[i]``; ``build_job(job, manifest, overrides)``
-    -> (module, cfg, manifest, Job) builds a trial's job (train.cli.build_job)."""
+    -> (module, cfg, manifest, Job) builds a trial's job (train.cli.build_job). ``manifest`` and
+    ``overrides`` reach the trials as they are: the caller makes their paths absolute
+    (train.paths.absolute_inputs). The Tune experiment is restored only after its files pass
+    train.sweep_state.check (:class:`train.sweep_state.StateError` otherwise); ``fresh``: it starts over."""
+    import shutil
+
     from ray import tune
+
+    from train.sweep_state import FIX, StateError, check, seal
 
     grid = read_grid(grid_path, job)
     ts = trials(grid, seeds, job)
@@ -196,8 +245,23 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
     trainable = tune.with_resources(tune.with_parameters(_trial, build_job=build_job), {"cpu": cpus_per_trial})
     space = {"trial": tune.grid_search(configs)}
     exp = Path(storage).resolve() / name
+    stale = [c["label"] for c in configs if finished(Path(c["run_dir"]))
+             and stored_differences(job, c["manifest"], c["sets"], Path(c["run_dir"]))]
+    if stale and exp.exists() and not fresh:  # a restored experiment would not rerun its finished trials
+        print(f"sweep: {len(stale)} finished trial(s) hold another configuration than theirs now ({stale[0]}"
+              f"{', ...' if len(stale) > 1 else ''}): they retrain; the Tune experiment starts over", file=sys.stderr)
+        fresh = True
+    if fresh and exp.exists():
+        shutil.rmtree(exp)
+    check(exp)  # before anything in it is read (Tuner.can_restore / restore unpickle it)
+    before = {t.run_dir: _stamp(t.run_dir) for t in ts}
     if tune.Tuner.can_restore(str(exp)):
-        tuner = tune.Tuner.restore(str(exp), trainable, resume_unfinished=True, restart_errored=True, param_space=space)
+        try:
+            tuner = tune.Tuner.restore(str(exp), trainable, resume_unfinished=True, restart_errored=True,
+                                       param_space=space)
+        except Exception as e:  # noqa: BLE001 - checked but unreadable (a Ray upgrade): one line, the fix
+            raise StateError(f"sweep state {exp}: cannot be restored ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}); {FIX}") from None
     else:
         tuner = tune.Tuner(
             trainable, param_space=space,
@@ -213,6 +277,7 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
             results = tuner.fit()
     finally:
         tune_log.setLevel(level)
+        seal(exp)  # Tune has written its state: record it, so that a rerun reads only what this run wrote
     lines.print()
     errors = []
     for r in results:
@@ -221,8 +286,12 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
             err = getattr(r.error, "cause", None) or r.error.__cause__ or r.error
             msg = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
             errors.append(f"trial {label}: failed ({type(err).__name__}: {msg})")
-    print(f"sweep: {len(ts)} trials in {time.time() - t0:.1f}s ({len(errors)} failed); Tune experiment {exp}",
-          file=sys.stderr)
+    after = {t.run_dir: _stamp(t.run_dir) for t in ts}
+    failed = {t.run_dir for t in ts if any(e.startswith(f"trial {t.label}: ") for e in errors)}
+    reused = sum(1 for r in after if r not in failed and after[r] is not None and after[r] == before[r])
+    trained = sum(1 for r in after if r not in failed and after[r] is not None and after[r] != before[r])
+    print(f"sweep: {len(ts)} trials in {time.time() - t0:.1f}s: trained {trained}, reused {reused}, "
+          f"failed {len(errors)}; Tune experiment {exp}", file=sys.stderr)
     # the trials' run folders, for `train compare [--paper P]` (the job's folder also holds other runs)
     print("run folders: " + " ".join(t.run_dir for t in ts), file=sys.stderr)
     from train.seeds_table import seeds_table

@@ -41,6 +41,9 @@ class TripletBatches:
     ``control: shuffled`` reads every training image's features from another training image
     (``feat_row``), the chance control."""
 
+    fit = None  # the job's Job.fit_batch (C3Job sets it)
+    _fit_bs = None
+
     def __init__(self, cfg, store, ct, member, concepts, is_train: np.ndarray):
         self.cfg, self.store, self.ct, self.member, self.is_train = cfg, store, ct, member, is_train
         self.train_img_rows = np.nonzero(is_train)[0]
@@ -142,6 +145,10 @@ class TripletBatches:
 
     @property
     def batch_size(self) -> int:
+        if self.fit is not None:  # the job's train.job.Job.fit_batch: the short-split rule, one process or N workers
+            if self._fit_bs is None:
+                self._fit_bs = self.fit(self.units(), "triplets")
+            return self._fit_bs
         return min(self.cfg.batch_size, self.units())
 
     def batches_per_epoch(self) -> int:

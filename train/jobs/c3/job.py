@@ -45,6 +45,7 @@ class C3Job(Job):
         self._splits()
         self.member = self.ct.membership(self.store.sids)
         self.data = TripletBatches(cfg, self.store, self.ct, self.member, self.concepts, self.is_train)
+        self.data.fit = self.fit_batch
         self.skips = self.data.skips
         self.store.preload(np.concatenate([self.store.sids[self.data.train_img_rows], self.store.sids[self.is_eval]]))
         self.heldout = HeldOut(cfg, self.data, self.is_eval, self.samples, self.concepts, device)

@@ -196,12 +196,7 @@ class ConceptOTBatches:
         """cfg.batch_size, or the whole training split when it is smaller than one batch (the
         demo's 64 images): a warning says so."""
         if getattr(self, "_bs", None) is None:
-            self._bs = self.cfg.batch_size
-            n = int(self._table()["train"].sum())
-            if 2 <= n < self.cfg.batch_size:
-                print(f"concept-ot: training split has {n} samples < batch_size {self.cfg.batch_size}; "
-                      f"using batches of {n}", file=sys.stderr)
-                self._bs = n
+            self._bs = self.fit_batch(int(self._table()["train"].sum()))  # train.job.Job.fit_batch
         return self._bs
 
     def batches_per_epoch(self) -> int:

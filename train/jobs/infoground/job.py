@@ -127,10 +127,7 @@ class InfoGroundJob(Job):
             if n == 0:
                 raise ValueError(f"infoground: no training captions: no sample of splits {self.cfg.train_splits} in "
                                  f"{self.neg_art.dir} has word features and regions")
-            if 2 <= n < self._bs:
-                print(f"infoground: training split has {n} captions < batch_size {self._bs}; using batches of {n}",
-                      file=sys.stderr)
-                self._bs = n
+            self._bs = self.fit_batch(n, "captions")  # train.job.Job.fit_batch: the short-split rule
         return self._bs
 
     def build_model(self) -> nn.Module:

@@ -88,10 +88,11 @@ class TextGroupsJob(Job):
             perm = np.random.default_rng([cfg.seed, 1887]).permutation(n)
             self.img_rows = self.img_rows[perm]
             self.stats["control_shuffled_pairs_kept"] = int((perm == np.arange(n)).sum())
-        bs = cfg.batch_size or (4096 if device.type == "cuda" else 64)
-        self.batch_size = max(2, min(bs, n)) if n >= 2 else bs
-        if cfg.batch_size and self.batch_size != cfg.batch_size:
-            _log(f"batch_size {cfg.batch_size} capped at the {n} training images")
+        if cfg.batch_size:  # train.job.Job.fit_batch: the short-split rule, one process or N workers
+            self.batch_size = self.fit_batch(n, "training images")
+        else:
+            bs = 4096 if device.type == "cuda" else 64
+            self.batch_size = max(2, min(bs, n)) if n >= 2 else bs
         self.stats["train_images"] = n
         self.stats["train_captions"] = int(len(good))
         _log(", ".join(f"{k} {v}" for k, v in self.stats.items()) + f"; batch {self.batch_size}")

@@ -131,12 +131,7 @@ class VisualTokensJob(VisualTokensScoring, Job):
     def batch_size(self) -> int:
         """cfg.batch_size, or the whole training split when it is smaller (the demo): said on stderr."""
         if self._bs is None:
-            n = len(self.train_ids)
-            self._bs = self.cfg.batch_size
-            if 2 <= n < self._bs:
-                print(f"visual-tokens: training split has {n} samples < batch_size {self._bs}; using batches of {n}",
-                      file=sys.stderr)
-                self._bs = n
+            self._bs = self.fit_batch(len(self.train_ids))  # train.job.Job.fit_batch: the short-split rule
         return self._bs
 
     def build_model(self):
