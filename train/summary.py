@@ -166,27 +166,55 @@ def summary_table(job: str, run_dir: Path, res: dict) -> str:
     return "\n".join(lines)
 
 
+def _fit(text: str, width: int) -> str:
+    """A ``benchmark/subset/metric`` label in ``width`` columns: the start of the benchmark, an
+    ellipsis, then its last two parts whole; a ``value (baseline)`` bar cut inside its parenthesis."""
+    if len(text) <= width:
+        return text
+    if text.endswith(")"):
+        return text[: width - 2] + "…)"
+    tail = text[text.rfind("/", 0, text.rfind("/")):] if text.count("/") >= 2 else ""
+    keep = width - 1 - len(tail)
+    if keep < 4:
+        tail, keep = text[-(width - 5):], 4
+    return text[:keep] + "…" + tail
+
+
+def _short_verdict(v: str) -> str:
+    """The verdict without the bar it names (the no-learning bar column shows it): 'not above X (v)' -> 'not above'."""
+    return "not above" if v.startswith("not above") else v
+
+
+CLOSING_WIDTH = 120  # the closing table's columns (the run folders, whole, below it)
+
+
 def runs_table(done: list[tuple], failed: list[str]) -> str:
-    """``train run all``'s closing table: per job (``done``: (job, run folder, result[, wall seconds]))
-    its steps, final loss, headline result (value, 95% interval, the no-learning bar it is judged
-    against: chance or the strongest baseline the job reports, n, verdict) and wall time of the whole
-    run; the jobs that did not train; the run folders below the table."""
-    rows = [["job", "steps", "loss", "headline", "value", "95% interval", "no-learning bar", "n", "verdict", "wall"]]
+    """``train run all``'s closing table, within CLOSING_WIDTH columns: per job (``done``: (job, run
+    folder, result[, wall seconds])) its headline result (value, 95% interval, the no-learning bar it
+    is judged against: chance or the strongest baseline the job reports, n, verdict) and wall time of
+    the whole run; the jobs that did not train; the run folders below the table, whole. Each job's own
+    table above it gives the run's steps and final loss."""
+    rows = [["job", "headline", "value", "95% interval", "no-learning bar", "n", "verdict", "wall"]]
     folders = []
     for job, run_dir, res, *wall in done:
-        train_rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind") == "train"]
-        last = train_rows[-1] if train_rows else {}
         w = f"{wall[0]:.0f}s" if wall else "-"
         r = _headline(job, result_rows(run_dir))
         if r is not None:
-            rows.append([job, fmt_num(last.get("step")), fmt_num(last.get("loss")), _label(r), fmt_num(r["value"]),
-                         _ci(r), _bar(r), fmt_num(r.get("n")), r["verdict"] or "—", w])
+            rows.append([job, _label(r), fmt_num(r["value"]), _ci(r), _bar(r), fmt_num(r.get("n")),
+                         _short_verdict(r["verdict"] or "—"), w])
         else:  # no results table: the job's evaluate() metric beside its chance, no interval
             head = _with_chance(headline_metrics(res, limit=1)[0], run_dir)
             k, v, c = head[0] if head else ("-", None, None)
-            rows.append([job, fmt_num(last.get("step")), fmt_num(last.get("loss")), k, fmt_num(v), "—",
-                         f"{fmt_num(c)} (chance)" if c is not None else "—", "—", "—", w])
+            rows.append([job, k, fmt_num(v), "—", f"{fmt_num(c)} (chance)" if c is not None else "—", "—", "—", w])
         folders.append(f"  {job}: {run_dir}")
-    rows += [[job, "-", "-", "did not train (see the error above)", "", "", "", "", "", ""] for job in failed]
-    out = _align(rows, right={1, 2, 4, 7, 9})
+    # the headline and bar columns share what the others leave of CLOSING_WIDTH (2 spaces between columns)
+    other = sum(max(len(r[i]) for r in rows) for i in (0, 2, 3, 5, 6, 7)) + 2 * 7
+    room = max(CLOSING_WIDTH - other, 30)
+    head_w = min(max(len(r[1]) for r in rows), max(room - max(len(r[4]) for r in rows), room * 4 // 7))
+    bar_w = room - head_w
+    rows = [[r[0], _fit(r[1], head_w), r[2], r[3], _fit(r[4], bar_w), *r[5:]] for r in rows]
+    out = _align(rows, right={2, 5, 7})
+    width = max(len(x) for x in out)
+    out += [f"{job:{len(rows[0][0]) if len(rows) > 1 else len(job)}s}  did not train (see the error above)"[:width]
+            for job in failed]
     return "\n".join([*out, *(["run folders:", *folders] if folders else [])])
