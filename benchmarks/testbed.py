@@ -186,6 +186,7 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
         else:
             ok, verdict = True, ""
         out.append({"job": job, "row": "/".join(x for x in (r["benchmark"], r.get("subset") or "", r["metric"]) if x),
+                    "key": (r["benchmark"], r.get("subset") or "", r["metric"]),
                     "value": r["value"], "ci": _interval(r), "chance": chance, "n": r.get("n"),
                     "control": None if c is None else c["value"], "control_ci": _interval(c),
                     "verdict": verdict, "ok": ok})
@@ -202,33 +203,55 @@ def main(argv=None) -> int:
     ap.add_argument("--no-control", action="store_true", help="skip the control runs")
     ap.add_argument("--fresh", action="store_true", help="retrain every run from step 0 (train run --fresh)")
     ap.add_argument("--all-rows", action="store_true", help="every result row with a chance level, not only the main ones")
+    ap.add_argument("--compare", default=str(REPO / "manifests" / "testbed.yaml"),
+                    help="the oracle column: each row's value in this manifest's run of the job (benchmarks/testbed_encoders.py)")
+    ap.add_argument("--no-encoders", action="store_true", help="the encoders exist: skip training the ones models.* point at")
     args = ap.parse_args(argv)
     sets = sum((["--set", s] for s in args.sets), [])
+    from benchmarks.testbed_encoders import ENCODER_LEARNABLE, encoder_jobs, oracle_rows, run_encoders
+
+    LEARNABLE.update(ENCODER_LEARNABLE)
+    compare = None if Path(args.compare).resolve() == Path(args.manifest).resolve() else args.compare
+    encoders = [] if args.no_encoders else encoder_jobs(args.manifest, args.sets)
+    enc_runs, t_ingest = run_encoders(_cli, args.manifest, sets, encoders) if encoders else ([], 0.0)
     t_stages = 0.0
     if not args.no_stages:
         _, t_stages, err, _ = _cli("pipeline", "run", "all", "--manifest", args.manifest, *sets)
         if err:
             print(f"testbed: pipeline run all failed: {err}", file=sys.stderr)
             return 1
-    lines = [f"stages: {t_stages:.0f} s (`pipeline run all --manifest {args.manifest}`)", "",
-             "| job | metric | value | 95% interval | chance | n | control | control 95% | verdict | steps | wall s |",
-             "|---|---|---:|---|---:|---:|---:|---|---|---:|---:|"]
+    lines = ([f"encoders: {t_ingest + sum(w for _, _, w, _, _ in enc_runs):.0f} s (`pipeline run ingest` {t_ingest:.0f} s, "
+              + ", ".join(f"`train run {j}` {w:.0f} s" for j, _, w, _, _ in enc_runs) + ")"] if enc_runs else []) + [
+             f"stages: {t_stages:.0f} s (`pipeline run all --manifest {args.manifest}`)", "",
+             "| job | metric | value | 95% interval | chance | n | control | control 95% | oracle testbed | verdict | steps | wall s |",
+             "|---|---|---:|---|---:|---:|---:|---|---:|---|---:|---:|"]
     ok_all = True
+    for job, res, wall, err, log in enc_runs:  # each encoder's own held-out quality (no control run)
+        if err or not res:
+            lines.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | | FAILED | | {wall:.0f} |")
+            ok_all = False
+            continue
+        run = Path(res["run_dir"])
+        for r in job_rows(job, run, None, args.all_rows):
+            ok_all &= r["ok"]
+            lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
+                         f"- | - | - | {r['verdict']} | {_num(_steps(run))} | {_wall(wall, log)} |")
     for job in args.jobs:
         key = job.replace("-", "_")
         jsets = sets + (["--set", f"train.{key}.seed={args.seed}"] if args.seed is not None else [])
         jsets += ["--fresh"] if args.fresh else []
         res, wall, err, log = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets)
         if err or not res:
-            lines.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | FAILED | | {wall:.0f} |")
+            lines.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | | FAILED | | {wall:.0f} |")
             ok_all = False
             continue
+        oracle = oracle_rows(job, compare, args.sets)
         control = None
         if not args.no_control:
             cres, _, cerr, _ = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets,
                                  "--set", f"train.{key}.control=shuffled")
             if cerr or not cres:
-                lines.append(f"| {job} | control failed: {cerr or 'no result line'} | | | | | | | FAILED | | |")
+                lines.append(f"| {job} | control failed: {cerr or 'no result line'} | | | | | | | | FAILED | | |")
                 ok_all = False
             else:
                 control = Path(cres["run_dir"])
@@ -237,7 +260,8 @@ def main(argv=None) -> int:
         for r in job_rows(job, run, control, args.all_rows):
             ok_all &= r["ok"]
             lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
-                         f"{_num(r['control'])} | {r['control_ci']} | {r['verdict']} | {_num(steps)} | {_wall(wall, log)} |")
+                         f"{_num(r['control'])} | {r['control_ci']} | {_num(oracle.get(r.get('key')))} | {r['verdict']} | "
+                         f"{_num(steps)} | {_wall(wall, log)} |")
     text = "\n".join(lines)
     print(text)
     from pipeline.config import load_manifest

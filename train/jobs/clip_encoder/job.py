@@ -72,7 +72,7 @@ class ClipEncoderJob(Job):
         self.train_idx, self.pools = self.train_idx[keep], [p for p, k in zip(self.pools, keep) if k]
         self._pixels = None
         self._ids = None
-        self.export_path = export_dir(manifest, "clip", cfg.control, cfg.export_dir)
+        self.export_path = export_dir(manifest, "clip", cfg.control, cfg.export_dir)  # EXPORT of the package
 
     # --- data: every image decoded once (1400 images at 64 px: 69 MB), every caption tokenised once ---------
     @property

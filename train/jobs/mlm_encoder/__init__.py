@@ -38,6 +38,7 @@ READS = ["samples"]
 # a frozen-encoder job: it makes a stage input (models.*), so `train run all` (the jobs on the stages' artifacts)
 # leaves it out; benchmarks/testbed.py runs it before the stages
 ENCODER = True
+EXPORT = "mlm"  # <output>/encoders/mlm
 
 
 class Config(TrainerConfig):

@@ -93,7 +93,7 @@ class MlmEncoderJob(Job):
         self.eval_pos = eval_positions(self.eval_seqs, cfg.mask_prob, cfg.seed)
         counts = np.bincount(np.concatenate([s[1:-1] for s in self.train_seqs]), minlength=len(self.tokenizer))
         self.prior_token = int(counts.argmax())
-        self.export_path = export_dir(manifest, "mlm", cfg.control, cfg.export_dir)
+        self.export_path = export_dir(manifest, "mlm", cfg.control, cfg.export_dir)  # EXPORT of the package
 
     def build_model(self):
         from transformers import BertConfig, BertForMaskedLM

@@ -1,0 +1,76 @@
+"""The pixels testbed's parts of benchmarks/testbed.py: the frozen-encoder phase before the stages, and the
+column with the oracle testbed's figure.
+
+* :func:`encoder_jobs`: the encoder jobs (``ENCODER = True`` in their package: clip-encoder, mlm-encoder)
+  whose export folder a ``models.*`` slot of the manifest points at (``clip: "{output}/encoders/clip"``);
+  none for the oracle testbed, so its run is unchanged.
+* :func:`run_encoders`: ``pipeline run ingest`` (the encoders' data: the train split's images and
+  captions), then ``train run <encoder job>`` for each, timed, as a user types them. Their own held-out
+  figures (``ENCODER_LEARNABLE``) are rows of the table like any job's.
+* :func:`oracle_rows`: the same job's run folder under another manifest (``--compare``, by default
+  manifests/testbed.yaml: the scene-oracle testbed), found as ``train run`` names it (the job's options
+  there), and its final results rows, so each row of the pixels table shows the oracle testbed's value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# (benchmark, subset, metric, expectation) as benchmarks/testbed.py's LEARNABLE: each encoder's own held-out quality
+ENCODER_LEARNABLE = {
+    "clip-encoder": [("clip-encoder", "held_out", "i2t_R@1", "learn"), ("clip-encoder", "held_out", "t2i_R@1", "learn"),
+                     ("clip-encoder", "held_out", "zeroshot_colour", "learn"), ("clip-encoder", "held_out", "zeroshot_shape", "learn")],
+    "mlm-encoder": [("mlm-encoder", "held_out", "masked_token_acc", "learn")],
+}
+
+
+def encoder_jobs(manifest: str, sets: list[str]) -> list[str]:
+    """The encoder jobs whose export folder one of the manifest's ``models.*`` names, in registry order."""
+    import os
+
+    from pipeline.config import load_manifest
+    from train.encoders import export_dir
+    from train.registry import registry
+
+    m = load_manifest(manifest, sets)
+    specs = {os.path.abspath(v) for v in m.models.model_dump().values() if isinstance(v, str) and v}
+    out = []
+    for name, mod in registry().items():
+        if getattr(mod, "ENCODER", False):
+            cfg = getattr(m.train, name.replace("-", "_"))
+            if os.path.abspath(export_dir(m, mod.EXPORT, cfg.control, cfg.export_dir)) in specs:
+                out.append(name)
+    return out
+
+
+def run_encoders(cli, manifest: str, sets: list[str], jobs: list[str]) -> tuple[list[tuple[str, dict | None, float, str, str]], float]:
+    """``pipeline run ingest`` then ``train run <job>`` for each of ``jobs`` through ``cli`` (benchmarks/testbed.py's
+    ``_cli``). Returns ([(job, result line, wall s, error, stderr)], ingest wall s)."""
+    _, t_ingest, err, _ = cli("pipeline", "run", "ingest", "--manifest", manifest, *sets)
+    if err:
+        return [(j, None, 0.0, f"pipeline run ingest failed: {err}", "") for j in jobs], t_ingest
+    out = []
+    for job in jobs:
+        res, wall, err, log = cli("train", "run", job, "--manifest", manifest, "--json", "--no-progress", *sets)
+        out.append((job, res, wall, err, log))
+    return out, t_ingest
+
+
+def oracle_rows(job: str, compare: str | None, sets: list[str]) -> dict:
+    """{(benchmark, subset, metric): value} of ``job``'s finished run under the ``compare`` manifest ({} when it
+    has none: run benchmarks/testbed.py on that manifest first)."""
+    if not compare or not Path(compare).is_file():
+        return {}
+    from pipeline.config import ManifestError, load_manifest
+    from train.cli import run_folder
+    from train.summary import result_rows
+
+    try:
+        m = load_manifest(compare, [s for s in sets if not s.startswith(("output=", "models.", "dataset."))])
+        cfg = getattr(m.train, job.replace("-", "_"))
+    except (ManifestError, AttributeError):
+        return {}
+    run = run_folder(job, m, cfg)
+    if not (run / "eval" / "final" / "results.parquet").is_file():
+        return {}
+    return {(r["benchmark"], r.get("subset") or "", r["metric"]): r.get("value") for r in result_rows(run)}
