@@ -24,16 +24,16 @@ def test_summary_table_shows_headline_metrics_with_chance(tmp_path):
            **{f"extra/m{k}": 0.5 for k in range(30)}}
     text = summary_table("concept-ot", run, res)
     lines = text.splitlines()
-    assert lines[0].split() == ["job", "run", "folder", "steps", "final", "loss"]
-    assert lines[1].split() == ["concept-ot", str(run), "4", "0.25"]
-    table = {ln.split()[0]: ln.split()[1:] for ln in lines[3:-1]}
+    assert lines[0].split() == ["job", "steps", "final", "loss"]
+    assert lines[1].split() == ["concept-ot", "4", "0.25"] and lines[2] == f"run folder: {run}"
+    table = {ln.split()[0]: ln.split()[1:] for ln in lines[4:-2]}
     assert table["metric"] == ["value", "chance"]
     assert table["global/i2t_R@1"] == ["40", "3.12"] and table["sugarcrepe/overall"] == ["47.4", "50"]
     # only the metrics with a chance level, overall figures first (a size such as triples is no metric)
     assert list(table) == ["metric", "sugarcrepe/overall", "global/i2t_R@1"]
-    assert "30 more metrics" in lines[-1] and str(run / "eval" / "final" / "metrics.json") in lines[-1]
+    assert "30 more metrics" in lines[-2] and lines[-1].strip() == str(run / "eval" / "final" / "metrics.json")
     # columns line up: every value ends in the same column as its header
-    head, first = lines[3], lines[5]
+    head, first = lines[4], lines[6]
     assert head.index("value") + len("value") == first.index("40") + len("40")
     assert len(text) < 1000
 
@@ -45,7 +45,8 @@ def test_train_run_prints_a_table_and_json_on_request(tmp_path, monkeypatch):
     r = _cli_run(monkeypatch, _Toy(tmp_path / "run"))
     assert r.exit_code == 0, r.output
     out = r.stdout.strip().splitlines()
-    assert out[0].split()[:2] == ["job", "run"] and out[1].split()[:3] == ["toy", str(tmp_path / "run"), "8"]
+    assert out[0].split()[:2] == ["job", "steps"] and out[1].split()[:2] == ["toy", "8"]
+    assert out[2] == f"run folder: {tmp_path / 'run'}"
     assert not any(ln.startswith("{") for ln in out)
     r = _cli_run(monkeypatch, _Toy(tmp_path / "run2"), "--json")
     assert r.exit_code == 0, r.output

@@ -139,17 +139,16 @@ def summary_table(job: str, run_dir: Path, res: dict) -> str:
     """The lines ``train run`` prints at its end."""
     train_rows = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("kind") == "train"]
     last = train_rows[-1] if train_rows else {}
-    head = [["job", "run folder", "steps", "final loss"],
-            [job, str(run_dir), fmt_num(last.get("step")), fmt_num(last.get("loss"))]]
-    lines = _align(head, right={2, 3})
+    head = [["job", "steps", "final loss"], [job, fmt_num(last.get("step")), fmt_num(last.get("loss"))]]
+    lines = [*_align(head, right={1, 2}), f"run folder: {run_dir}"]  # the path once, on its own line
     if "interrupted_at" in res:
         return "\n".join([*lines, f"interrupted at step {res['interrupted_at']}: rerun the command to resume"])
     main = _main(result_rows(run_dir))
     if main:  # held-out results with interval, n and a verdict against the no-learning bar
         shown = main[:HEADLINE_ROWS]
         table = [["metric", "value", "95% interval", "no-learning bar", "n", "verdict"],
-                 *([_label(r), fmt_num(r["value"]), _ci(r), _bar(r), fmt_num(r.get("n")), r["verdict"] or "—"]
-                   for r in shown)]
+                 *([_fit(_label(r), 44), fmt_num(r["value"]), _ci(r), _fit(_bar(r), 26), fmt_num(r.get("n")),
+                    _short_verdict(r["verdict"] or "—")] for r in shown)]  # within 120 columns
         lines += ["", *_align(table, right={1, 4})]
         more = len(main) - len(shown)
         where = Path(run_dir) / "eval" / "final" / "results.md"
@@ -162,7 +161,7 @@ def summary_table(job: str, run_dir: Path, res: dict) -> str:
             lines += ["", *_align(table, right={1, 2})]
         where = Path(run_dir) / "eval" / "final" / "metrics.json"
     what = "rows" if main else "metrics"
-    lines.append(f"{f'{more} more {what}' if more else f'all {what}'}: {where} (--json prints the metrics on one line)")
+    lines += [f"{f'{more} more {what}' if more else f'all {what}'} (--json prints the metrics on one line):", f"  {where}"]
     return "\n".join(lines)
 
 
