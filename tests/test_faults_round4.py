@@ -597,3 +597,26 @@ def test_every_case_in_docs_errors_names_tests_that_exist():
     for path, name in refs:
         src = (REPO / path).read_text()
         assert re.search(rf"^def {name}\(", src, re.M), f"{path}::{name} is not a test"
+
+
+def test_train_eval_refuses_a_changed_checkpoint_naming_the_one_before(tmp_path, monkeypatch, capsys):
+    import typer
+
+    import train.loop
+    from train.cli import _config_of_checkpoint
+
+    monkeypatch.setattr(train.loop, "plot_metrics", lambda *a, **k: None)
+    run = tmp_path / "run"
+    job = _Steps(run, ckpt_every=3)
+    train.loop.train(job, progress=False, stop_after=7)
+    last, prev = run / "checkpoints" / "last.pt", run / "checkpoints" / "previous.pt"
+    flip(last, last.stat().st_size - 2000)
+    capsys.readouterr()
+    with pytest.raises(typer.Exit) as e:
+        _config_of_checkpoint("steps", job.cfg, last, [])
+    assert e.value.exit_code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: checkpoint {last}: its sha256")
+    assert err[0].endswith(f"; the checkpoint before it: -c {prev}")
+    cfg, run_dir = _config_of_checkpoint("steps", job.cfg, prev, [])  # the way out works
+    assert run_dir == run and load_checkpoint(prev)["step"] == 6
