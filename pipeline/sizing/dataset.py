@@ -1,0 +1,111 @@
+"""A dataset's size, counted by its reader without opening an image, and a sample of its records.
+
+``ingest`` keeps a record whose image decodes and a caption that is not blank. The count here sees
+the captions (a blank one is not counted) but opens no image, so for a real dataset the image count
+is the reader's records *before* the image checks (an upper bound by the number of unreadable
+images); the generated dataset lists the images it broke on purpose (``_params.json``), so its
+counts are exact. ``images=`` (``pipeline plan --images N``) sizes a dataset that is not on this
+machine from the given count and the stated caption statistics instead (``source: given``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SAMPLE_RECORDS = 256  # records kept for per-image shapes (captions, lengths, instances, relations)
+GENERATE_MAX = 5000  # a generated dataset up to this size is generated (as ingest would) and read back
+
+
+@dataclass
+class SampleRecord:
+    """What sizing needs of one record: its kept captions and its annotations' counts."""
+
+    captions: list[str]
+    instances: int = 0
+    relations: int = 0
+    predicates: tuple[str, ...] = ()  # its relations' predicate names
+    phrases: int = 0
+    mask_bytes: int = 0  # summed COCO RLE string lengths of its instance masks
+    path_chars: int = 0
+
+
+@dataclass
+class DatasetSize:
+    images: int
+    captions: int
+    source: str  # "counted by the <kind> reader" | "generator parameters" | "given"
+    exact: bool  # False: records before the image checks, or given
+    sample: list[SampleRecord] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def captions_per_image(self) -> float:
+        return self.captions / self.images if self.images else 0.0
+
+
+def _sample(rec) -> SampleRecord:
+    caps = [c for c in rec.captions if c and c.strip()]
+    preds = tuple(r.predicate for r in rec.relations)
+    masks = sum(len(str((i.mask_rle or {}).get("counts", ""))) for i in rec.instances)
+    return SampleRecord(caps, len(rec.instances), len(rec.relations), preds, len(rec.phrases), masks,
+                        len(str(rec.image or "")))
+
+
+def _count(records, kind: str, skip_images: set[str] = frozenset(), skip_captions: int = 0) -> DatasetSize:
+    images = captions = 0
+    sample: list[SampleRecord] = []
+    for rec in records:
+        if rec.image and Path(str(rec.image)).name in skip_images:
+            continue
+        if any(i is None for i, _ in rec.problems):  # the reader already rejects the whole record
+            continue
+        s = _sample(rec)
+        images += 1
+        captions += len(s.captions)
+        if len(sample) < SAMPLE_RECORDS:
+            sample.append(s)
+    return DatasetSize(images, captions, f"counted by the {kind} reader", exact=False, sample=sample)
+
+
+def count_dataset(manifest, output: Path) -> DatasetSize:
+    """Count the manifest's dataset by its reader (see the module docstring)."""
+    from pipeline.readers import read_dataset, synthetic_root
+
+    ds = manifest.dataset
+    if ds.kind != "synthetic":
+        size = _count(read_dataset(ds, output, defer_masks=True), ds.kind)
+        size.note = "images before ingest's image checks (unreadable images are rejected there)"
+        return size
+    s = ds.synthetic
+    if s.n_images <= GENERATE_MAX:  # generated as ingest would (cached by its parameters), then read back
+        records = read_dataset(ds, output, defer_masks=True)
+        params = json.loads((synthetic_root(ds, output) / "_params.json").read_text())
+        broken = {Path(p).name for p in params.get("corrupt_images", [])}
+        size = _count(records, "synthetic (COCO)", broken)
+        size.exact = True
+        size.source = "counted by the synthetic (COCO) reader"
+        return size
+    # Too large to generate for a plan: a generated sample gives the per-image shapes, the
+    # generator's parameters the counts (blank captions can fall on broken images: +- that many).
+    sample_ds = ds.model_copy(deep=True)
+    sample_ds.synthetic.n_images = SAMPLE_RECORDS
+    sample_ds.synthetic.corrupt_images = sample_ds.synthetic.empty_captions = 0
+    sample_ds.synthetic.root = str(output / "_cache" / "plan" / "synthetic-sample")
+    sampled = _count(read_dataset(sample_ds, output, defer_masks=True), "synthetic")
+    images = s.n_images - s.corrupt_images
+    return DatasetSize(images, images * s.captions_per_image - s.empty_captions, "generator parameters",
+                       exact=s.empty_captions == 0, sample=sampled.sample,
+                       note=f"per-image shapes from a generated sample of {SAMPLE_RECORDS} images")
+
+
+def given_size(images: int, captions_per_image: float, words_per_caption: float, instances: float = 0.0) -> DatasetSize:
+    """A dataset not on this machine: ``images`` and its published caption statistics. The sample is
+    one record of ``round(captions_per_image)`` captions of ``words_per_caption`` words."""
+    n_caps = max(1, round(captions_per_image))
+    words = max(1, round(words_per_caption))
+    caption = " ".join(["word"] * words)
+    rec = SampleRecord([caption] * n_caps, instances=round(instances))
+    return DatasetSize(images, round(images * captions_per_image), "given", exact=False, sample=[rec],
+                       note=f"{captions_per_image:g} captions/image of {words_per_caption:g} words (given)")

@@ -1,0 +1,328 @@
+"""``pipeline plan``: per enabled stage, rows, bytes on disk, forward cost and wall time, before a run.
+
+Nothing here downloads weights or runs a stage. Rows come from the dataset counted by its reader
+(:mod:`pipeline.sizing.dataset`), bytes from the artifacts' layouts at the models' shapes
+(:mod:`pipeline.sizing.artifacts`, :mod:`pipeline.sizing.shapes`). Time: forward FLOPs counted on
+the meta device, turned into seconds by
+
+* on CPU, a calibration on this machine: a CLIP vision tower built from its config with random
+  weights (the manifest's published CLIP when one forward is under :data:`CALIBRATE_MAX_FLOPS`,
+  else ViT-B/16's shapes), one torch thread, the best of a few forwards at the real input size;
+  that FLOP/s rate converts every model's FLOPs. Cached in ``<output>/_cache/plan/calibration.json``.
+  Tiny models (``tiny-random``) are bound by per-call overheads, not FLOPs: their times here are
+  lower bounds;
+* on GPUs, one published anchor: SAM's ViT-H image encoder (5.96 TFLOP per image, counted here)
+  takes ~0.15 s on an NVIDIA A100 (segment-anything.com, FAQ "How long does inference take?"),
+  i.e. ~40 TFLOP/s effective; every model's FLOPs are divided by that rate (an assumption for the
+  other architectures, stated in the output).
+
+Wall time = rows x seconds per image / the stage's parallel workers on the manifest's cluster
+(Ray's CPUs and GPUs for ``ray.address``; this machine's for an embedded run; ``--cpus`` /
+``--gpus`` state another node). Stages whose cost is not a model forward (ingest's decode is
+measured on sampled images; mine-concepts' n-gram index is not modelled) say so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+from pipeline.sizing import artifacts as A
+from pipeline.sizing import shapes as S
+from pipeline.sizing.dataset import DatasetSize, count_dataset
+
+SCHEMA_VERSION = 1
+CALIBRATE_MAX_FLOPS = 40e9  # time a model directly when one forward is under this (seconds on one core)
+GPU_ANCHOR = {"node": "NVIDIA A100", "flops_per_s": 5.96e12 / 0.15,
+              "source": "SAM ViT-H image encoder ~0.15 s/image on an A100 (segment-anything.com FAQ); 5.96 TFLOP/image counted here"}
+SAM_DECODER_FLOPS_PER_POINT = 3.62e9  # vit_h mask decoder, 3 masks per point (BENCHMARKS.md, extract-visual-tokens)
+
+
+# ------------------------------------------------------------------ calibration (seconds per FLOP here)
+def _clip_forward(spec: str):
+    """(forward, flops, what) of a CLIP vision tower with random weights: the manifest's own when it
+    is a real architecture of at most CALIBRATE_MAX_FLOPS per image, else ViT-B/16's (a tiny model
+    is bound by per-call overheads, not FLOPs, and says nothing of a real model's rate)."""
+    import torch
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    from pipeline.models import clip as adapter
+
+    vision = adapter.RANDOM_PRESETS["base-random"]["vision"]
+    if spec in S.PUBLISHED and 0 < S.clip(spec)["flops_image"] <= CALIBRATE_MAX_FLOPS:
+        vision = S.PUBLISHED[spec]["vision"]
+    cfg = CLIPVisionConfig(**vision)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = CLIPVisionModel(cfg).eval()
+    x = torch.randn(1, 3, cfg.image_size, cfg.image_size)
+    flops = S.count_flops(lambda: model(pixel_values=x))
+    return (lambda: model(pixel_values=x)), flops, f"CLIP vision {cfg.hidden_size}x{cfg.num_hidden_layers} @ {cfg.image_size}px"
+
+
+def calibrate(spec: str, cache: Path, repeats: int = 2) -> dict:
+    """This machine's FLOP/s on one torch thread, timed on a real-shape transformer forward (cached)."""
+    import torch
+
+    key = {"clip": spec, "torch": torch.__version__, "cpu": os.cpu_count(), "v": 2}
+    path = cache / "calibration.json"
+    try:
+        old = json.loads(path.read_text())
+        if old.get("key") == key:
+            return old
+    except (OSError, ValueError):
+        pass
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fwd, flops, what = _clip_forward(spec)
+        with torch.no_grad():
+            fwd()  # warm-up
+            best = math.inf
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fwd()
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    out = {"key": key, "model": what, "flops": flops, "seconds": best, "flops_per_s": flops / best,
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _decode_seconds(manifest, output: Path, n: int = 8) -> float | None:
+    """Seconds to open and fully decode one of the dataset's images (the first ``n`` records)."""
+    from pipeline.readers import open_image, read_dataset
+
+    t, k = 0.0, 0
+    try:
+        for rec in read_dataset(manifest.dataset, output, defer_masks=True):
+            if k >= n:
+                break
+            try:
+                t0 = time.perf_counter()
+                open_image(rec.image)
+                t += time.perf_counter() - t0
+                k += 1
+            except Exception:
+                continue
+    except Exception:
+        return None
+    return t / k if k else None
+
+
+# ------------------------------------------------------------------ the cluster
+def cluster(manifest, cpus: int | None, gpus: int | None) -> dict:
+    if cpus is not None or gpus is not None:
+        return {"cpus": cpus or os.cpu_count(), "gpus": gpus or 0, "source": "given (--cpus/--gpus)"}
+    if manifest.ray.address:
+        import ray
+
+        ray.init(address=manifest.ray.address, logging_level="WARNING", log_to_driver=False)
+        try:
+            res = ray.cluster_resources()
+        finally:
+            ray.shutdown()
+        return {"cpus": int(res.get("CPU", 0)), "gpus": int(res.get("GPU", 0)), "source": f"ray {manifest.ray.address}"}
+    n_gpus = 0
+    try:
+        import torch
+
+        n_gpus = torch.cuda.device_count()
+    except Exception:
+        pass
+    return {"cpus": manifest.ray.num_cpus or os.cpu_count(), "gpus": n_gpus, "source": "this machine (embedded Ray)"}
+
+
+# ------------------------------------------------------------------ the plan
+def _stage_flops(name: str, cfg, m, size: DatasetSize) -> tuple[float | None, str]:
+    """Forward FLOPs per image of a stage's models, and what they cover."""
+    caps = size.captions_per_image
+    words = sum(S.words(c) for r in size.sample for c in r.captions) / max(1, sum(len(r.captions) for r in size.sample))
+    if name == "extract-clip-tokens":
+        sh = S.clip(m.clip)
+        return sh["flops_image"] + caps * sh["flops_text"] * (words + 2) / max(1, sh["text_len"]), "vision + text towers"
+    if name == "extract-image-groups":
+        return S.groupvit(m.groupvit)["flops_image"], "GroupViT vision tower"
+    if name == "extract-visual-tokens":
+        f = S.sam(m.sam)["flops_image"]
+        if cfg.segmenter == "sam" and f:
+            return f + cfg.points_per_side ** 2 * SAM_DECODER_FLOPS_PER_POINT, "SAM encoder + mask decoder per point"
+        return f, "SAM image encoder"
+    if name == "extract-regions":
+        return None, "detector FLOPs not counted (data-dependent proposals)"
+    if name == "negative-captions":
+        mlm, we = S.text_model(m.mlm), S.text_model(m.word_encoder)
+        toks = 1.3 * words + 2
+        k = cfg.negative_feature_k if cfg.negative_features != "none" else 0
+        return caps * toks * (2 * 2 * mlm["flops_token"] + we["flops_token"] * (1 + k)), "masked LM (p, q per noun, ~2 nouns) + word encoder"
+    if name == "encode-concepts":
+        return None, "per concept, not per image"
+    return None, "no model forward"
+
+
+def build_plan(manifest, *, cpus: int | None = None, gpus: int | None = None, size: DatasetSize | None = None,
+               calibrate_cpu: bool = True) -> dict:
+    from pipeline.io import storage
+    from pipeline.stage import dependency_order, registry
+
+    output = storage.local_path(manifest.output)
+    size = size or count_dataset(manifest, output)
+    reg = registry()
+    names = dependency_order([s for s in reg if getattr(manifest.stages, reg[s].key).enabled])
+    m = manifest.models
+    clus = cluster(manifest, cpus, gpus)
+    cal = calibrate(m.clip, output / "_cache" / "plan") if calibrate_cpu else None
+    decode_s = _decode_seconds(manifest, output) if size.source != "given" and calibrate_cpu else None
+    sized: dict[str, A.ArtifactSize] = {}
+    stages = []
+    for name in names:
+        cfg = getattr(manifest.stages, reg[name].key)
+        a = _artifact(name, cfg, manifest, size, sized)
+        sized[a.artifact] = a
+        flops, covers = _stage_flops(name, cfg, m, size)
+        stages.append(_timed(name, cfg, a, flops, covers, size, clus, cal, decode_s))
+    total = sum(s["total_bytes"] for s in stages)
+    return {"schema_version": SCHEMA_VERSION, "manifest": getattr(manifest, "name", None), "output": str(manifest.output),
+            "dataset": {"kind": manifest.dataset.kind, "images": size.images, "captions": size.captions, "source": size.source,
+                        "exact": size.exact, "note": size.note},
+            "cluster": clus, "calibration": cal and {k: cal[k] for k in ("model", "flops", "seconds", "flops_per_s", "measured_at")},
+            "gpu_anchor": GPU_ANCHOR, "stages": stages, "total_bytes": total, "free_bytes": free_bytes(output)}
+
+
+def _artifact(name, cfg, manifest, size, sized) -> A.ArtifactSize:
+    m = manifest.models
+    if name == "ingest":
+        return A.samples(size, cfg)
+    if name == "extract-clip-tokens":
+        sh = S.clip(m.clip)
+        return A.clip_tokens(size, cfg, sh, lambda text, cap: S.caption_tokens(sh, text, cap))
+    if name == "extract-image-groups":
+        return A.image_groups(size, cfg, S.groupvit(m.groupvit, manifest.dataset.synthetic.image_size))
+    if name == "extract-regions":
+        return A.regions(size, cfg, S.detector(m.detector))
+    if name == "extract-visual-tokens":
+        return A.visual_tokens(size, cfg, S.sam(m.sam), manifest.dataset.kind)
+    if name == "negative-captions":
+        return A.negatives(size, cfg, S.text_model(m.word_encoder)["hidden"], _pos_tags(m.spacy, size))
+    if name == "mine-concepts":
+        enc = cfg.text_encoder or m.text_encoder
+        return A.concepts(size, cfg, S.text_model(enc)["hidden"], _mined(size, manifest))
+    if name == "encode-concepts":
+        sh = S.clip(m.clip)
+        return A.concept_tokens(_mined(size, manifest), size, cfg, sh, lambda text, cap: S.caption_tokens(sh, text, cap))
+    if name == "build-index":
+        return A.index(size, cfg, S.clip(m.clip)["projection_dim"])
+    raise ValueError(f"pipeline plan: no size model for stage {name}")
+
+
+def _mined(size: DatasetSize, manifest) -> dict:
+    key = id(size)
+    if _MINED.get("key") != key:
+        _MINED.update(key=key, value=A.mined_sample(size, manifest.stages.mine_concepts))
+    return _MINED["value"]
+
+
+_MINED: dict = {}
+
+
+def _pos_tags(spacy_name: str, size: DatasetSize) -> list[list[str]]:
+    from pipeline.models.spacy_tagger import Tagger
+
+    texts = [c for r in size.sample for c in r.captions]
+    return [[w.pos for w in ws] for ws in Tagger(spacy_name).tag(texts)] if texts else []
+
+
+def _timed(name, cfg, a: A.ArtifactSize, flops, covers, size, clus, cal, decode_s) -> dict:
+    rows = size.images
+    units = len(A.unit_rows(rows, getattr(cfg, "shard_size", rows) or rows)) or 1
+    on_gpu = bool(getattr(cfg, "num_gpus", 0)) and clus["gpus"] > 0
+    s_img, how = None, covers
+    if flops:
+        if on_gpu:
+            s_img, how = flops / GPU_ANCHOR["flops_per_s"], f"{covers}; FLOPs / the A100 anchor"
+        elif cal:
+            s_img, how = flops / cal["flops_per_s"], f"{covers}; FLOPs / this CPU's calibrated rate"
+    elif name == "ingest" and decode_s is not None:
+        s_img, how = decode_s, "image decode, measured on the dataset's first images"
+    if on_gpu:
+        workers = max(1, int(clus["gpus"] // cfg.num_gpus))
+    else:
+        workers = max(1, int(clus["cpus"] // max(1e-9, getattr(cfg, "num_cpus", 1.0) or 1.0)))
+    workers = min(workers, units)
+    wall = s_img * rows / workers if s_img is not None else None
+    return {"stage": name, "artifact": a.artifact, "rows": a.rows, "exact_rows": a.exact_rows, "bytes": a.bytes,
+            "total_bytes": a.total, "notes": a.notes, "flops_per_image": flops, "seconds_per_image": s_img,
+            "device": "gpu" if on_gpu else "cpu", "workers": workers, "wall_seconds": wall, "time_basis": how}
+
+
+def free_bytes(output) -> int | None:
+    p = Path(output)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def space_warning(plan: dict) -> str | None:
+    free = plan.get("free_bytes")
+    if free is not None and plan["total_bytes"] > free:
+        return (f"warning: the run needs ~{fmt_bytes(plan['total_bytes'])} but {plan['output']} has "
+                f"{fmt_bytes(free)} free: it would not fit")
+    return None
+
+
+# ------------------------------------------------------------------ output
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    from pipeline.stage import format_seconds
+
+    return format_seconds(s)
+
+
+def format_plan(plan: dict) -> str:
+    d, c = plan["dataset"], plan["cluster"]
+    lines = [f"plan for {plan['manifest']} -> {plan['output']}",
+             f"dataset: {d['kind']}, {d['images']:,} images, {d['captions']:,} captions ({d['source']}"
+             f"{'' if d['exact'] else '; ' + (d['note'] or 'approximate')})",
+             f"cluster: {c['cpus']} CPUs, {c['gpus']} GPUs ({c['source']})"]
+    cal = plan.get("calibration")
+    if cal:
+        lines.append(f"calibration: {cal['model']}: {cal['flops'] / 1e9:.1f} GFLOP in {cal['seconds']:.2f} s on one thread "
+                     f"= {cal['flops_per_s'] / 1e9:.1f} GFLOP/s (measured {cal['measured_at']})")
+    lines.append(f"  {'stage':22s} {'artifact':14s} {'rows':>26s} {'bytes':>10s} {'GFLOP/img':>10s} {'s/img':>8s} {'dev':>4s} {'workers':>7s} {'wall':>8s}")
+    for s in plan["stages"]:
+        rows = ", ".join(f"{k} {v:,}" for k, v in list(s["rows"].items())[:2])
+        rows = ("" if s["exact_rows"] else "~") + rows
+        fl = f"{s['flops_per_image'] / 1e9:.2f}" if s["flops_per_image"] else "-"
+        sp = f"{s['seconds_per_image']:.3g}" if s["seconds_per_image"] is not None else "-"
+        lines.append(f"  {s['stage']:22s} {s['artifact']:14s} {rows:>26s} {fmt_bytes(s['total_bytes']):>10s} {fl:>10s} "
+                     f"{sp:>8s} {s['device']:>4s} {s['workers']:>7d} {fmt_seconds(s['wall_seconds']):>8s}")
+    known = [s["wall_seconds"] for s in plan["stages"] if s["wall_seconds"] is not None]
+    lines.append(f"  total {fmt_bytes(plan['total_bytes'])} on disk ({fmt_bytes(plan['free_bytes'])} free); "
+                 f"wall {fmt_seconds(sum(known))} for the {len(known)} timed stages")
+    for s in plan["stages"]:
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in s["bytes"].items())
+        lines.append(f"  {s['artifact']}: {parts}; time: {s['time_basis']}" + ("; " + "; ".join(s["notes"]) if s["notes"] else ""))
+    if any(s["device"] == "gpu" for s in plan["stages"]):
+        lines.append(f"  gpu anchor: {plan['gpu_anchor']['source']}")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""`pipeline plan` (pipeline/sizing/): container sizes against the real writers, the CLI's JSON and
+its free-space warning (fast), and the plan against what `pipeline run all` writes (slow)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.sizing import artifacts as A
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("shape,dtype", [((196, 768), "float16"), ((5, 17, 512), "float16"), ((0, 4), "float32"),
+                                         ((3,), "int64"), ((77, 77), "uint8"), ((5, 0, 2), "int32"), ((2,), "bool")])
+def test_npy_bytes_equal_np_save(shape, dtype):
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(shape, dtype))
+    assert A.npy_bytes(shape, dtype) == len(buf.getvalue())
+
+
+def test_tar_bytes_equal_the_shard_writer(tmp_path):
+    """Per-sample members and the tar's end and record padding, against ShardWriter's real files."""
+    from pipeline.io.wds import ShardWriter, sample_key
+
+    rng = np.random.default_rng(0)
+    for n_samples in (1, 7, 40):
+        fields = {"a.npy": rng.standard_normal((16, 24)).astype(np.float16), "b.npy": np.zeros((3, 5, 2), np.int32),
+                  "c.json": {"k": list(range(7))}}
+        path = tmp_path / f"{n_samples}.tar"
+        with ShardWriter(path) as w:
+            for i in range(n_samples):
+                w.write(sample_key(i), fields)
+        per = A.sample_bytes([A.npy_bytes((16, 24), "float16"), A.npy_bytes((3, 5, 2), "int32"),
+                              len(json.dumps(fields["c.json"], sort_keys=True, separators=(",", ":")))])
+        assert A.tar_bytes(per, n_samples, shard_size=n_samples) == path.stat().st_size
+
+
+def _plan(args, tmp_path, **kw):
+    out = tmp_path / "out"
+    res = CliRunner(**kw).invoke(app, ["plan", "--manifest", "manifests/tiny.yaml", "--set", f"output={out}", *args])
+    return res
+
+
+@pytest.fixture
+def no_calibration(monkeypatch):
+    """The CPU calibration is a ViT-B/16 forward (seconds); these tests check the rest."""
+    from pipeline.sizing import plan
+
+    monkeypatch.setattr(plan, "calibrate", lambda spec, cache: {"model": "fixed", "flops": 1e9, "seconds": 0.1,
+                                                                "flops_per_s": 1e10, "measured_at": "-"})
+
+
+def test_plan_json_schema(tmp_path, monkeypatch, no_calibration):
+    monkeypatch.chdir(REPO)
+    res = _plan(["--json", "--images", "118287", "--captions-per-image", "5", "--words-per-caption", "10.5"], tmp_path)
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)
+    assert plan["schema_version"] == 1
+    assert plan["dataset"] == {"kind": "synthetic", "images": 118287, "captions": 591435, "source": "given",
+                               "exact": False, "note": plan["dataset"]["note"]}
+    assert set(plan["cluster"]) == {"cpus", "gpus", "source"}
+    names = [s["stage"] for s in plan["stages"]]
+    assert names[0] == "ingest" and "extract-clip-tokens" in names and len(names) == 9
+    for s in plan["stages"]:
+        assert set(s) >= {"stage", "artifact", "rows", "bytes", "total_bytes", "flops_per_image", "seconds_per_image",
+                          "device", "workers", "wall_seconds", "time_basis", "exact_rows", "notes"}
+        assert s["total_bytes"] == sum(s["bytes"].values()) > 0
+    assert plan["total_bytes"] == sum(s["total_bytes"] for s in plan["stages"])
+    clip = next(s for s in plan["stages"] if s["stage"] == "extract-clip-tokens")
+    assert clip["rows"]["shards"] == 118287 and clip["rows"]["captions"] == 591435
+
+
+def test_plan_warns_when_the_output_disk_is_too_small(tmp_path, monkeypatch, no_calibration):
+    from pipeline.sizing import plan
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(plan, "free_bytes", lambda output: 1000)
+    res = _plan(["--images", "1000"], tmp_path)
+    assert res.exit_code == 0, res.output
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "would not fit" in warnings[0] and "1.0 kB free" in warnings[0]
+    monkeypatch.setattr(plan, "free_bytes", lambda output: 10**15)
+    res = _plan(["--images", "1000"], tmp_path)
+    assert not [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+
+
+def _on_disk(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_plan_matches_what_pipeline_run_writes(tmp_path, monkeypatch, no_calibration):
+    """The tiny manifest (63 good images of 64, every stage): rows exact where the plan says so,
+    bytes within 10% in total and for each artifact over 5% of the total."""
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "out"
+    res = _plan(["--json"], tmp_path)
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)
+    assert plan["dataset"]["images"] == 63 and plan["dataset"]["exact"]
+    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "all", "--manifest", "manifests/tiny.yaml",
+                          "--set", f"output={out}", "--no-report"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    total_real = 0
+    for s in plan["stages"]:
+        folder = out / s["artifact"]
+        real = _on_disk(folder)
+        total_real += real
+        m = json.loads((folder / "_manifest.json").read_text())
+        tables = {k: v["rows"] for k, v in m["tables"].items()}
+        if s["exact_rows"]:
+            for table, rows in s["rows"].items():
+                assert tables[table] == rows, (s["artifact"], table, tables[table], rows)
+        if real > 0.05 * plan["total_bytes"]:
+            assert abs(s["total_bytes"] - real) <= 0.10 * real, (s["artifact"], s["total_bytes"], real)
+    assert abs(plan["total_bytes"] - total_real) <= 0.10 * total_real, (plan["total_bytes"], total_real)
