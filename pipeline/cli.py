@@ -287,6 +287,42 @@ def status(
         raise typer.Exit(1)
 
 
+@app.command()
+def plan(
+    manifest: ManifestOpt,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    cpus: Annotated[Optional[int], typer.Option("--cpus", help="size for a node of this many CPUs (default: Ray's, or this machine's)")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="size for a node of this many GPUs (default: Ray's, or this machine's)")] = None,
+    images: Annotated[Optional[int], typer.Option("--images", help="a dataset not on this machine: this many images (with the caption options)")] = None,
+    captions_per_image: Annotated[float, typer.Option("--captions-per-image", help="with --images")] = 5.0,
+    words_per_caption: Annotated[float, typer.Option("--words-per-caption", help="with --images")] = 10.5,
+    instances_per_image: Annotated[float, typer.Option("--instances-per-image", help="with --images: annotated instances")] = 0.0,
+) -> None:
+    """Rows, bytes on disk, forward cost and wall time of every enabled stage, before a run (no
+    weights downloaded, no stage run; pipeline/sizing/). Warns when the output's disk is too small."""
+    from pipeline.config import ManifestError, load_manifest
+
+    try:
+        m = load_manifest(manifest, set_ or [])
+    except ManifestError as e:
+        _fail(str(e))
+    setup_logging(None)
+    from pipeline.sizing.dataset import given_size
+    from pipeline.sizing.plan import build_plan, format_plan, space_warning
+    from pipeline.sizing.shapes import UnknownModel
+
+    size = given_size(images, captions_per_image, words_per_caption, instances_per_image) if images else None
+    try:
+        result = build_plan(m, cpus=cpus, gpus=gpus, size=size)
+    except (UnknownModel, FileNotFoundError, ValueError) as e:
+        _fail(f"plan: {e}")
+    warning = space_warning(result)
+    if warning:
+        typer.echo(warning, err=True)
+    typer.echo(json.dumps(result, indent=1) if as_json else format_plan(result))
+
+
 def _is_artifact(path: str) -> bool:
     from pipeline.io import storage
 
