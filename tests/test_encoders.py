@@ -154,3 +154,58 @@ def test_mlm_encoder_export_loads_as_the_pipeline_mlm(testbed_copy, tmp_path):
     # held-out captions only in the evaluation: no training caption is scored
     held = set(job.corpus.sample_ids[np.isin(job.corpus.splits, ["val", "test"])].tolist())
     assert set(job.eval_image.tolist()) <= held
+
+
+TINY_GROUPVIT = ["image_size=32", "patch_size=8", "vision_width=32", "vision_layers=3", "depths=[1,1,1]", "group_tokens=[8,4]",
+                 "text_width=32", "text_layers=1", "heads=2", "projection_dim=16", "projection_intermediate_dim=32", "max_steps=3",
+                 "batch_size=16", "benchmarks_at_end=false"]
+
+
+def test_group_iou_against_brute_force():
+    from train.jobs.groupvit_encoder.job import best_ious, upsample
+
+    rng = np.random.default_rng(0)
+    lab = upsample(rng.integers(0, 4, size=(4, 4)), (16, 16))
+    assert lab.shape == (16, 16) and (lab[:4, :4] == lab[0, 0]).all()
+    masks = [rng.random((16, 16)) < 0.3, np.zeros((16, 16), bool)]
+    masks[1][2:9, 3:12] = True
+    got = best_ious(lab, masks, 4)
+    for m, g in zip(masks, got):
+        want = max(((lab == k) & m).sum() / ((lab == k) | m).sum() for k in range(4) if ((lab == k) | m).any())
+        assert g == pytest.approx(want)
+    # one group: IoU = the mask's share of the image
+    assert best_ious(np.zeros((16, 16), np.int64), masks[1:], 1)[0] == pytest.approx(masks[1].mean())
+
+
+def test_groupvit_encoder_exports_what_the_stage_and_text_groups_load(testbed_copy, tmp_path):
+    import torch
+    from transformers import GroupViTModel
+
+    from pipeline.models.groupvit import encode_groups, load_groupvit
+    from pipeline.readers.images import open_image
+    from train.jobs.text_groups.tokenizer import load_tokenizer
+
+    out, mp = testbed_copy
+    job, res = _train(mp, "groupvit-encoder", TINY_GROUPVIT, tmp_path / "gv-run")
+    folder = out / "encoders" / "groupvit"
+    assert res["export_min_cos_image"] >= 0.9999
+    GroupViTModel.from_pretrained(str(folder))
+    model, proc, record = load_groupvit(str(folder))
+    assert record["random_weights"] is False and record["n_groups"] == 4
+    saved = np.load(job.run_dir / "heldout_embeddings.npz")
+    refs = {int(s): job.corpus.images[i] for i, s in enumerate(job.corpus.sample_ids.tolist())}
+    pv = proc(images=[open_image(refs[int(s)]) for s in saved["sample_ids"]], return_tensors="pt")["pixel_values"]
+    got = encode_groups(model, pv)
+    assert torch.nn.functional.cosine_similarity(got["image_embed"].float(), torch.as_tensor(saved["image_embed"]), dim=-1).min() >= 0.9999
+    assert got["assign"].shape[1:] == (4, 16)
+    tok, rec = load_tokenizer(str(folder))  # text-groups takes the folder's tokenizer: CLIP's BPE
+    assert "models.groupvit folder" in rec["source"]
+    rows = {r.metric: r for r in job.job_metrics(_final_model(job), tmp_path)}
+    g = rows["group_mask_iou"]
+    assert g.unit == "fraction" and 0 <= g.chance <= 1 and g.n > 0 and g.ci_low <= g.value <= g.ci_high
+
+
+def _final_model(job):
+    from train.loop import load_model_for_eval
+
+    return load_model_for_eval(job, job.run_dir / "checkpoints" / "final.pt")[0]

@@ -1,0 +1,149 @@
+"""The `groupvit-encoder` job (see train/jobs/groupvit_encoder/__init__.py): the clip-encoder job's data, loss and
+rows on a GroupViTModel, plus the group-to-instance-mask IoU against the one-group and random baselines."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from train.encoders import export_dir, export_folder
+from train.eval.interface import Row
+from train.eval.intervals import mean_interval
+from train.jobs.clip_encoder.job import ClipEncoderJob
+from train.jobs.clip_encoder.metrics import _norm, summary
+
+BENCH = "groupvit-encoder"
+
+
+def groupvit_config(cfg, tok):
+    from transformers import GroupViTConfig
+
+    if sum(cfg.depths) != cfg.vision_layers or len(cfg.depths) != 3 or len(cfg.group_tokens) != 2:
+        raise ValueError(f"groupvit-encoder: depths {cfg.depths} (three stages) must sum to vision_layers {cfg.vision_layers}, "
+                         f"and group_tokens {cfg.group_tokens} name the first two stages' groups")
+    g1, g2 = cfg.group_tokens
+    text = dict(hidden_size=cfg.text_width, intermediate_size=cfg.mlp_ratio * cfg.text_width, num_hidden_layers=cfg.text_layers,
+                num_attention_heads=cfg.heads, max_position_embeddings=77, vocab_size=len(tok),
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=cfg.vision_width, intermediate_size=cfg.mlp_ratio * cfg.vision_width, depths=list(cfg.depths),
+                  num_hidden_layers=cfg.vision_layers, num_group_tokens=[g1, g2, 0], num_output_groups=[g1, g2, g2],
+                  num_attention_heads=cfg.heads, image_size=cfg.image_size, patch_size=cfg.patch_size)
+    return GroupViTConfig(text_config=text, vision_config=vision, projection_dim=cfg.projection_dim,
+                          projection_intermediate_dim=cfg.projection_intermediate_dim)
+
+
+def best_ious(labels: np.ndarray, masks: list[np.ndarray], k: int) -> np.ndarray:
+    """Per instance mask, the best IoU over the segments of ``labels`` (an int map of the mask's size, values < k)."""
+    out = []
+    for m in masks:
+        inter = np.bincount(labels[m], minlength=k).astype(np.float64)
+        size = np.bincount(labels.reshape(-1), minlength=k).astype(np.float64)
+        out.append(float(np.max(inter / np.maximum(size + m.sum() - inter, 1))))
+    return np.asarray(out)
+
+
+def upsample(grid_labels: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Nearest-neighbour upsampling of a [h, w] patch-label grid to ``shape`` (the image's pixels)."""
+    h, w = grid_labels.shape
+    ys = np.minimum((np.arange(shape[0]) * h) // shape[0], h - 1)
+    xs = np.minimum((np.arange(shape[1]) * w) // shape[1], w - 1)
+    return grid_labels[ys][:, xs]
+
+
+class GroupViTEncoderJob(ClipEncoderJob):
+    NAME = "groupvit-encoder"
+
+    def __init__(self, cfg, manifest, run_dir, device):
+        super().__init__(cfg, manifest, run_dir, device)
+        self.export_path = export_dir(manifest, "groupvit", cfg.control, cfg.export_dir)  # EXPORT of the package
+
+    def build_model(self):
+        from transformers import GroupViTModel
+
+        torch.manual_seed(self.cfg.seed)
+        return GroupViTModel(groupvit_config(self.cfg, self.tokenizer))
+
+    @torch.no_grad()
+    def group_ious(self, model) -> dict:
+        """Per held-out image with instance masks: the mean best IoU of its instances for the model's groups, one
+        group, and a seeded random assignment of the patches to the same number of groups."""
+        from pipeline.masks import rle_decode
+        from pipeline.models.groupvit import encode_groups
+
+        row, pv = self.pixels
+        c = self.corpus
+        rng = np.random.default_rng([self.cfg.seed, 5151])
+        res = {"model": [], "one_group": [], "random": []}
+        skipped = 0
+        for s in range(0, len(self.eval_idx), 128):
+            idx = self.eval_idx[s : s + 128]
+            out = encode_groups(model, pv[[row[int(i)] for i in idx]].to(self.device))
+            assign = out["assign"].float().cpu().numpy()  # [B, K, N]
+            K, N = assign.shape[1], assign.shape[2]
+            side = int(round(np.sqrt(N)))
+            for b, i in enumerate(idx):
+                rles = c.masks.get(int(c.sample_ids[i]), [])
+                if not rles:
+                    skipped += 1
+                    continue
+                masks = [rle_decode(r) for r in rles]
+                shape = masks[0].shape
+                lab = upsample(assign[b].argmax(0).reshape(side, side), shape)
+                rnd = upsample(rng.integers(0, K, size=(side, side)), shape)
+                res["model"].append(best_ious(lab, masks, K).mean())
+                res["random"].append(best_ious(rnd, masks, K).mean())
+                res["one_group"].append(best_ious(np.zeros(shape, np.int64), masks, 1).mean())
+        return {k: np.asarray(v) for k, v in res.items()} | {"skipped": skipped, "groups": K}
+
+    def job_metrics(self, model, out_dir) -> list:
+        rows = [Row(BENCH, r.subset, r.metric, r.value, r.n, r.chance, r.skipped, r.skip_reasons, r.unit, r.note,
+                    r.ci_low, r.ci_high) for r in super().job_metrics(model, out_dir)]
+        g = self.group_ious(model)
+        if len(g["model"]):
+            base = {k: float(g[k].mean()) for k in ("one_group", "random")}
+            rows.append(Row(BENCH, "held_out", "group_mask_iou", float(g["model"].mean()), len(g["model"]), max(base.values()),
+                            g["skipped"], {"no_instance_masks": g["skipped"]} if g["skipped"] else {}, "fraction",
+                            f"per instance the best IoU over the {g['groups']} final groups' hard patch assignment, mean per image; "
+                            f"chance: the better baseline (one group {base['one_group']:.3f} [{mean_interval(g['one_group'])[0]:.3f}, "
+                            f"{mean_interval(g['one_group'])[1]:.3f}], random patches {base['random']:.3f}); bootstrap over images")
+                        .with_ci(mean_interval(g["model"])))
+        return rows
+
+    def evaluate(self, model, out_dir):
+        from pathlib import Path
+
+        out_dir = Path(out_dir)
+        emb = self.heldout(model)
+        res = summary(emb, self.corpus, self.tokens, model)
+        g = self.group_ious(model)
+        if len(g["model"]):
+            res.update({"group_mask_iou": float(g["model"].mean()), "group_mask_iou_one_group": float(g["one_group"].mean()),
+                        "group_mask_iou_random": float(g["random"].mean()),
+                        "group_mask_iou_chance": float(max(g["one_group"].mean(), g["random"].mean()))})
+        if out_dir.name == "final":
+            res.update(self.export(model, emb, res, out_dir))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        import json
+
+        (out_dir / "groupvit_encoder_metrics.json").write_text(json.dumps(res, indent=1))
+        return res
+
+    def export(self, model, emb: dict, res: dict, out_dir) -> dict:
+        """The hub-layout folder, then its image embeddings through ``pipeline.models.groupvit`` (the stage's adapter)."""
+        from pipeline.models.groupvit import encode_groups, load_groupvit
+        from pipeline.readers.images import open_image
+
+        prov = {"job": self.NAME, "config": self.cfg.model_dump(mode="json"), "tokenizer": self.tok_record,
+                "trained_on": {"samples_artifact": str(self.cfg.samples_artifact), "splits": list(self.cfg.train_splits),
+                               "images": int(len(self.train_idx))},
+                "run_dir": str(self.run_dir), "metrics": {k: v for k, v in res.items() if isinstance(v, (int, float))}}
+        wrote = export_folder(self.export_path, model, self.processor, self.tokenizer, provenance=prov)
+        np.savez(self.run_dir / "heldout_embeddings.npz", sample_ids=emb["sample_ids"], image_embed=emb["image_embed"],
+                 caption_ids=emb["caption_ids"], text_embed=emb["text_embed"])
+        m, proc, _ = load_groupvit(str(self.export_path))
+        refs = [self.corpus.images[i] for i in self.eval_idx[:64]]
+        a = encode_groups(m, proc(images=[open_image(r) for r in refs], return_tensors="pt")["pixel_values"])["image_embed"]
+        cos = (_norm(a.float().numpy()) * _norm(emb["image_embed"][: len(refs)])).sum(1)
+        print(f"{self.NAME}: {'exported' if wrote else 'unchanged (the same weights)'} {self.export_path} "
+              f"(adapter vs training-time image embeddings: min cosine {cos.min():.6f})")
+        return {"export_min_cos_image": float(cos.min()), "export_checked_images": int(len(cos))}
