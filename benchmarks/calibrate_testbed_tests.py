@@ -45,7 +45,9 @@ def main(argv=None) -> int:
     from tests.testbed_run import Testbed
     from train.summary import _main, result_rows
 
-    tb = Testbed(Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="calibrate-")))
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="calibrate-"))
+    root.mkdir(parents=True, exist_ok=True)
+    tb = Testbed(root)
     print(f"reduced testbed: {tb.root}", flush=True)
     for job in args.jobs:
         t0 = time.perf_counter()
