@@ -253,3 +253,24 @@ def test_every_job_package_has_its_two_files():
     """docs/ARCHITECTURE.md, A job package: every job has __init__.py and job.py."""
     for pkg in sorted(p for p in (REPO / "train" / "jobs").iterdir() if p.is_dir() and not p.name.startswith("_")):
         assert (pkg / "__init__.py").is_file() and (pkg / "job.py").is_file(), pkg
+
+
+def test_report_figure_comes_from_a_demo_run():
+    """docs/report.png is the screenshot docs/make_report_png.py took of a demo run's report: its
+    sidecar names the demo manifest and the command, the runs the page held, and the figure's sha256
+    (a figure replaced without its sidecar, or taken from another run, fails here)."""
+    import hashlib
+    import json
+
+    import yaml
+
+    png = REPO / "docs" / "report.png"
+    side = json.loads((REPO / "docs" / "report.png.json").read_text())
+    assert side["sha256"] == hashlib.sha256(png.read_bytes()).hexdigest(), "docs/report.png changed without its sidecar"
+    assert side["manifest"] == DEMO and f"--manifest {DEMO}" in side["command"], side
+    syn = yaml.safe_load((REPO / DEMO).read_text())["dataset"]["synthetic"]
+    assert side["images"] == syn["n_images"] - syn.get("corrupt_images", 0), side  # the demo's data, not a test's
+    assert {"c3", "concept-ot", "infoground", "relation-head", "text-groups", "visual-tokens"} <= set(side["runs"])
+    assert "demo" in side["page"]["title"] and side["page"]["size"][1] > 1000, side["page"]
+    for page in ("README.md", "docs/report.md"):
+        assert "report.png" in (REPO / page).read_text(), page
