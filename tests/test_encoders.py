@@ -209,3 +209,21 @@ def _final_model(job):
     from train.loop import load_model_for_eval
 
     return load_model_for_eval(job, job.run_dir / "checkpoints" / "final.pt")[0]
+
+
+def test_mlm_loss_is_bert_for_masked_lm_loss():
+    """The job applies the vocabulary head at the masked positions only; the loss is BertForMaskedLM's own."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    from train.jobs.mlm_encoder.job import MlmEncoderJob
+
+    torch.manual_seed(0)
+    m = BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32)).eval()
+    ids = torch.randint(5, 100, (3, 7))
+    labels = torch.full_like(ids, -100)
+    labels[0, 2], labels[2, 5], labels[2, 6] = ids[0, 2], ids[2, 5], ids[2, 6]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    got, _ = MlmEncoderJob.loss(None, m, batch)
+    assert float(got) == pytest.approx(float(m(**batch).loss), rel=1e-5)
