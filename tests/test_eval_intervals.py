@@ -235,3 +235,9 @@ def test_results_table_and_compare_show_intervals(tmp_path):
     assert "75.0 [60.1, 85.8] %" in markdown_table(table)
     out = compare([tmp_path / "a"])
     assert "75.0 [60.1, 85.8] % (n=40; above)" in out and "| 1.5 (n=3) |" in out
+
+
+def test_wilson_ends_are_exact_at_zero_and_all_hits():
+    """0 of 12 gives a lower end of exactly 0 (not 2.8e-15 from rounding), 12 of 12 an upper end of 100."""
+    assert iv.wilson(0, 12)[0] == 0.0 and iv.wilson(12, 12)[1] == 100.0
+    assert iv.wilson_of(np.zeros(12, bool), clusters=np.repeat(np.arange(4), 3))[0] == 0.0

@@ -62,7 +62,9 @@ def wilson_n(p: float, n: float, scale: float = 100.0) -> tuple[float, float]:
     z2 = Z95 * Z95
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = Z95 * np.sqrt(max(p * (1 - p), 0.0) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return scale * max(0.0, centre - half), scale * min(1.0, centre + half)
+    lo = 0.0 if p <= 0.0 else max(0.0, centre - half)  # exact ends at 0 / all hits (no 2.8e-15 from rounding)
+    hi = 1.0 if p >= 1.0 else min(1.0, centre + half)
+    return scale * float(lo), scale * float(hi)
 
 
 def wilson(successes: float, n: int, scale: float = 100.0) -> tuple[float, float]:
