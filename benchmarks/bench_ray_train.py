@@ -1,6 +1,7 @@
 """Benchmark data-parallel training and sweeps on Ray (train/distributed.py, train/sweep.py).
 
     .venv/bin/python benchmarks/bench_ray_train.py [--images 512] [--steps 40] [--trials 4]
+    .venv/bin/python benchmarks/bench_ray_train.py --compute-bound runs/demo --steps 16
 
 Data: the small oracle testbed of the tests (tests/testbed_reduced.py, ``small_oracle_testbed``: the
 testbed manifest at ``--images`` generated images, its ingest and extract-clip-tokens stages run
@@ -14,6 +15,12 @@ concept-ot (dense-uot, d_c 16, batch 32, 1 torch thread per process).
 2. Sweep: ``--trials`` short runs (lr x seeds, 4 steps each) as ``train sweep`` (Ray Tune, 2
    concurrent) and the same runs one after another with ``train run`` in one process; the
    difference over the trial count is the overhead of a trial.
+3. ``--compute-bound OUTPUT`` (instead of 1 and 2): a job whose step is compute-bound, visual-tokens
+   at the paper's width (8 layers x 512, feed-forward 2048, embedding 512, text head 2 layers),
+   batch 64, ``--steps`` steps, on an output that holds its artifacts (``pipeline run all
+   --manifest manifests/demo.yaml`` writes one): one process with 1 torch thread, one process with
+   2 threads, 2 Ray Train workers with 1 thread each. Reported: steady samples/s, the wall time of
+   the command, and the machine's load average before each (the CPUs may be shared).
 """
 
 from __future__ import annotations
@@ -55,12 +62,35 @@ def _rate(run: Path) -> float:
     return sum(rates) / len(rates)
 
 
+def compute_bound(output: Path, steps: int) -> None:
+    """Section 3 of the module docstring: visual-tokens at the paper's width on 1 and 2 workers."""
+    vt = "train.visual_tokens"
+    sets = [f"output={output.resolve()}", f"{vt}.width=512", f"{vt}.layers=8", f"{vt}.heads=8", f"{vt}.ff_dim=2048",
+            f"{vt}.embed_dim=512", f"{vt}.image_mlp_hidden=512", f"{vt}.text_layers=2", f"{vt}.batch_size=64",
+            f"{vt}.log_every={max(1, steps // 4)}", f"{vt}.benchmarks_at_end=false", f"{vt}.eval_max_images=16",
+            f"{vt}.swap_dirs=[]", "ray.num_cpus=2"]
+    print(f"| processes x threads | samples/s (steady) | wall s ({steps} steps, batch 64) | load before |\n|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory(prefix="bench_vt_") as tmp:
+        for workers, threads in ((1, 1), (1, 2), (2, 1)):
+            run = Path(tmp) / f"w{workers}t{threads}"
+            load = Path("/proc/loadavg").read_text().split()[0]
+            t = _train(["run", "visual-tokens", "--manifest", str(REPO / "manifests" / "demo.yaml"), "--no-progress",
+                        "--fresh", "--max-steps", str(steps), "--workers", str(workers),
+                        *sum((["--set", x] for x in [*sets, f"{vt}.threads={threads}", f"{vt}.run_dir={run}"]), [])])
+            what = f"{workers} worker{'s' * (workers > 1)} (Ray Train)" if workers > 1 else "1 process"
+            print(f"| {what} x {threads} thread{'s' * (threads > 1)} | {_rate(run):.1f} | {t:.1f} | {load} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=512)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--compute-bound", type=Path, default=None, metavar="OUTPUT",
+                    help="section 3 only: visual-tokens at the paper's width on OUTPUT's artifacts")
     a = ap.parse_args()
+    if a.compute_bound is not None:
+        return compute_bound(a.compute_bound, a.steps)
     import ray
 
     from tests.testbed_reduced import small_oracle_testbed

@@ -47,6 +47,8 @@ def _free_port() -> int:
 
 def _init(ray, ray_cfg, runtime_env) -> None:
     if ray_cfg.address:
+        if ray_cfg.address != "auto" and "://" not in ray_cfg.address:  # host:port: Ray's helpers in the workers use it too
+            runtime_env = {**runtime_env, "env_vars": {"RAY_ADDRESS": ray_cfg.address, **runtime_env.get("env_vars", {})}}
         ray.init(address=ray_cfg.address, runtime_env=runtime_env, log_to_driver=True, logging_level=logging.WARNING)
         return
     # Embedded: a new instance of our own, whatever else runs on the machine. address="local" never
