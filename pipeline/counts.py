@@ -41,20 +41,26 @@ def artifact_count(manifest: dict) -> tuple[int, str]:
 
 def unit_rows(stage: str, result: dict) -> tuple[int, str]:
     """(rows, unit) that one finished unit of ``stage`` wrote, for its progress line: the rows of
-    the counted table in the result's ``files`` (``(100, "images")``); a unit of another phase of
-    the stage, which writes other tables (encode-concepts' membership), counts its first table by
-    name (``(10274, "membership rows")``); a result without files, its ``stats.rows``."""
+    the counted table (``stats.table_rows``, which every unit's commit records; else the result's
+    ``files``): ``(150, "images")``; a unit of another phase of the stage, which writes other
+    tables (encode-concepts' membership), counts its first table by name (``(10274, "membership
+    rows")``); a result with neither, its ``stats.rows``."""
     table, unit = COUNTED.get(stage, (None, "rows"))
-    files = [f for f in result.get("files") or [] if isinstance(f, dict) and "table" in f]
     if result.get("failed"):
         return 0, unit
-    if not files:
-        return int((result.get("stats") or {}).get("rows", 0)), "rows"
-    if table is None:
-        return int((result.get("stats") or {}).get("rows", 0)), "rows"
-    if not any(f["table"] == table for f in files):
-        table, unit = files[0]["table"], f"{files[0]['table']} rows"
-    return sum(int(f.get("rows", 0)) for f in files if f["table"] == table), unit
+    stats = result.get("stats") or {}
+    by_table = stats.get("table_rows")
+    if not isinstance(by_table, dict):
+        by_table = {}
+        for f in result.get("files") or []:
+            if isinstance(f, dict) and "table" in f:
+                by_table[f["table"]] = by_table.get(f["table"], 0) + int(f.get("rows", 0))
+    if table is None or not by_table:
+        return int(stats.get("rows", 0)), "rows"
+    if table not in by_table:
+        table = next(iter(by_table))
+        unit = f"{table} rows"
+    return int(by_table[table]), unit
 
 
 def fmt_count(manifest: dict) -> str:

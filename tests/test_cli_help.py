@@ -132,3 +132,19 @@ def test_a_phase_without_the_counted_table_names_its_own():
     assert unit_rows("encode-concepts", {"files": [{"table": "membership", "rows": 889}]}) == (889, "membership rows")
     assert unit_rows("ingest", {"stats": {"rows": 5}}) == (5, "rows")
     assert unit_rows("ingest", {"failed": "boom"}) == (0, "images")
+
+
+def test_a_committed_unit_reports_its_rows_per_table(tmp_path):
+    """What a stage's unit returns (``{"unit", "stats"}``, no files) still gives its progress line the
+    counted table's rows: the unit's commit records them in its stats."""
+    from pipeline.counts import unit_rows
+    from pipeline.io.artifacts import ArtifactWriter, unit_name
+
+    w = ArtifactWriter(tmp_path / "out", "concept_tokens", "encode-concepts", {})
+    u = w.unit_writer(unit_name(0), "fp")
+    u.write_table("index", pa.table({"concept_id": pa.array(range(7), pa.int64())}))
+    u.write_table("membership", pa.table({"concept_id": pa.array(range(19), pa.int64())}))
+    res = u.commit({"concepts": 7})
+    assert unit_rows("encode-concepts", {"unit": res.unit, "stats": res.stats}) == (7, "concepts")
+    w.finalize([unit_name(0)])
+    assert w  # the artifact finalises with the dict in its units' stats (only numbers are summed)

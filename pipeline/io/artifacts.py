@@ -233,7 +233,12 @@ class UnitWriter:
             write_parquet_atomic(pa.Table.from_pylist(self.errors, schema=ERROR_SCHEMA), self.dir / errors_rel)
         else:
             (self.dir / errors_rel).unlink(missing_ok=True)
-        result = UnitResult(self.unit, self.fp, self.files, len(self.errors), dict(stats or {}))
+        stats = dict(stats or {})
+        table_rows: dict[str, int] = {}  # rows per table this unit wrote: the progress lines' count (pipeline/counts.py)
+        for f in self.files:
+            table_rows[f["table"]] = table_rows.get(f["table"], 0) + int(f["rows"])
+        stats.setdefault("table_rows", table_rows)
+        result = UnitResult(self.unit, self.fp, self.files, len(self.errors), stats)
         write_json_atomic(self.dir / marker_rel, result.__dict__)
         if self.url:  # write then put: the files, the errors, and the marker last
             remote = storage.Remote(self.url)
