@@ -11,7 +11,8 @@ Reading (one copy per byte):
   the large ones are :class:`FileArray` handles that :func:`copy_into` ``pread``s straight into a
   padded batch (artifacts larger than RAM); :func:`fits_in_memory` picks between the two;
 * :func:`read_shard` yields ``{"__key__", "sample_id", field: array}`` per sample,
-  :func:`read_sample` one sample by position (random access).
+  :func:`read_sample` one sample by position (random access); a field stored int8 with a
+  ``<field>_scale`` companion comes back float16 under its own name (:mod:`pipeline.io.quant`).
 
 Streaming: :class:`ShardStream` turns shards into batches that are a pure function of (seed,
 epoch): shard order shuffled per epoch, a seeded :func:`buffer_shuffle` of bounded memory, exact
@@ -36,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 from numpy.lib import format as npformat
+
+from pipeline.io.quant import dequantize_sample, with_scales
 
 
 @functools.lru_cache(maxsize=4096)
@@ -224,9 +227,10 @@ def read_shard(path: str | Path, fields: Iterable[str] | None = None, lazy: bool
     :func:`shard_map`; copy to keep it writable). ``lazy=True``: the large fields
     (members over 8 kB) are :class:`FileArray` handles that :func:`copy_into` ``pread``s straight
     into the batch (no map kept: for artifacts much larger than RAM)."""
-    wanted = None if fields is None else {f"{f}.npy" for f in fields}
+    wanted = None if fields is None else {f"{f}.npy" for f in with_scales(fields)}
     if lazy:
-        yield from _read_shard_pread(path, wanted)
+        for sample in _read_shard_pread(path, wanted):
+            yield dequantize_sample(sample)  # int8 tokens come back float16 (pipeline/io/quant.py)
         return
     if wanted is None:
         samples = parsed_samples(path)
@@ -236,7 +240,7 @@ def read_shard(path: str | Path, fields: Iterable[str] | None = None, lazy: bool
         samples = _selected(path, keep)
     for sample in samples:
         # A fresh dict per sample: callers may add keys without touching the cached parse.
-        yield dict(sample)
+        yield dequantize_sample(dict(sample))
 
 
 def _selected(path: str | Path, keep: frozenset) -> list[dict]:
@@ -261,7 +265,7 @@ def read_sample(path: str | Path, position: int, fields: Iterable[str] | None = 
     parsed once per mapping); ``lazy=True``: one pass over the tar headers per shard is cached
     (8 bytes per sample), then only this sample's members are read, big arrays as
     :class:`FileArray`."""
-    wanted = None if fields is None else {f"{f}.npy" for f in fields}
+    wanted = None if fields is None else {f"{f}.npy" for f in with_scales(fields)}
     offsets = None
     if lazy:
         st = os.stat(path)
@@ -269,8 +273,8 @@ def read_sample(path: str | Path, position: int, fields: Iterable[str] | None = 
     if offsets is None:  # mapped, or a tar with pax/GNU headers (the generic reader's case)
         sample = parsed_samples(path)[position]
         keep = None if wanted is None else {"__key__", "sample_id"} | {w[:-4] for w in wanted}
-        return dict(sample) if keep is None else {k: v for k, v in sample.items() if k in keep}
-    return next(_read_shard_pread(path, wanted, start=int(offsets[position]), first_only=True))
+        return dequantize_sample(dict(sample) if keep is None else {k: v for k, v in sample.items() if k in keep})
+    return dequantize_sample(next(_read_shard_pread(path, wanted, start=int(offsets[position]), first_only=True)))
 
 
 @functools.lru_cache(maxsize=256)

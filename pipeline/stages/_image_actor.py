@@ -141,6 +141,9 @@ def run_image_stage(
     match) and write its ``_manifest.json``. Returns the manifest and the summary every image
     stage reports (samples stored, errors, path); the stage adds its own counts."""
     params = cfg.model_dump(mode="json", exclude={"enabled", "num_cpus", "device"})
+    for key, default in getattr(cfg, "fingerprint_omits_default", {}).items():
+        if params.get(key) == default:  # an option added later: its default leaves earlier artifacts' fingerprints as they were
+            params.pop(key)
     params["limit"] = ctx.limit
     writer = image_writer(ctx, artifact, stage, params, plan, models=models)
     names = run_units(

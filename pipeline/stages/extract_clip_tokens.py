@@ -23,18 +23,23 @@ projection width; all in ``_manifest.json`` ``schema`` and ``dims``)::
     token_ids.npy      int32   [C, M]     tokenizer ids (0 beyond the mask)
     token_offsets.npy  int32   [C, M, 2]  character span of each token in the caption text ([0,0] for BOS/EOS/pad)
 
-With ``project_tokens: true`` the tokens are in the joint space instead (d_v = d_t = P).
+With ``project_tokens: true`` the tokens are in the joint space instead (d_v = d_t = P). With
+``token_precision: int8`` ``patch_tokens.npy`` and ``text_tokens.npy`` are int8 beside a float16 scale
+per token (``patch_tokens_scale.npy`` [N], ``text_tokens_scale.npy`` [C, M]); every reader through
+:mod:`pipeline.io.shards` gets the float16 values back (:mod:`pipeline.io.quant`).
 Read shards back into padded training batches with :mod:`pipeline.loaders.clip_tokens`.
 """
 
 from __future__ import annotations
 
 import time
+from typing import ClassVar, Literal
 
 import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
+from pipeline.io.quant import quantize_fields
 from pipeline.models.device import device_field
 from pipeline.stage import RunContext, StageConfig, model_key
 from pipeline.stages._image_actor import IMAGES_SCHEMA, ImageActor, f16_list, images_table, run_image_stage
@@ -56,8 +61,16 @@ class Config(StageConfig):
         description="store tokens after the projection (joint space, FILIP-style) instead of the encoder outputs "
         "(App. G.1: 768-d patches, 512-d text tokens)",
     )
+    token_precision: Literal["float16", "int8"] = Field(
+        "float16",
+        description="patch_tokens and text_tokens on disk: float16, or int8 with a float16 scale per token "
+        "(<field>_scale.npy; about half the bytes, error <= 1/254 of each token's largest value; readers get "
+        "float16 back, pipeline/io/quant.py)",
+    )
     num_cpus: float = Field(1.0, gt=0, description="CPUs per encoder actor (torch threads)")
     device: str = device_field()
+    # float16 tokens are what every clip_tokens artifact written before the option held: unchanged fingerprint
+    fingerprint_omits_default: ClassVar[dict] = {"token_precision": "float16"}
 
 
 SCHEMA = {
@@ -74,13 +87,24 @@ SCHEMA = {
 }
 
 
+INT8_FIELDS = ("patch_tokens.npy", "text_tokens.npy")
+INT8_SCHEMA = {
+    "patch_tokens.npy": "int8 [N, d_v] (token_precision int8; read back float16 = value x scale)",
+    "patch_tokens_scale.npy": "float16 [N]",
+    "text_tokens.npy": "int8 [C, M, d_t] (token_precision int8)",
+    "text_tokens_scale.npy": "float16 [C, M]",
+}
+
+
 class ClipTokenWorker(ImageActor):
     """Ray actor: loads CLIP once, then encodes whole units (one output shard each)."""
 
     encode_stat = "encode_image_s"
 
-    def __init__(self, spec: str, device: str, threads: int, batch_size: int, text_batch_size: int, max_text_tokens: int, project_tokens: bool):
+    def __init__(self, spec: str, device: str, threads: int, batch_size: int, text_batch_size: int, max_text_tokens: int,
+                 project_tokens: bool, token_precision: str = "float16"):
         self.text_batch_size, self.max_text_tokens, self.project_tokens = text_batch_size, max_text_tokens, project_tokens
+        self.token_precision = token_precision
         super().__init__(spec, device, threads, batch_size)
 
     def load(self, spec: str, device: str) -> None:
@@ -159,6 +183,8 @@ class ClipTokenWorker(ImageActor):
                 "token_ids.npy": ids,
                 "token_offsets.npy": offs,
             }
+            if self.token_precision == "int8":
+                fields = quantize_fields(fields, INT8_FIELDS)
             samples.append((r, fields))
         stats.update(captions=len(flat), encode_text_s=round(time.perf_counter() - t0, 4))
         return samples
@@ -201,7 +227,9 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     m, summary = run_image_stage(
         ctx, cfg, artifact="clip_tokens", stage=NAME, plan=plan, actor=ClipTokenWorker, models={"clip": record},
         constructor_kwargs=dict(spec=spec, device=cfg.device, batch_size=cfg.batch_size, text_batch_size=cfg.text_batch_size,
-                                max_text_tokens=cfg.max_text_tokens, project_tokens=cfg.project_tokens),
-        extra={"dims": token_dims}, schema=SCHEMA,
+                                max_text_tokens=cfg.max_text_tokens, project_tokens=cfg.project_tokens,
+                                token_precision=cfg.token_precision),
+        extra={"dims": token_dims, "token_precision": cfg.token_precision},
+        schema=SCHEMA if cfg.token_precision == "float16" else {**SCHEMA, **INT8_SCHEMA},
     )
     return {**summary, "captions": m["tables"].get("captions", {}).get("rows", 0)}
