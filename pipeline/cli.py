@@ -296,7 +296,8 @@ def plan(
     gpus: Annotated[Optional[int], typer.Option("--gpus", help="size for a node of this many GPUs (default: Ray's, or this machine's)")] = None,
     images: Annotated[Optional[int], typer.Option("--images", help="a dataset not on this machine: this many images (with the caption options)")] = None,
     captions_per_image: Annotated[float, typer.Option("--captions-per-image", help="with --images")] = 5.0,
-    words_per_caption: Annotated[float, typer.Option("--words-per-caption", help="with --images")] = 10.5,
+    captions_sample: Annotated[Optional[Path], typer.Option("--captions-sample", help="with --images: captions of the same kind (text, one per line; or JSON items with `caption`)")] = None,
+    words_per_caption: Annotated[Optional[float], typer.Option("--words-per-caption", help="with --images: run the sample captions together, cut into captions of this many words (longer alt-texts)")] = None,
     instances_per_image: Annotated[float, typer.Option("--instances-per-image", help="with --images: annotated instances")] = 0.0,
 ) -> None:
     """Rows, bytes on disk, forward cost and wall time of every enabled stage, before a run (no
@@ -308,14 +309,18 @@ def plan(
     except ManifestError as e:
         _fail(str(e))
     setup_logging(None)
-    from pipeline.sizing.dataset import given_size
+    from pipeline.sizing.dataset import given_size, read_captions
     from pipeline.sizing.plan import build_plan, format_plan, space_warning
     from pipeline.sizing.shapes import UnknownModel
 
-    size = given_size(images, captions_per_image, words_per_caption, instances_per_image) if images else None
     try:
+        size = None
+        if images:
+            if captions_sample is None:
+                _fail("--images needs --captions-sample (captions like the dataset's: their tokens and nouns size the text artifacts)")
+            size = given_size(images, captions_per_image, read_captions(captions_sample), words_per_caption, instances_per_image)
         result = build_plan(m, cpus=cpus, gpus=gpus, size=size)
-    except (UnknownModel, FileNotFoundError, ValueError) as e:
+    except (UnknownModel, OSError, ValueError) as e:
         _fail(f"plan: {e}")
     warning = space_warning(result)
     if warning:

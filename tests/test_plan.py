@@ -42,8 +42,14 @@ def test_tar_bytes_equal_the_shard_writer(tmp_path):
         assert A.tar_bytes(per, n_samples, shard_size=n_samples) == path.stat().st_size
 
 
+CAPTIONS = ["A man riding a wave on top of a surfboard.", "Two dogs play with a red frisbee in the park.",
+            "A kitchen with a stove, a sink and white cabinets.", "A plate of food with broccoli and rice."] * 20
+
+
 def _plan(args, tmp_path, **kw):
     out = tmp_path / "out"
+    (tmp_path / "captions.txt").write_text("\n".join(CAPTIONS))
+    args = [a if a != "CAPTIONS" else str(tmp_path / "captions.txt") for a in args]
     res = CliRunner(**kw).invoke(app, ["plan", "--manifest", "manifests/tiny.yaml", "--set", f"output={out}", *args])
     return res
 
@@ -59,7 +65,7 @@ def no_calibration(monkeypatch):
 
 def test_plan_json_schema(tmp_path, monkeypatch, no_calibration):
     monkeypatch.chdir(REPO)
-    res = _plan(["--json", "--images", "118287", "--captions-per-image", "5", "--words-per-caption", "10.5"], tmp_path)
+    res = _plan(["--json", "--images", "118287", "--captions-per-image", "5", "--captions-sample", "CAPTIONS"], tmp_path)
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)
     assert plan["schema_version"] == 1
@@ -77,17 +83,23 @@ def test_plan_json_schema(tmp_path, monkeypatch, no_calibration):
     assert clip["rows"]["shards"] == 118287 and clip["rows"]["captions"] == 591435
 
 
+def test_plan_given_size_needs_sample_captions(tmp_path, monkeypatch, no_calibration):
+    monkeypatch.chdir(REPO)
+    res = _plan(["--images", "1000"], tmp_path)
+    assert res.exit_code == 2 and "--captions-sample" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
 def test_plan_warns_when_the_output_disk_is_too_small(tmp_path, monkeypatch, no_calibration):
     from pipeline.sizing import plan
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(plan, "free_bytes", lambda output: 1000)
-    res = _plan(["--images", "1000"], tmp_path)
+    res = _plan(["--images", "1000", "--captions-sample", "CAPTIONS"], tmp_path)
     assert res.exit_code == 0, res.output
     warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "would not fit" in warnings[0] and "1.0 kB free" in warnings[0]
     monkeypatch.setattr(plan, "free_bytes", lambda output: 10**15)
-    res = _plan(["--images", "1000"], tmp_path)
+    res = _plan(["--images", "1000", "--captions-sample", "CAPTIONS"], tmp_path)
     assert not [line for line in res.stderr.splitlines() if line.startswith("warning:")]
 
 

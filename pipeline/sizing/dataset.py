@@ -100,12 +100,35 @@ def count_dataset(manifest, output: Path) -> DatasetSize:
                        note=f"per-image shapes from a generated sample of {SAMPLE_RECORDS} images")
 
 
-def given_size(images: int, captions_per_image: float, words_per_caption: float, instances: float = 0.0) -> DatasetSize:
-    """A dataset not on this machine: ``images`` and its published caption statistics. The sample is
-    one record of ``round(captions_per_image)`` captions of ``words_per_caption`` words."""
-    n_caps = max(1, round(captions_per_image))
-    words = max(1, round(words_per_caption))
-    caption = " ".join(["word"] * words)
-    rec = SampleRecord([caption] * n_caps, instances=round(instances))
-    return DatasetSize(images, round(images * captions_per_image), "given", exact=False, sample=[rec],
-                       note=f"{captions_per_image:g} captions/image of {words_per_caption:g} words (given)")
+def read_captions(path: str | Path) -> list[str]:
+    """Captions of a text file (one per line) or a JSON file: a list or a dict of items holding
+    ``caption`` (SugarCrepe's layout; its positives are COCO val2017 captions) or of strings."""
+    p = Path(path)
+    if p.suffix == ".json":
+        data = json.loads(p.read_text(encoding="utf-8"))
+        items = data.values() if isinstance(data, dict) else data
+        out = [x["caption"] if isinstance(x, dict) else x for x in items]
+    else:
+        out = p.read_text(encoding="utf-8").splitlines()
+    out = [c.strip() for c in out if isinstance(c, str) and c.strip()]
+    if not out:
+        raise ValueError(f"{path}: no captions found")
+    return out
+
+
+def given_size(images: int, captions_per_image: float, captions: list[str], words_per_caption: float | None = None,
+               instances: float = 0.0) -> DatasetSize:
+    """A dataset not on this machine: ``images``, its captions per image and sample ``captions`` of the
+    same kind (their tokens, nouns and n-grams stand for the dataset's). ``words_per_caption``: join
+    consecutive sample captions and cut them to that many words (longer alt-texts, CC12M)."""
+    if words_per_caption:
+        target = max(1, round(words_per_caption))
+        pool = " ".join(c.rstrip(". ") + "," for c in captions).split()
+        captions = [" ".join(pool[i:i + target]).rstrip(",") + "." for i in range(0, len(pool) - target + 1, target)]
+    per = max(1, round(captions_per_image))
+    recs = [SampleRecord(captions[i:i + per], instances=round(instances))
+            for i in range(0, min(len(captions), SAMPLE_RECORDS * per) - per + 1, per)]
+    words = sum(len(c.split()) for r in recs for c in r.captions) / max(1, sum(len(r.captions) for r in recs))
+    return DatasetSize(images, round(images * captions_per_image), "given", exact=False, sample=recs,
+                       note=f"{captions_per_image:g} captions/image; per-caption shapes from {len(recs) * per} sample "
+                            f"captions, {words:.1f} words each on average")

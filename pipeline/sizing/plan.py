@@ -141,8 +141,9 @@ def cluster(manifest, cpus: int | None, gpus: int | None) -> dict:
 
 
 # ------------------------------------------------------------------ the plan
-def _stage_flops(name: str, cfg, m, size: DatasetSize) -> tuple[float | None, str]:
+def _stage_flops(name: str, cfg, manifest, size: DatasetSize) -> tuple[float | None, str]:
     """Forward FLOPs per image of a stage's models, and what they cover."""
+    m = manifest.models
     caps = size.captions_per_image
     words = sum(S.words(c) for r in size.sample for c in r.captions) / max(1, sum(len(r.captions) for r in size.sample))
     if name == "extract-clip-tokens":
@@ -156,14 +157,28 @@ def _stage_flops(name: str, cfg, m, size: DatasetSize) -> tuple[float | None, st
             return f + cfg.points_per_side ** 2 * SAM_DECODER_FLOPS_PER_POINT, "SAM encoder + mask decoder per point"
         return f, "SAM image encoder"
     if name == "extract-regions":
-        return None, "detector FLOPs not counted (data-dependent proposals)"
+        f = S.detector(m.detector)["flops_image"]
+        return f, "detector backbone + FPN + box head (RPN, NMS not counted)" if f else "detector FLOPs not counted"
     if name == "negative-captions":
         mlm, we = S.text_model(m.mlm), S.text_model(m.word_encoder)
         toks = 1.3 * words + 2
         k = cfg.negative_feature_k if cfg.negative_features != "none" else 0
         return caps * toks * (2 * 2 * mlm["flops_token"] + we["flops_token"] * (1 + k)), "masked LM (p, q per noun, ~2 nouns) + word encoder"
-    if name == "encode-concepts":
-        return None, "per concept, not per image"
+    if name == "encode-concepts":  # the CLIP text tower over the vocabulary, ~(n-gram words + 2) tokens each
+        mined, sh = _mined(size, manifest), S.clip(m.clip)
+        total = mined["vocab"] * sh["flops_text"] * (manifest.stages.mine_concepts.n_max / 2 + 2) / max(1, sh["text_len"])
+        return total / max(1, size.images), "CLIP text tower over the concept vocabulary (per image: total / images)"
+    if name == "mine-concepts":  # the hard-negative text encoder over the vocabulary; the n-gram index is not modelled
+        enc = S.text_model(cfg.text_encoder or m.text_encoder)
+        total = _mined(size, manifest)["vocab"] * enc["flops_token"] * (cfg.n_max / 2 + 2)
+        return total / max(1, size.images), "vocabulary encoder only (the driver's n-gram index is not modelled)"
+    if name == "build-index":  # exact or IVF top-K search, both directions, as matrix products
+        p = S.clip(m.clip)["projection_dim"]
+        n, c = size.images, size.captions
+        frac = 1.0
+        if cfg.index == "ivf" or (cfg.index == "auto" and max(n, c) > cfg.flat_max):
+            frac = cfg.nprobe_fraction
+        return 2 * 2 * n * c * p * frac / max(1, n), "FAISS search, both directions, as BLAS (k-means not counted)"
     return None, "no model forward"
 
 
@@ -186,7 +201,7 @@ def build_plan(manifest, *, cpus: int | None = None, gpus: int | None = None, si
         cfg = getattr(manifest.stages, reg[name].key)
         a = _artifact(name, cfg, manifest, size, sized)
         sized[a.artifact] = a
-        flops, covers = _stage_flops(name, cfg, m, size)
+        flops, covers = _stage_flops(name, cfg, manifest, size)
         stages.append(_timed(name, cfg, a, flops, covers, size, clus, cal, decode_s))
     total = sum(s["total_bytes"] for s in stages)
     return {"schema_version": SCHEMA_VERSION, "manifest": getattr(manifest, "name", None), "output": str(manifest.output),
@@ -241,7 +256,12 @@ def _pos_tags(spacy_name: str, size: DatasetSize) -> list[list[str]]:
 
 def _timed(name, cfg, a: A.ArtifactSize, flops, covers, size, clus, cal, decode_s) -> dict:
     rows = size.images
-    units = len(A.unit_rows(rows, getattr(cfg, "shard_size", rows) or rows)) or 1
+    if name in ("mine-concepts", "encode-concepts"):  # the timed part is the vocabulary's encoder units
+        units = len(A.unit_rows(a.rows.get("vocab", a.rows.get("index", 1)), cfg.encode_unit)) or 1
+    elif name == "build-index":
+        units = len(A.unit_rows(sum(a.rows.values()), cfg.query_chunk)) or 1
+    else:
+        units = len(A.unit_rows(rows, getattr(cfg, "shard_size", rows) or rows)) or 1
     on_gpu = bool(getattr(cfg, "num_gpus", 0)) and clus["gpus"] > 0
     s_img, how = None, covers
     if flops:
@@ -251,6 +271,11 @@ def _timed(name, cfg, a: A.ArtifactSize, flops, covers, size, clus, cal, decode_
             s_img, how = flops / cal["flops_per_s"], f"{covers}; FLOPs / this CPU's calibrated rate"
     elif name == "ingest" and decode_s is not None:
         s_img, how = decode_s, "image decode, measured on the dataset's first images"
+    if s_img is not None and name.startswith("extract-") and decode_s is not None:  # the actor decodes its images
+        if on_gpu:  # in a prefetch thread on its CPU while the GPU computes
+            s_img, how = max(s_img, decode_s), f"{how}; or the actor's image decode (measured), whichever is slower"
+        else:  # on the same core
+            s_img, how = s_img + decode_s, f"{how}; + the image decode (measured)"
     if on_gpu:
         workers = max(1, int(clus["gpus"] // cfg.num_gpus))
     else:

@@ -273,4 +273,20 @@ def detector(spec: str) -> dict:
         from pipeline.models.detector import load_detector
 
         return dict(feature_dim=int(load_detector(spec).dim), flops_image=None, source="adapter tiny-random")
-    return dict(feature_dim=DETECTOR_FEATURE_DIM, flops_image=None, source="torchvision box head (1024)")
+    flops = None
+    try:  # backbone + FPN at 800 x 1067 (torchvision's COCO resize) and the box head over its 1000 test proposals
+        import torch
+        from torchvision.models import detection
+
+        from pipeline.models.detector import parse_spec
+
+        backend, arch, _ = parse_spec(spec)
+        if backend == "torchvision":
+            model = _on_meta(lambda: getattr(detection, arch)(weights=None, weights_backbone=None, num_classes=91))
+            x = torch.empty(1, 3, 800, 1067, device="meta")
+            rois = torch.empty(model.rpn._post_nms_top_n["testing"], 256, 7, 7, device="meta")
+            flops = count_flops(lambda: model.backbone(x)) + count_flops(lambda: model.roi_heads.box_head(rois))
+    except Exception:
+        flops = None
+    return dict(feature_dim=DETECTOR_FEATURE_DIM, flops_image=flops,
+                source="torchvision box head (1024); FLOPs: backbone + FPN + box head, RPN and NMS not counted")
