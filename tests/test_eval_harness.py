@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from train.eval import harness as H
+from train.eval import compare as C, harness as H
 from train.eval.interface import RESULT_COLUMNS, BenchData, Item, NoScorableItems, Pair, Row
 
 
@@ -133,7 +133,7 @@ def test_harness_pairwise_skips_results_and_compare(tmp_path, monkeypatch):
     job2.cfg.variant = "v2"
     out2 = tmp_path / "run2" / "eval" / "final"
     H.run_harness(job2, torch.nn.Linear(1, 1), m, out2, log=lambda s: None)
-    txt = H.compare([tmp_path / "run", tmp_path / "run2"])
+    txt = C.compare([tmp_path / "run", tmp_path / "run2"])
     line = next(x for x in txt.splitlines() if x.startswith("| toy | all | acc"))
     assert line == "| toy | all | acc | 50.0 % | 33.3 % (n=3; too few items) | 66.7 % (n=3; too few items) |"
     assert "fake/v1 s3" in txt.splitlines()[0] and "fake/v2" in txt.splitlines()[0]
@@ -231,20 +231,20 @@ def test_compare_merges_evaluations_of_the_newest_step(tmp_path):
     write(run / "eval" / "step000005", 5, "old-step", 10.0)
     write(run / "eval" / "final", 9, "a", 60.0)
     write(run / "eval" / "step000009", 9, "b", 70.0)  # `train eval --bench b` of the final checkpoint
-    txt = H.compare([run])
+    txt = C.compare([run])
     assert "| a | all | acc | 50.0 % | 60.0 % (n=3; too few items) |" in txt and "| b | all | acc | 50.0 % | 70.0 % (n=3; too few items) |" in txt
     assert "old-step" not in txt
     # a fraction (IoU, AUC) carries no percent sign, beside percentages in the same table
     H.write_results([{"job": "j", "variant": "v", "checkpoint": "c", "step": 9, "benchmark": "grounding",
                       "subset": "all", "metric": "mean_IoU", "value": 0.0717, "n": 44, "chance": 0.07, "skipped": 0,
                       "skip_reasons": "{}", "unit": "fraction", "note": ""}], run / "eval" / "step000009-own")
-    txt = H.compare([run])
+    txt = C.compare([run])
     assert "| grounding | all | mean_IoU | 0.070 | 0.072 (n=44) |" in txt and "| a | all | acc | 50.0 % | 60.0 % (n=3; too few items) |" in txt
     # two runs of one job and variant (other options, e.g. conceptot and conceptot-34a1d0): each column
     # names its run folder (before: "j/v #1" and a bare "j/v")
     write(tmp_path / "j" / "v-34a1d0" / "eval" / "final", 9, "a", 61.0)
     (tmp_path / "j" / "v-34a1d0" / "config.json").write_text("{}")
-    head = H.compare([run, tmp_path / "j" / "v-34a1d0"]).splitlines()[0]
+    head = C.compare([run, tmp_path / "j" / "v-34a1d0"]).splitlines()[0]
     assert head == "| benchmark | subset | metric | chance | j/v (run) | j/v (v-34a1d0) |", head
 
 

@@ -349,7 +349,7 @@ def compare(
     """One table across runs (jobs, variants, seeds), chance level beside each metric. With
     --paper: the paper's ablation table on the runs (train/paper_tables.py)."""
     from pipeline.io.run_files import CorruptRunFile
-    from train.eval.harness import compare as _compare
+    from train.eval.compare import compare as _compare
     from train.paper_tables import PaperTableError, compare_paper
     from train.seeds_table import seeds_table
 

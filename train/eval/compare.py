@@ -1,0 +1,132 @@
+"""`train compare`: one table across runs (jobs, variants, seeds) from their newest
+``results.parquet`` (the harness's table, :mod:`train.eval.harness`), chance and the 95% interval
+beside each value; a run whose results cannot be read is named and skipped
+(:mod:`pipeline.io.run_files`)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+from train.eval.harness import fmt_num, fmt_value
+
+
+def _latest_results(path: Path) -> list[Path]:
+    """The results.parquet files that describe a run's newest model: the file itself, an eval
+    folder's, or, for a run folder, every eval/*/results.parquet of its highest step (a
+    `train eval --bench X` of the same checkpoint adds to the end-of-training table instead of
+    hiding it). A file that cannot be read raises :class:`CorruptRunFile` naming it."""
+    from pipeline.io.run_files import read_parquet_file
+
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if (path / "results.parquet").is_file():
+        return [path / "results.parquet"]
+    found = list((path / "eval").glob("*/results.parquet")) if (path / "eval").is_dir() else []
+    if not found:
+        found = list(path.glob("**/eval/*/results.parquet"))
+    if not found:
+        raise FileNotFoundError(f"{path}: no eval/*/results.parquet (run `train eval <job> --checkpoint ... "
+                                f"--manifest ...` first)")
+    steps = {}
+    for f in found:
+        st = read_parquet_file(f, ["step"]).column("step").to_pylist()
+        steps[f] = max(st) if st else -1
+    top = max(steps.values())
+    return sorted((f for f in found if steps[f] == top), key=lambda f: f.stat().st_mtime)
+
+
+def _run_dir_of(res_path: Path) -> Path:
+    """The run folder a results file belongs to: the nearest folder above it with a config.json, else
+    the folder holding its eval/ folder, else its own folder."""
+    for d in res_path.parents:
+        if (d / "config.json").is_file():
+            return d
+    parts = res_path.parts
+    if "eval" in parts:
+        return Path(*parts[: len(parts) - 1 - parts[::-1].index("eval")])
+    return res_path.parent
+
+
+def _run_label(res_path: Path, rows: list[dict]) -> str:
+    job = rows[0]["job"] if rows else "?"
+    variant = rows[0]["variant"] if rows else "?"
+    seed = None
+    for d in [res_path.parent, *res_path.parents]:
+        cfg = d / "config.json"
+        if cfg.is_file():
+            try:
+                seed = json.loads(cfg.read_text()).get("seed")
+            except ValueError:
+                pass
+            break
+    label = f"{job}/{variant}"
+    return label + (f" s{seed}" if seed is not None else "")
+
+
+def compare(paths: Sequence[str | Path]) -> str:
+    """One Markdown table: a row per (benchmark, subset, metric), a column per run holding
+    ``value [ci_low, ci_high] (n=N; verdict)`` (the 95% interval; results written before intervals
+    existed show the value alone; the verdict against chance and the strongest no-learning baseline the
+    run reports beside the row, :mod:`pipeline.report.significance`), chance beside. A run whose results
+    cannot be read is named and skipped."""
+    from pipeline.io.run_files import CorruptRunFile, read_parquet_file, skipped_line
+
+    runs, corrupt = [], []
+    for p in paths:
+        try:
+            files = _latest_results(Path(p))
+            merged: dict[tuple, dict] = {}
+            for f in files:  # oldest first: a newer evaluation of the same row wins
+                for r in read_parquet_file(f).to_pylist():
+                    merged[(r["benchmark"], r["subset"], r["metric"])] = r
+        except CorruptRunFile as e:
+            corrupt.append(str(e))
+            continue
+        rows = list(merged.values())
+        runs.append((_run_label(files[-1], rows), ", ".join(str(f) for f in files), rows))
+    if not runs and corrupt:
+        raise CorruptRunFile(skipped_line(corrupt))
+    base = [r[0] for r in runs]
+    n_of = Counter(base)
+    # identical labels (two runs of one variant with other options): name their run folders
+    labels = [f"{lab} ({_run_dir_of(Path(files.split(', ')[-1])).name})" if n_of[lab] > 1 else lab
+              for lab, (_, files, _) in zip(base, runs)]
+    n_of, seen = Counter(labels), Counter()
+    for i, lab in enumerate(labels):  # still identical (the same folder twice): number them
+        if n_of[lab] > 1:
+            seen[lab] += 1
+            labels[i] = f"{lab} #{seen[lab]}"
+    from pipeline.report.significance import verdicts
+
+    keys: list[tuple] = []
+    cell: dict[tuple, dict[int, dict]] = {}
+    for j, (_, _, rows) in enumerate(runs):
+        for r, v in zip(rows, verdicts(rows)):
+            r["verdict"] = v
+            k = (r["benchmark"], r["subset"], r["metric"])
+            if k not in cell:
+                keys.append(k)
+                cell[k] = {}
+            cell[k][j] = r
+    head = "| benchmark | subset | metric | chance | " + " | ".join(labels) + " |"
+    sep = "|---|---|---|---:|" + "---:|" * len(labels)
+    lines = [head, sep]
+    for k in keys:
+        rs = cell[k]
+        any_r = next(iter(rs.values()))
+        unit = any_r.get("unit") or ""
+        suffix = " %" if unit == "%" else ""  # the unit beside each number (AUCs, IoUs: fractions, bare)
+        chances = {fmt_num(r.get("chance"), unit) for r in rs.values()}
+        chance = " / ".join(c + (suffix if c != "-" else "") for c in sorted(chances))
+        vals = []
+        for j in range(len(runs)):
+            r = rs.get(j)
+            vals.append("-" if r is None else f"{fmt_value(r, unit)}{suffix} (n={int(r['n']):,}"
+                        + (f"; {r['verdict']})" if r.get("verdict") else ")"))
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {chance} | " + " | ".join(vals) + " |")
+    src = "\n".join(f"- {lab}: {f}" for lab, (_, f, _) in zip(labels, runs))
+    return "\n".join(lines) + "\n\n" + src + (f"\n\n{skipped_line(corrupt)}" if corrupt else "")
