@@ -12,7 +12,8 @@ from scipy.stats import binomtest
 
 from train.eval import intervals as iv
 from train.eval.benchmarks._common import group_rows, macro_row, pooled_row
-from train.eval.harness import compare, markdown_table, retrieval_rows, write_results
+from train.eval.compare import compare
+from train.eval.harness import markdown_table, retrieval_rows, write_results
 from train.eval.interface import RESULT_COLUMNS, Row
 
 
@@ -241,3 +242,11 @@ def test_wilson_ends_are_exact_at_zero_and_all_hits():
     """0 of 12 gives a lower end of exactly 0 (not 2.8e-15 from rounding), 12 of 12 an upper end of 100."""
     assert iv.wilson(0, 12)[0] == 0.0 and iv.wilson(12, 12)[1] == 100.0
     assert iv.wilson_of(np.zeros(12, bool), clusters=np.repeat(np.arange(4), 3))[0] == 0.0
+
+
+def test_widened_bootstrap_stays_inside_the_values():
+    """The sqrt(C / (C - 1)) widening never takes a mean past its values (recall 100% of every image)."""
+    lo, hi = iv.mean_interval(np.r_[np.ones(30), 0.98], 100.0, clusters=np.arange(31))
+    assert hi <= 100.0 and lo >= 98.0
+    lo, hi = iv.auc_interval(np.ones(20), np.zeros(20), clusters=np.arange(20))
+    assert (lo, hi) == (1.0, 1.0)

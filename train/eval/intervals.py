@@ -252,7 +252,10 @@ def interval(est: Estimate, scale: float = 1.0, resamples: int = RESAMPLES, seed
     if est.binary:
         return binary_interval(est, scale)
     _, nc = _factorize(est.cluster)
-    return percentile_interval(mean_boot(est, resamples, seed), scale, est.value, _widen(nc))
+    lo, hi = percentile_interval(mean_boot(est, resamples, seed), 1.0, est.value, _widen(nc))
+    # the widening never takes the interval past the values themselves (a recall of 100% stays <= 100)
+    lo, hi = max(lo, float(est.y.min())), min(hi, float(est.y.max()))
+    return scale * lo, scale * hi
 
 
 def wilson_of(correct, scale: float = 100.0, clusters=None) -> tuple[float, float]:
@@ -298,4 +301,5 @@ def auc_interval(pos, neg, resamples: int = RESAMPLES, seed=SEED, clusters=None)
     """95% cluster-bootstrap interval of the AUC of paired (positive, negative) items, a fraction."""
     n = np.asarray(pos).size
     _, nc = _factorize(_labels(clusters, n)) if n else (None, 0)
-    return percentile_interval(auc_boot(pos, neg, resamples, seed, clusters), 1.0, auc(pos, neg), _widen(nc))
+    lo, hi = percentile_interval(auc_boot(pos, neg, resamples, seed, clusters), 1.0, auc(pos, neg), _widen(nc))
+    return max(lo, 0.0), min(hi, 1.0)
