@@ -14,35 +14,32 @@ Held-out type-1 AUC with the other minings: the paper's (N 5, coverage; 150 step
 N 3 without coverage (800 steps of 16, MCP + MCC) 0.511, the stopword-edge filter at N 5 (800 steps,
 MCP only) 0.632, whose MCP loss left the prior only after step 550.
 
-Measured (the 1000-image testbed at held-out 0.1, as this fixture builds it; training seeds 0, 1, 2,
-2026-11-26, by the same commands run by hand with this manifest's settings, the control on seeds
-0, 1, 2 (below); this test itself was not run: the shared machine was at load 20-34; docs/jobs/c3.md), seed 0's
-held-out AUC value [95% bootstrap interval], n, frozen global-cosine baseline:
+Calibrated 2026-11-27 (issue 37: the intervals now resample the triplets' anchor images) on this
+fixture (the 1000-image testbed at held-out 0.1) with ``.venv/bin/python
+benchmarks/calibrate_testbed_tests.py --jobs c3 --seeds 0 1 2`` (the same commands; trained and
+control on seeds 0, 1, 2; load 20-50), held-out AUC [95% interval], frozen global cosine after the bar:
 
-==============  ======================  =====  ========
-type            trained                 n      frozen
-==============  ======================  =====  ========
-type1           0.581 [0.569, 0.593]    1923   0.561
-type2_random    0.593 [0.580, 0.606]    1933   0.641
-type2_hard      0.583 [0.569, 0.596]    1822   0.615
-type2_binding   0.636 [0.609, 0.662]    548    0.605
-==============  ======================  =====  ========
+==============  ======================  ======================  ======================  ======
+type            seed 0                  seed 1                  seed 2                  frozen
+==============  ======================  ======================  ======================  ======
+type1           0.575 [0.561, 0.590]    0.572 [0.558, 0.584]    0.562 [0.550, 0.574]    0.561-0.564
+type2_random    0.578 [0.564, 0.593]    0.587 [0.574, 0.601]    0.566 [0.555, 0.578]    0.625-0.641
+type2_hard      0.572 [0.557, 0.587]    0.593 [0.577, 0.609]    0.565 [0.553, 0.578]    0.601-0.632
+type2_binding   0.612 [0.588, 0.636]    0.637 [0.607, 0.665]    0.594 [0.569, 0.620]    0.602-0.623
+control type1   0.500 [0.499, 0.501]    0.501 [0.499, 0.502]    0.498 [0.497, 0.500]
+control random  0.499 [0.497, 0.501]    0.499 [0.497, 0.501]    0.500 [0.497, 0.502]
+control hard    0.503 [0.501, 0.505]    0.500 [0.498, 0.502]    0.498 [0.496, 0.500]
+control binding 0.504 [0.501, 0.508]    0.501 [0.497, 0.505]    0.504 [0.500, 0.507]
+==============  ======================  ======================  ======================  ======
 
-The control (``control=shuffled``, same seed): 0.500 [0.499, 0.501] / 0.499 [0.498, 0.500] /
-0.503 [0.502, 0.504] / 0.505 [0.502, 0.508]: its scores hardly vary, so its intervals are +-0.001-0.003
-wide and two lower bounds sit 0.002 above 0.5; SLACK (0.01) allows that, no more.
-Control seeds 1 / 2 (2026-11-26, the same fixture's Testbed, after the c3 defaults moved to ITM + MCP
-with the testbed pinning ``itm: false, epoch_unit: concept_rows``): type1 0.501 [0.499, 0.502] /
-0.498 [0.497, 0.500], type2_random 0.499 [0.498, 0.501] / 0.500 [0.498, 0.501], type2_hard 0.500
-[0.499, 0.501] / 0.498 [0.497, 0.500], type2_binding 0.502 [0.499, 0.505] / 0.504 [0.501, 0.507]:
-the largest lower bound above 0.5 is 0.0007 (seed 2, binding), inside SLACK; trained type 1 minus the
-control's is at least 0.056 (seed 2) against the asserted 0.04.
-
-Seed 1: 0.565 [0.554, 0.577], 0.578 [0.566, 0.590], 0.581 [0.569, 0.595], 0.617 [0.590, 0.645].
-Seed 2: 0.556 [0.547, 0.565], 0.560 [0.550, 0.570], 0.560 [0.549, 0.570], 0.581 [0.556, 0.603].
-The margins (ci_low - 0.5 > 0.03) leave 0.017 of the thinnest lower bound (type 1, seed 2: 0.547)
-unused. Wall time: 800 steps took ~13 min under that load (about
-4 min at the 3.5 steps/s of a quieter moment), longer than the 2-3 min a slow test should take.
+n: 1922-1933 (types 1 and 2 random / hard), 543-552 (binding). The thinnest trained lower bound is
+0.550 (type 1, seed 2): the asserted ci_low - 0.5 > 0.03 leaves 0.020 unused. The control's largest
+lower bound above 0.5 is 0.0012 (binding, seed 0), inside SLACK (0.01). Trained type 1 minus the
+control's: at least 0.064 (seed 2) against the asserted 0.04. Under the verdict rule (docs/evaluation.md)
+none of these clears the frozen global cosine: type 1 ties it (lower bounds 0.550-0.561 against
+0.561-0.564), the type-2 rows stay below it (docs/jobs/c3.md, "Testbed verdicts"). What this test
+asserts is learning above chance with a control at chance, which holds on every seed. Wall time per run:
+167-336 s at load 20-50.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ import pytest
 from tests.testbed_run import rows, testbed  # noqa: F401  (the session fixture)
 
 LEARNED = {"type1": 0.03, "type2_random": 0.03, "type2_hard": 0.03, "type2_binding": 0.03}  # ci_low - 0.5 required
-SLACK = 0.01  # the control's ci_low may exceed 0.5 by at most this (seed 0: 0.002; intervals +-0.001-0.003)
+SLACK = 0.01  # the control's ci_low may exceed 0.5 by at most this (largest over seeds 0-2: 0.0012)
 NO_BENCH = "eval.benchmarks=[]"
 
 

@@ -5,13 +5,16 @@ the scenes' objects) with 300 images, then `train run text-groups` twice, the se
 
 Learnable here: held-out image -> text retrieval R@1 (30 held-out images, chance 3.3%). Measured with
 exactly these commands and options (width 32, 1 + 1 layers, 120 steps of 64, corpus softmax) on the
-300-image testbed: learnt R@1 56.7% [39.2, 72.6] (seed 0) and 63.3% [45.5, 78.1] (seed 1); control
-6.7% [1.8, 21.3] (seed 0). Seed 2 and the control's seeds 1-2 were not run (the shared machine was at
-load ~40 when this was calibrated: each run took ~10 min instead of ~1). Asserted: the learnt run's
-R@1 lower 95% bound is above chance and its value >= MARGIN = 20% (less than half the lowest seed);
-the control's Wilson interval contains chance (<= 3 of 30 hits: a pairing-blind model fails that with
-probability 1.7%) and its value <= CONTROL_MAX = 14%. The test runs seed 0 (deterministic on one
-machine).
+300-image testbed, seeds 0 / 1 / 2 (seed 2 and the control's seeds 1-2 on 2026-11-27, issue 37, with
+the test's own commands and ``train.text_groups.seed``): learnt R@1 56.7% [39.2, 72.6] / 63.3% [45.5,
+78.1] / 53.3% [36.1, 69.8]; control 6.7% [1.8, 21.3] / 0.0% [0.0, 11.4] / 10.0% [3.5, 25.6]. The
+control's seed 2 (3 of 30 hits) has a Wilson lower bound of 3.5, just above chance: a pairing-blind
+model lands 3 or more hits of 30 with probability 7.7%, so "chance inside the 95% interval" is the
+wrong test for a control at this n. Asserted: the learnt run's R@1 lower 95% bound is above chance and
+its value >= MARGIN = 20% (less than half the lowest seed); the control is not significantly above
+chance by the exact one-sided binomial test at 1% (at most 4 of 30 hits: a pairing-blind model fails
+that with probability 0.3%) and its value <= CONTROL_MAX = 14%. The test runs seed 0 (deterministic
+on one machine).
 Phrase discovery (tIoU) is reported beside its baselines but not asserted: the grouping does not
 form at this budget (docs/jobs/text-groups.md, issue 27).
 """
@@ -74,4 +77,8 @@ def test_text_groups_learns_and_control_stays_at_chance(tmp_path):
     learnt, control = runs["learnt"], runs["control"]
     assert learnt["n"] == 30 and abs(learnt["chance"] - 100 / 30) < 1e-9
     assert learnt["ci_low"] > learnt["chance"] and learnt["value"] >= MARGIN, learnt
-    assert control["ci_low"] <= control["chance"] <= control["ci_high"] and control["value"] <= CONTROL_MAX, control
+    from scipy.stats import binomtest
+
+    hits = round(control["value"] * control["n"] / 100)
+    assert binomtest(hits, control["n"], control["chance"] / 100, alternative="greater").pvalue > 0.01, control
+    assert control["value"] <= CONTROL_MAX, control
