@@ -30,8 +30,9 @@ DATASETS = [
 NODE = ["--cpus", "96", "--gpus", "8"]
 
 
-def plan(images: int, cpi: float, words: float | None) -> dict:
+def plan(images: int, cpi: float, words: float | None, *sets: str) -> dict:
     cmd = [sys.executable, "-m", "pipeline.cli", "plan", "-m", "manifests/coco.yaml", "--set", "output=runs/sizing",
+           *[x for s in sets for x in ("--set", s)],
            "--images", str(images), "--captions-per-image", str(cpi), "--captions-sample", CAPTIONS, *NODE, "--json"]
     if words:
         cmd += ["--words-per-caption", str(words)]
@@ -45,7 +46,7 @@ def main() -> None:
 
     plans = [(name, src, plan(n, cpi, w)) for name, n, cpi, w, src in DATASETS]
     stages = [s["stage"] for s in plans[0][2]["stages"]]
-    print("| stage (artifact) | GFLOP / image | " + " | ".join(f"{name}: bytes, wall" for name, _, _ in plans) + " |")
+    print("| stage (artifact) | GFLOP / image (COCO) | " + " | ".join(f"{name}: bytes, wall" for name, _, _ in plans) + " |")
     print("|---|---|" + "---|" * len(plans))
     for i, stage in enumerate(stages):
         s0 = plans[0][2]["stages"][i]
@@ -59,6 +60,16 @@ def main() -> None:
     totals = [f"**{fmt_bytes(p['total_bytes'])}**, {fmt_seconds(sum(s['wall_seconds'] or 0 for s in p['stages']))}"
               for _, _, p in plans]
     print("| total (timed stages) | | " + " | ".join(totals) + " |")
+    # the compact options (pipeline plan with --set): int8 tokens; negative features for one sampled noun per caption
+    for label, sets, stage in (("clip_tokens, `token_precision: int8`", ["stages.extract_clip_tokens.token_precision=int8"],
+                                "extract-clip-tokens"),
+                               ("negatives, `negative_features: sampled`", ["stages.negative_captions.negative_features=sampled"],
+                                "negative-captions")):
+        cells = []
+        for name, n, cpi, w, _ in DATASETS:
+            s = next(x for x in plan(n, cpi, w, *sets)["stages"] if x["stage"] == stage)
+            cells.append(f"{fmt_bytes(s['total_bytes'])}, {fmt_seconds(s['wall_seconds'])}")
+        print(f"| {label} | | " + " | ".join(cells) + " |")
     print()
     for name, src, p in plans:
         print(f"- {name}: {p['dataset']['images']:,} images, {p['dataset']['captions']:,} captions ({src}); {p['dataset']['note']}")

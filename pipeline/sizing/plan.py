@@ -141,7 +141,7 @@ def cluster(manifest, cpus: int | None, gpus: int | None) -> dict:
 
 
 # ------------------------------------------------------------------ the plan
-def _stage_flops(name: str, cfg, manifest, size: DatasetSize) -> tuple[float | None, str]:
+def _stage_flops(name: str, cfg, manifest, size: DatasetSize, art: A.ArtifactSize) -> tuple[float | None, str]:
     """Forward FLOPs per image of a stage's models, and what they cover."""
     m = manifest.models
     caps = size.captions_per_image
@@ -159,11 +159,14 @@ def _stage_flops(name: str, cfg, manifest, size: DatasetSize) -> tuple[float | N
     if name == "extract-regions":
         f = S.detector(m.detector)["flops_image"]
         return f, "detector backbone + FPN + box head (RPN, NMS not counted)" if f else "detector FLOPs not counted"
-    if name == "negative-captions":
-        mlm, we = S.text_model(m.mlm), S.text_model(m.word_encoder)
+    if name == "negative-captions":  # per caption: a p and a q pass of the MLM per noun; the word encoder on the
+        mlm, we = S.text_model(m.mlm), S.text_model(m.word_encoder)  # caption and on K negatives per featured noun
         toks = 1.3 * words + 2
+        nouns = art.rows.get("negatives", 0) / max(1, size.captions)
         k = cfg.negative_feature_k if cfg.negative_features != "none" else 0
-        return caps * toks * (2 * 2 * mlm["flops_token"] + we["flops_token"] * (1 + k)), "masked LM (p, q per noun, ~2 nouns) + word encoder"
+        sets = nouns if cfg.negative_features == "all" else min(1.0, nouns) if cfg.negative_features == "sampled" else 0.0
+        return (caps * toks * (2 * nouns * mlm["flops_token"] + we["flops_token"] * (1 + sets * k)),
+                f"masked LM (p and q per noun, {nouns:.1f} nouns per caption) + word encoder (caption + {sets * k:.0f} negatives)")
     if name == "encode-concepts":  # the CLIP text tower over the vocabulary, ~(n-gram words + 2) tokens each
         mined, sh = _mined(size, manifest), S.clip(m.clip)
         total = mined["vocab"] * sh["flops_text"] * (manifest.stages.mine_concepts.n_max / 2 + 2) / max(1, sh["text_len"])
@@ -201,7 +204,7 @@ def build_plan(manifest, *, cpus: int | None = None, gpus: int | None = None, si
         cfg = getattr(manifest.stages, reg[name].key)
         a = _artifact(name, cfg, manifest, size, sized)
         sized[a.artifact] = a
-        flops, covers = _stage_flops(name, cfg, manifest, size)
+        flops, covers = _stage_flops(name, cfg, manifest, size, a)
         stages.append(_timed(name, cfg, a, flops, covers, size, clus, cal, decode_s))
     total = sum(s["total_bytes"] for s in stages)
     return {"schema_version": SCHEMA_VERSION, "manifest": getattr(manifest, "name", None), "output": str(manifest.output),
