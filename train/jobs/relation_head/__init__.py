@@ -36,10 +36,10 @@ settings of the artifact it was trained on -- the stage refuses it on other embe
 ``stages.extract_visual_tokens.relations: learned``::
 
     pipeline run extract-visual-tokens -m manifests/demo.yaml      # demo: relations = annotations
-    train run relation-head -m manifests/demo.yaml
+    train run relation-head -m manifests/demo.yaml --set train.relation_head.run_dir=runs/demo/relation-head
     pipeline run extract-visual-tokens -m manifests/demo.yaml \
         --set stages.extract_visual_tokens.relations=learned \
-        --set models.relation_head=runs/demo/train/relation-head/default-*/relation_head.pt   # the run folder
+        --set models.relation_head=runs/demo/relation-head/relation_head.pt
 """
 
 from __future__ import annotations
