@@ -115,6 +115,13 @@ def test_clip_encoder_rows_have_chance_and_intervals(clip_run):
     assert rows["zeroshot_colour"].chance > 100.0 / 12 - 1e-9  # at least one right colour per image
     for r in rows.values():
         assert r.ci_low <= r.value <= r.ci_high
+    # a re-evaluation of the same weights leaves the export untouched (its mtimes key the stages' fingerprints)
+    from train.encoders import export_folder
+
+    folder = job.export_path
+    before = (folder / "model.safetensors").stat().st_mtime_ns
+    assert export_folder(folder, model, job.processor, job.tokenizer, provenance={}) is False
+    assert (folder / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_clip_encoder_control_exports_elsewhere_and_shuffles_pairs(testbed_copy, tmp_path):
