@@ -39,6 +39,7 @@ SCHEMA_VERSION = 1
 CALIBRATE_MAX_FLOPS = 40e9  # time a model directly when one forward is under this (seconds on one core)
 GPU_ANCHOR = {"node": "NVIDIA A100", "flops_per_s": 5.96e12 / 0.15,
               "source": "SAM ViT-H image encoder ~0.15 s/image on an A100 (segment-anything.com FAQ); 5.96 TFLOP/image counted here"}
+CLUSTER_TIMEOUT_S = 60
 SAM_DECODER_FLOPS_PER_POINT = 3.62e9  # vit_h mask decoder, 3 masks per point (BENCHMARKS.md, extract-visual-tokens)
 
 
@@ -121,14 +122,21 @@ def _decode_seconds(manifest, output: Path, n: int = 8) -> float | None:
 def cluster(manifest, cpus: int | None, gpus: int | None) -> dict:
     if cpus is not None or gpus is not None:
         return {"cpus": cpus or os.cpu_count(), "gpus": gpus or 0, "source": "given (--cpus/--gpus)"}
-    if manifest.ray.address:
-        import ray
+    if manifest.ray.address:  # asked in a child process with a time limit: an unreachable GCS makes ray.init wait minutes
+        import subprocess
+        import sys
 
-        ray.init(address=manifest.ray.address, logging_level="WARNING", log_to_driver=False)
+        code = ("import json, sys, ray; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False); "
+                "print(json.dumps(ray.cluster_resources()))")
         try:
-            res = ray.cluster_resources()
-        finally:
-            ray.shutdown()
+            r = subprocess.run([sys.executable, "-c", code, manifest.ray.address], capture_output=True, text=True,
+                               timeout=CLUSTER_TIMEOUT_S)
+            res = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
+        except subprocess.TimeoutExpired:
+            res = None
+        if res is None:
+            raise ValueError(f"ray.address {manifest.ray.address}: cannot reach the cluster within {CLUSTER_TIMEOUT_S} s; "
+                             "give --cpus/--gpus to plan for a node without it")
         return {"cpus": int(res.get("CPU", 0)), "gpus": int(res.get("GPU", 0)), "source": f"ray {manifest.ray.address}"}
     n_gpus = 0
     try:
