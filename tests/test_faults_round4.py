@@ -452,6 +452,9 @@ def test_the_reports_training_section_skips_a_run_folder_with_a_corrupt_file(tmp
 
     from pipeline.report.training import training_section
 
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="pipeline")  # an earlier test's in-process Ray worker may have quieted it
     root = tmp_path / "out" / "train" / "concept-ot"
     good, bad = _results_run(root, "good", 61.0), _results_run(root, "bad", 99.0)
     rel, corrupt, what = CORRUPT_FILES[kind]

@@ -46,10 +46,8 @@ def dequantize_sample(sample: dict) -> dict:
     for key in [k for k in sample if k.endswith(SCALE_SUFFIX)]:
         base = key[: -len(SCALE_SUFFIX)]
         scale = sample.pop(key)
-        if base in sample:
-            from pipeline.io.shards import materialize
-
-            sample[base] = dequantize(materialize(sample[base]), materialize(scale))
+        if base in sample:  # np.asarray reads a lazily mapped member (shards.FileArray.__array__)
+            sample[base] = dequantize(np.asarray(sample[base]), np.asarray(scale))
     return sample
 
 
