@@ -103,3 +103,11 @@ def test_wall_column_says_when_a_run_was_only_re_evaluated(tmp_path, capsys):
     assert tb._wall(12.3, first) == "12"
     train(_Toy(_cfg(), None, tmp_path / "f", torch.device("cpu")), resume=True, progress=False)
     assert tb._wall(3.0, capsys.readouterr().err).startswith("3 (re-evaluated: trained before")
+
+
+def test_a_job_without_an_image_text_scorer_is_not_a_failed_benchmark(tmp_path):
+    """relation-head has no score_pairs: the harness notes it in errors.json; that is no failure."""
+    tb = _testbed()
+    run = _run(tmp_path, "r", [("relation-head", "held_out", f"recall@{k}", 60.0, 10.0, 50.0, 70.0, 280) for k in (1, 3, 5)],
+               errors=["RelationHeadJob does not implement the scoring interface: benchmarks sugarcrepe not scored"])
+    assert all(r["ok"] for r in tb.job_rows("relation-head", run, None, False))
