@@ -44,7 +44,7 @@ def test_output_template_in_model_specs(tmp_path):
     assert m.models.mlm == m.models.word_encoder == f"{tmp_path}/x/encoders/mlm"
     assert "scene-oracle" not in json.dumps(m.models.model_dump())  # the pixels testbed has no oracle anywhere
     # a spec without the template is untouched
-    assert load_manifest(Path("manifests/demo.yaml"), [f"output={tmp_path}/y"]).models.clip == "tiny-random"
+    assert load_manifest(Path("manifests/tiny.yaml"), [f"output={tmp_path}/y"]).models.clip == "tiny-random"
 
 
 def test_clip_encoder_trains_on_the_train_split_only(clip_run):
