@@ -552,17 +552,11 @@ def test_a_blank_output_is_refused_naming_the_key(tmp_path):
 
 @pytest.fixture
 def full_disk(tmp_path):
-    """A 64 KiB tmpfs (root only; skipped where mounting is not permitted)."""
-    d = tmp_path / "full"
-    d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    """A 64 KiB tmpfs (tests.conftest.mounted_tmpfs)."""
+    from tests.conftest import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "full", "64k") as d:
         yield d
-    finally:
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def test_a_full_disk_names_the_file_it_stopped(full_disk):

@@ -251,17 +251,11 @@ def test_train_run_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    """A 1 MiB tmpfs (root only; skipped where mounting is not permitted)."""
-    d = tmp_path / "tiny"
-    d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    """A 1 MiB tmpfs (tests.conftest.mounted_tmpfs)."""
+    from tests.conftest import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as d:
         yield d
-    finally:
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], check=False)  # a file left open on it: detach
 
 
 def test_train_run_on_a_real_full_tmpfs(tiny_disk, monkeypatch):
