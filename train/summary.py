@@ -78,15 +78,12 @@ def result_rows(run_dir: Path) -> list[dict]:
     """The run's final ``results.parquet`` rows (the harness's and the job's own, with interval and n),
     each with its ``verdict`` against chance and the strongest no-learning baseline reported beside it
     (:func:`pipeline.report.significance.verdicts`) and that ``bar``: [] when the run has none."""
-    from pipeline.report.significance import baselines_of, verdicts
+    from pipeline.report.significance import judged
     from train.seeds_table import final_rows
 
     rows = [r for r in final_rows(Path(run_dir)) if r.get("benchmark") != "evaluate"]
-    base = baselines_of(rows)
-    for r, v in zip(rows, verdicts(rows)):
-        r["verdict"] = v or ""
-        bl = base.get((r.get("benchmark"), f"{r.get('subset') or ''}/{r.get('metric')}"), [])
-        r["bar"] = max(bl, key=lambda b: b[1], default=None)
+    for r, (v, bar) in zip(rows, judged(rows)):
+        r["verdict"], r["bar"] = v or "", bar
     return rows
 
 

@@ -113,8 +113,16 @@ def verdict(row: dict, baselines: list[tuple[str, float]] = ()) -> str | None:
     return "above"
 
 
+def judged(rows: list[dict]) -> list[tuple[str | None, tuple[str, float] | None]]:
+    """(:func:`verdict`, the strongest baseline reported for it or None) of every row of one evaluation."""
+    base = baselines_of(rows)
+    out = []
+    for r in rows:
+        bl = base.get((r.get("benchmark"), f"{r.get('subset') or ''}/{r.get('metric')}"), [])
+        out.append((verdict(r, bl), max(bl, key=lambda b: b[1], default=None)))
+    return out
+
+
 def verdicts(rows: list[dict]) -> list[str | None]:
     """:func:`verdict` of every row of one evaluation, each against the baselines reported beside it."""
-    base = baselines_of(rows)
-    return [verdict(r, base.get((r.get("benchmark"), f"{r.get('subset') or ''}/{r.get('metric')}"), []))
-            for r in rows]
+    return [v for v, _ in judged(rows)]
