@@ -10,6 +10,7 @@ import json
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,6 +106,15 @@ def test_a_resumed_run_continues_its_event_files_without_repeating_steps(tmp_pat
     # hides the first one; the raw records hold both, the last of each step is the run's
     last = {s: v for s, v in ev}
     assert sorted(last) == list(range(1, 7)) and [last[s] for s in range(1, 7)] == pytest.approx(losses, rel=1e-6)
+
+
+def test_a_resume_within_the_same_second_keeps_the_first_event_file(tmp_path, monkeypatch):
+    """tensorboardX names an event file by the second and the host only: two writers of one second
+    (a stop and its resume) must not share a file."""
+    import tensorboardX.event_file_writer as efw
+
+    monkeypatch.setattr(efw, "time", SimpleNamespace(time=lambda: 1795772927.5))  # every file opens in one second
+    test_a_resumed_run_continues_its_event_files_without_repeating_steps(tmp_path)
 
 
 def test_mlflow_logger_writes_the_run_to_a_local_file_store(tmp_path, monkeypatch):

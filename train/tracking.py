@@ -30,6 +30,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,10 @@ class _TensorBoard:
         from tensorboardX import SummaryWriter
 
         # purge_step: a resumed (or --fresh) run hides the events an earlier run wrote from its first step on
-        self.w = SummaryWriter(logdir=str(run_dir / "tensorboard"), flush_secs=10, purge_step=first_step)
+        # the file name holds only the second and the host: a run resumed (or redone) within the same
+        # second would overwrite the earlier file; a nanosecond suffix keeps every writer's file, in order
+        self.w = SummaryWriter(logdir=str(run_dir / "tensorboard"), flush_secs=10, purge_step=first_step,
+                               filename_suffix=f".{time.time_ns()}")
         self.w.add_text("config", "```\n" + json.dumps(cfg.model_dump(mode="json"), indent=1) + "\n```", 0)
 
     def log(self, values: dict[str, float], step: int) -> None:
