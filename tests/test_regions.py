@@ -155,3 +155,37 @@ def test_stage_on_ray_synthetic_both_backends(tmp_path, ray_session):
     s2 = run_stage("extract-regions", RunContext(m2))
     inst = Artifact(tmp_path / "run" / "samples").read("instances").to_pylist()
     assert s2["boxes"] == sum(1 for _ in inst)
+
+
+def test_clip_pool_box_is_the_mean_of_the_patches_it_covers(tmp_path):
+    """clip-pool: a box on patch borders (in the processor's resized, centre-cropped frame) gets
+    exactly the mean of the CLIP's projected patch tokens it covers (brute force over the grid),
+    on a non-square image (the crop offset is part of the mapping); it cannot propose boxes."""
+    from PIL import Image
+
+    from pipeline.models import clip as clip_adapter
+    from pipeline.models.detector import load_detector, parse_spec, proposes_boxes
+
+    det = load_detector("clip-pool:tiny-random")
+    assert parse_spec("clip-pool:/m/clip") == ("clip-pool", None, "/m/clip") and not proposes_boxes("clip-pool:x")
+    with pytest.raises(ValueError, match="clip-pool:<CLIP"):
+        parse_spec("clip-pool:")
+    grid = det.grid
+    assert det.record["random_weights"] and det.record["backend"] == "clip-pool" and det.dim == grid.clip.config.projection_dim
+    rng = np.random.default_rng(0)
+    W, H = 96, 64  # shortest side 64 -> scale s = size / 64, crop offset left = (96 s - size) / 2
+    im = Image.fromarray(rng.integers(0, 255, (H, W, 3), dtype=np.uint8))
+    size, p, g = grid.image_size, grid.patch, grid.g
+    s = size / H
+    left = (round(W * s) - size) // 2
+    tokens = clip_adapter.encode_images(grid.clip, clip_adapter.preprocess_images(grid.processor, [im]), project_tokens=True)
+    want_grid = tokens["patch_tokens"][0].float().numpy().reshape(g, g, -1)  # row-major: [row, col, D]
+    cells = [(0, 0, 1, 1), (1, 0, 3, 2), (0, 0, g, g), (g - 2, 1, g, g)]  # (row0, col0, row1, col1)
+    boxes = np.array([[(c0 * p + left) / s, r0 * p / s, (c1 * p + left) / s, r1 * p / s] for r0, c0, r1, c1 in cells], np.float32)
+    got = det.pool([im], [boxes])[0]
+    want = np.stack([want_grid[r0:r1, c0:c1].reshape(-1, want_grid.shape[-1]).mean(0) for r0, c0, r1, c1 in cells])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(got[0], got[1], atol=1e-3)
+    assert det.pool([im], [np.zeros((0, 4), np.float32)])[0].shape == (0, det.dim)
+    with pytest.raises(ValueError, match="backend: annotations"):
+        det.detect([im])

@@ -14,6 +14,10 @@ ROI-pooled region features" from a Faster R-CNN. Backends behind one interface,
 * ``detectron2`` -- ``detectron2:<config yaml>:<weights file>``; imported only when used (the GPU
   image installs it). Features from ``roi_heads.box_head`` re-pooled at the final boxes, the
   same contract (e.g. 2048-d for the bottom-up-attention R101-C4 model the paper used).
+* ``clip-pool:<clip spec>`` -- no detector: the features of *given* boxes (``backend: annotations``)
+  averaged from a CLIP's projected patch grid (:mod:`pipeline.models.clip_grid`). InfoGround's
+  detector is not reachable offline and none is trained here (issue 36); this is the stated
+  fallback: the boxes are the ground truth, the features a real encoder's. ``detect`` raises.
 * ``annotations`` -- not a separate model: :meth:`RegionExtractor.pool` with ground-truth boxes
   gives their features from the same detector's backbone and box head.
 
@@ -30,6 +34,8 @@ import numpy as np
 import torch
 
 from pipeline.models.clip import RANDOM_SEED, _seeded_init
+from pipeline.models.clip_grid import PREFIX as CLIP_POOL
+from pipeline.models.clip_grid import clip_spec_of
 from pipeline.models.provenance import model_record, state_dict_hash, weights_hash
 
 TINY_CLASSES = 5
@@ -49,14 +55,19 @@ def parse_spec(spec: str) -> tuple[str, str | None, str | None]:
     if spec.lower() == "tiny-random":
         return "tiny-random", None, None
     backend, _, rest = spec.partition(":")
+    if backend == CLIP_POOL:
+        return CLIP_POOL, None, clip_spec_of(spec)
     if backend not in ("torchvision", "detectron2"):
-        raise ValueError(f"detector spec {spec!r}: expected tiny-random, torchvision:<arch>:<weights> or detectron2:<config>:<weights>")
+        raise ValueError(f"detector spec {spec!r}: expected tiny-random, torchvision:<arch>:<weights>, "
+                         "detectron2:<config>:<weights> or clip-pool:<CLIP folder>")
     arch, _, weights = rest.partition(":")
     return backend, arch or None, weights or None
 
 
 def load_detector(spec: str, device: str = "cpu", score_thresh: float | None = None, min_size: int | None = None, max_boxes: int = MAX_BOXES):
     backend, arch, weights = parse_spec(spec)
+    if backend == CLIP_POOL:
+        return ClipRoiExtractor(spec, device)
     if backend == "detectron2":
         return Detectron2Extractor(spec, arch, weights, device, score_thresh, max_boxes)
     return TorchvisionExtractor(spec, arch, weights, device, score_thresh, min_size, max_boxes)
@@ -181,6 +192,28 @@ class TorchvisionExtractor(RegionExtractor):
         ]
         feats = self._box_features(features, boxes_t, image_list.image_sizes)
         return [f.float().cpu().numpy() for f in feats.split([len(b) for b in boxes_t])]
+
+
+def proposes_boxes(spec: str) -> bool:
+    """False for a backend that only pools given boxes (``clip-pool``)."""
+    return parse_spec(spec)[0] != CLIP_POOL
+
+
+class ClipRoiExtractor(RegionExtractor):
+    """Given boxes' features averaged from a CLIP's projected patch grid (:mod:`pipeline.models.clip_grid`)."""
+
+    def __init__(self, spec: str, device: str):
+        from pipeline.models.clip_grid import ClipGrid
+
+        self.grid = ClipGrid(spec, "detector", device)
+        self.dim, self.record = self.grid.dim, self.grid.record
+
+    def detect(self, images) -> list[Regions]:
+        raise ValueError("detector clip-pool pools given boxes only: set stages.extract_regions.backend: annotations")
+
+    def pool(self, images, boxes: list[np.ndarray]) -> list[np.ndarray]:
+        grid, _ = self.grid.grid(images)
+        return self.grid.roi_pool(grid, boxes, [im.size for im in images])
 
 
 class Detectron2Extractor(RegionExtractor):  # pragma: no cover - needs detectron2 (GPU image)

@@ -4,7 +4,10 @@
 Faster R-CNN from a local weights file, ``tiny-random``, or detectron2) and keeps the
 ``max_boxes`` (30, the paper's maximum) top-scoring boxes; ``backend: annotations`` takes the
 ground-truth boxes of the samples' ``instances`` table instead and pools the same detector's
-box-head features for them (up to ``max_boxes``, in instance order).
+box-head features for them (up to ``max_boxes``, in instance order). ``models.detector:
+clip-pool:<CLIP folder>`` (``backend: annotations`` only) pools those boxes from a CLIP vision tower's
+projected patch grid instead of a detector's box head (the pixels testbed's choice: no detector is
+trained here).
 
 ``models.detector: scene-oracle`` (the testbed instrument of :mod:`pipeline.models.scene_oracle`,
 generated dataset only, ``backend: annotations`` only): each ground-truth box's ROI feature is the
@@ -145,6 +148,14 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         if cfg.backend != "annotations":
             raise StageError("models.detector: scene-oracle gives features of ground-truth boxes only: "
                              "set stages.extract_regions.backend: annotations")
+    if not oracle and cfg.backend != "annotations":
+        from pipeline.models.detector import proposes_boxes
+
+        try:
+            if not proposes_boxes(spec):
+                raise StageError(f"models.detector: {spec} pools given boxes only: set stages.extract_regions.backend: annotations")
+        except ValueError as e:
+            raise StageError(f"models.detector: {e}") from None
     attach = (("boxes",) if cfg.backend == "annotations" else ()) + (("scene",) if oracle else ())
     plan = plan_image_units(ctx, cfg.shard_size, attach, missing_hint="use backend: detector")
 

@@ -133,10 +133,14 @@ class VisualTokenWorker:
         self.pred_emb = PredicateEncoder(models["predicate_encoder"], c.width, c.seed).encode(self.vocab).astype(np.float16)
 
     def _load_sam(self, c: Config, spec: str) -> None:
+        from pipeline.models.clip_grid import ClipMaskEncoder, is_clip_pool
         from pipeline.models.sam import SamModel
         from pipeline.models.segmenter import make_segmenter
 
-        self.sam = SamModel(spec, device=resolve_device(c.device), feature_layers=c.feature_layers)
+        if is_clip_pool(spec):  # a CLIP's patch grid pooled under the ground-truth masks (pipeline/models/clip_grid.py)
+            self.sam = ClipMaskEncoder(spec, device=resolve_device(c.device))
+        else:
+            self.sam = SamModel(spec, device=resolve_device(c.device), feature_layers=c.feature_layers)
         amg = dict(
             points_per_side=c.points_per_side, points_per_batch=c.points_per_batch, pred_iou_thresh=c.pred_iou_thresh,
             stability_score_thresh=c.stability_score_thresh, stability_score_offset=c.stability_score_offset,
@@ -274,7 +278,10 @@ def embedding_info(cfg: Config, models: dict) -> dict:
     if is_oracle(models["sam"]):  # the embedding option does not apply: the oracle's object vectors
         return {"sam": models["sam"], "embedding": "object_vector", "width": cfg.width, "seed": cfg.seed,
                 "segmenter_feature": "scene-oracle"}
-    return {"sam": models["sam"], "embedding": cfg.embedding, "width": cfg.width, "seed": cfg.seed, "segmenter_feature": "sam"}
+    from pipeline.models.clip_grid import is_clip_pool
+
+    feature = "clip-pool" if is_clip_pool(models["sam"]) else "sam"
+    return {"sam": models["sam"], "embedding": cfg.embedding, "width": cfg.width, "seed": cfg.seed, "segmenter_feature": feature}
 
 
 def model_records(cfg: Config, models: dict) -> dict:
@@ -284,12 +291,16 @@ def model_records(cfg: Config, models: dict) -> dict:
     from pipeline.models.scene_oracle import SceneOracle, is_oracle
     from pipeline.models.scene_oracle import record as oracle_record
 
+    from pipeline.models.clip_grid import ClipMaskEncoder, is_clip_pool
+
     recs = {}
     if is_oracle(models["sam"]):
         o = SceneOracle()
         recs["sam"] = oracle_record("sam", oracle=o.params(), image_feature_dim=o.proj, token_dim=o.d_v,
                                     tangible="object vector (colour + shape) + noise, projected to width",
                                     image_feature="pooled scene embedding (bag of colours and shapes) + noise")
+    elif is_clip_pool(models["sam"]):
+        recs["sam"] = ClipMaskEncoder(models["sam"]).record
     elif is_tiny_random(models["sam"]):
         from pipeline.models.sam import SamModel
 
@@ -351,12 +362,16 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         cfg = cfg.model_copy(update={"predicates": default_vocabulary(ctx.manifest.dataset.kind)})
     models = {"sam": m.sam, "predicate_encoder": m.predicate_encoder, "relation_head": m.relation_head}
     vocab = _pred_vocab(cfg)
+    from pipeline.models.clip_grid import is_clip_pool
     from pipeline.models.scene_oracle import is_oracle, require_generated
 
     oracle = is_oracle(m.sam)
     for role in ("sam", "predicate_encoder"):
         if is_oracle(getattr(m, role)):
             require_generated(ctx.manifest, role)
+    if is_clip_pool(m.sam) and (cfg.segmenter != "annotations" or cfg.embedding != "mask_pool"):
+        raise StageError(f"models.sam: {m.sam} pools ground-truth masks only: set stages.extract_visual_tokens.segmenter: "
+                         "annotations and embedding: mask_pool")
     if oracle and cfg.segmenter != "annotations":
         raise StageError("models.sam: scene-oracle embeds ground-truth instances: set stages.extract_visual_tokens.segmenter: annotations")
     attach = (("instances",) if cfg.segmenter == "annotations" else ()) + (("relations",) if cfg.relations == "annotations" else ()) \
