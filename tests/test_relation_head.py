@@ -151,3 +151,22 @@ def test_relation_head_learns_scene_graphs(tmp_path, ray_session):
             np.testing.assert_allclose(s["triplet_scores.npy"], P[trip[:, 0], trip[:, 1], pid[trip[:, 2]]] if len(trip) else [], atol=1e-2)
             n_trip += len(got)
     assert n_trip > 0
+
+
+def test_unit_tokens_makes_the_head_blind_to_the_tokens_scale():
+    """``unit_tokens``: the logits do not change when every token is scaled (CLIP pools at norm ~11 and oracle
+    vectors at ~1.5 reach the head alike); without it they do. The option travels in the checkpoint config."""
+    import torch
+
+    from pipeline.models.relations import build_relation_head
+
+    torch.manual_seed(0)
+    emb, boxes = torch.randn(2, 4, 8), torch.rand(2, 4, 8)
+    for unit in (True, False):
+        model = build_relation_head(in_dim=8, width=16, layers=1, heads=2, cls_dim=4, n_predicates=3, dropout=0.0,
+                                    unit_tokens=unit).eval()
+        assert model.config["unit_tokens"] is unit
+        with torch.no_grad():
+            a, b = model(emb, boxes), model(7.5 * emb, boxes)
+        finite = torch.isfinite(a)
+        assert torch.allclose(a[finite], b[finite], atol=1e-5) is unit

@@ -23,7 +23,10 @@ Every predictor returns ``scores[a, b, c]`` for subject a, object b, vocabulary 
   (subject, object, predicate) with a per-predicate bilinear form sub_c(a) . obj_c(b) / sqrt(d);
   sigmoid, diagonal masked. Here the instance input is the tangible token (embedding at the
   stage's width) plus, with ``use_boxes`` (default, an addition to RAM), 8 normalised box numbers
-  (x0, y0, x1, y1, cx, cy, w, h). Trained by ``train run relation-head``; the checkpoint holds
+  (x0, y0, x1, y1, cx, cy, w, h); with ``unit_tokens`` (an option, off by default as in RAM) each
+  token is L2-normalised first, so that features of another scale (a CLIP's projected patches:
+  norm ~11, against ~1.5 for the testbed's oracle) do not drown the box numbers. Trained by
+  ``train run relation-head``; the checkpoint holds
   the vocabulary and the embedding settings it was trained on, and loading refuses a mismatch.
 """
 
@@ -159,11 +162,12 @@ def build_relation_head(**cfg):
     from torch import nn
 
     class RelationHead(nn.Module):
-        def __init__(self, in_dim=512, width=256, layers=2, heads=4, cls_dim=64, n_predicates=56, use_boxes=True, dropout=0.1):
+        def __init__(self, in_dim=512, width=256, layers=2, heads=4, cls_dim=64, n_predicates=56, use_boxes=True, dropout=0.1,
+                     unit_tokens=False):
             super().__init__()
             self.config = dict(in_dim=in_dim, width=width, layers=layers, heads=heads, cls_dim=cls_dim,
-                               n_predicates=n_predicates, use_boxes=use_boxes, dropout=dropout)  # fmt: skip
-            self.use_boxes, self.cls_dim, self.n_predicates = use_boxes, cls_dim, n_predicates
+                               n_predicates=n_predicates, use_boxes=use_boxes, dropout=dropout, unit_tokens=unit_tokens)  # fmt: skip
+            self.use_boxes, self.cls_dim, self.n_predicates, self.unit_tokens = use_boxes, cls_dim, n_predicates, unit_tokens
             self.fc_input = nn.Sequential(nn.Linear(in_dim + (8 if use_boxes else 0), width), nn.LayerNorm(width))
             layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, batch_first=True)
             self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
@@ -174,6 +178,8 @@ def build_relation_head(**cfg):
         def forward(self, emb, boxes=None, pad=None):
             """emb [B, V, in_dim], boxes [B, V, 8] (box_features), pad [B, V] True at padding
             -> logits [B, V, V, C] (subject, object, predicate); diagonal and padding = -inf."""
+            if self.unit_tokens:
+                emb = torch.nn.functional.normalize(emb, dim=-1)
             x = torch.cat([emb, boxes], dim=-1) if self.use_boxes else emb
             x = self.fc_output(self.encoder(self.fc_input(x), src_key_padding_mask=pad))
             B, V, _ = x.shape

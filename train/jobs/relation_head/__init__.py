@@ -75,6 +75,8 @@ class Config(TrainerConfig):
     heads: int = Field(4, ge=1)
     cls_dim: int = Field(64, ge=1, description="per-predicate bilinear width (RAM: 512)")
     use_boxes: bool = Field(True, description="append 8 normalised box numbers to each instance (not in RAM)")
+    unit_tokens: bool = Field(False, description="L2-normalise each tangible token before the head (not in RAM): for "
+                              "features whose scale drowns the box numbers (the pixels testbed's CLIP pools)")
     dropout: float = Field(0.1, ge=0, lt=1)
     recall_k: list[int] = Field(default_factory=lambda: [20, 50, 100])
     control: Literal["none", "shuffled"] = Field(

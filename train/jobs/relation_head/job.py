@@ -94,7 +94,8 @@ class RelationHeadJob(Job):
         if self.cfg.control == "shuffled":
             self.train_items = shuffle_graphs(self.train_items, self.cfg.seed)
         self.head_cfg = dict(in_dim=self.d, width=self.cfg.width, layers=self.cfg.layers, heads=self.cfg.heads, cls_dim=self.cfg.cls_dim,
-                             n_predicates=len(self.vocab), use_boxes=self.cfg.use_boxes, dropout=self.cfg.dropout)  # fmt: skip
+                             n_predicates=len(self.vocab), use_boxes=self.cfg.use_boxes, dropout=self.cfg.dropout,
+                             unit_tokens=self.cfg.unit_tokens)  # fmt: skip
         self.export_path = Path(run_dir) / "relation_head.pt"
 
     def build_model(self):
