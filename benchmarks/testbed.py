@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/testbed.py [--manifest manifests/testbed.yaml] [--jobs concept-ot c3 ...]
                                            [--seed 0] [--set key=value ...] [--no-stages] [--no-control] [--fresh]
+                                           [--parallel 2]
 
 1. ``pipeline run all --manifest M`` (timed; a rerun resumes, so the stages' time is 0 when nothing changed);
 2. per job, the real commands a user types: ``train run <job> --manifest M --json`` and its control,
@@ -22,6 +23,10 @@
    An expected row that is missing, scored on fewer items than its stated minimum (``MIN_N``, or the
    pattern's own), or a benchmark the run could not score (``eval/final/errors.json``) fails the check.
 
+``--parallel N`` (default 2, the reference machine's cores) runs N commands at once: the encoder jobs, and the
+jobs with their controls (every run is its own folder; each child gets ``OMP_NUM_THREADS=1`` so that N runs
+share the cores without torch's spinning threads); ``--parallel 1`` runs one command at a time.
+
 A run whose folder had already finished training is not trained again (``train run`` resumes): the job
 only re-evaluates it, and its wall column says ``re-evaluated``, not a training time. ``--fresh`` passes
 ``--fresh`` to every ``train run``: each run trains again from step 0 in its folder.
@@ -36,9 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,10 +79,13 @@ LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
 }
 
 
+CHILD_ENV: dict[str, str] = {}  # set by main: OMP_NUM_THREADS=1 when runs share the cores
+
+
 def _cli(tool: str, *args: str) -> tuple[dict | None, float, str, str]:
     """(the last JSON line of stdout, wall seconds, the last stderr line on failure else "", the whole stderr)."""
     t0 = time.perf_counter()
-    p = subprocess.run([str(BIN / tool), *args], capture_output=True, text=True)
+    p = subprocess.run([str(BIN / tool), *args], capture_output=True, text=True, env={**os.environ, **CHILD_ENV})
     wall = time.perf_counter() - t0
     last = None
     for line in p.stdout.splitlines()[::-1]:
@@ -210,21 +220,28 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=str(REPO / "manifests" / "testbed.yaml"),
                     help="the oracle column: each row's value in this manifest's run of the job (benchmarks/testbed_encoders.py)")
     ap.add_argument("--no-encoders", action="store_true", help="the encoders exist: skip training the ones models.* point at")
+    ap.add_argument("--parallel", type=int, default=2, help="commands at once (encoders; each job beside its control); "
+                    "each child gets OMP_NUM_THREADS=1 when above 1")
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    CHILD_ENV.clear()
+    CHILD_ENV.update({"OMP_NUM_THREADS": "1"} if args.parallel > 1 else {})
+    pool = ThreadPoolExecutor(max(1, args.parallel))
     sets = sum((["--set", s] for s in args.sets), [])
     from benchmarks.testbed_encoders import ENCODER_LEARNABLE, encoder_jobs, oracle_rows, run_encoders
 
     LEARNABLE.update(ENCODER_LEARNABLE)
     compare = None if Path(args.compare).resolve() == Path(args.manifest).resolve() else args.compare
     encoders = [] if args.no_encoders else encoder_jobs(args.manifest, args.sets)
-    enc_runs, t_ingest = run_encoders(_cli, args.manifest, sets, encoders) if encoders else ([], 0.0)
+    enc_runs, t_ingest = run_encoders(_cli, args.manifest, sets, encoders, pool) if encoders else ([], 0.0)
+    t_encoders = time.perf_counter() - t_start  # elapsed: the encoder runs may overlap
     t_stages = 0.0
     if not args.no_stages:
         _, t_stages, err, _ = _cli("pipeline", "run", "all", "--manifest", args.manifest, *sets)
         if err:
             print(f"testbed: pipeline run all failed: {err}", file=sys.stderr)
             return 1
-    lines = ([f"encoders: {t_ingest + sum(w for _, _, w, _, _ in enc_runs):.0f} s (`pipeline run ingest` {t_ingest:.0f} s, "
+    lines = ([f"encoders: {t_encoders:.0f} s elapsed (`pipeline run ingest` {t_ingest:.0f} s, "
               + ", ".join(f"`train run {j}` {w:.0f} s" for j, _, w, _, _ in enc_runs) + ")"] if enc_runs else []) + [
              f"stages: {t_stages:.0f} s (`pipeline run all --manifest {args.manifest}`)", "",
              "| job | metric | value | 95% interval | chance | n | control | control 95% | oracle testbed | verdict | steps | wall s |",
@@ -240,20 +257,24 @@ def main(argv=None) -> int:
             ok_all &= r["ok"]
             lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
                          f"- | - | - | {r['verdict']} | {_num(_steps(run))} | {_wall(wall, log)} |")
+    runs = {}  # job -> (future of the run, future of its control or None), all submitted at once
     for job in args.jobs:
         key = job.replace("-", "_")
         jsets = sets + (["--set", f"train.{key}.seed={args.seed}"] if args.seed is not None else [])
         jsets += ["--fresh"] if args.fresh else []
-        res, wall, err, log = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets)
+        cmd = ("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets)
+        runs[job] = (pool.submit(_cli, *cmd),
+                     None if args.no_control else pool.submit(_cli, *cmd, "--set", f"train.{key}.control=shuffled"))
+    for job, (fut, cfut) in runs.items():
+        res, wall, err, log = fut.result()
         if err or not res:
             lines.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | | FAILED | | {wall:.0f} |")
             ok_all = False
             continue
         oracle = oracle_rows(job, compare, args.sets)
         control = None
-        if not args.no_control:
-            cres, _, cerr, _ = _cli("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets,
-                                 "--set", f"train.{key}.control=shuffled")
+        if cfut is not None:
+            cres, _, cerr, _ = cfut.result()
             if cerr or not cres:
                 lines.append(f"| {job} | control failed: {cerr or 'no result line'} | | | | | | | | FAILED | | |")
                 ok_all = False
@@ -266,6 +287,10 @@ def main(argv=None) -> int:
             lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
                          f"{_num(r['control'])} | {r['control_ci']} | {_num(oracle.get(r.get('key')))} | {r['verdict']} | "
                          f"{_num(steps)} | {_wall(wall, log)} |")
+    pool.shutdown()
+    t_all = time.perf_counter() - t_start
+    lines.append("")
+    lines.append(f"whole run: {t_all:.0f} s ({args.parallel} command(s) at once)")
     text = "\n".join(lines)
     print(text)
     from pipeline.config import load_manifest

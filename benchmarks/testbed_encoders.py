@@ -46,17 +46,19 @@ def encoder_jobs(manifest: str, sets: list[str]) -> list[str]:
     return out
 
 
-def run_encoders(cli, manifest: str, sets: list[str], jobs: list[str]) -> tuple[list[tuple[str, dict | None, float, str, str]], float]:
+def run_encoders(cli, manifest: str, sets: list[str], jobs: list[str], pool=None) -> tuple[list[tuple[str, dict | None, float, str, str]], float]:
     """``pipeline run ingest`` then ``train run <job>`` for each of ``jobs`` through ``cli`` (benchmarks/testbed.py's
-    ``_cli``). Returns ([(job, result line, wall s, error, stderr)], ingest wall s)."""
+    ``_cli``), on ``pool`` (an executor: as many at once as it has workers) or one after another. Returns
+    ([(job, result line, wall s, error, stderr)], ingest wall s)."""
     _, t_ingest, err, _ = cli("pipeline", "run", "ingest", "--manifest", manifest, *sets)
     if err:
         return [(j, None, 0.0, f"pipeline run ingest failed: {err}", "") for j in jobs], t_ingest
-    out = []
-    for job in jobs:
-        res, wall, err, log = cli("train", "run", job, "--manifest", manifest, "--json", "--no-progress", *sets)
-        out.append((job, res, wall, err, log))
-    return out, t_ingest
+    calls = [("train", "run", job, "--manifest", manifest, "--json", "--no-progress", *sets) for job in jobs]
+    if pool is None:
+        results = [cli(*c) for c in calls]
+    else:
+        results = [f.result() for f in [pool.submit(cli, *c) for c in calls]]
+    return [(job, *r) for job, r in zip(jobs, results)], t_ingest
 
 
 def oracle_rows(job: str, compare: str | None, sets: list[str]) -> dict:
