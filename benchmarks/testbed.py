@@ -55,7 +55,8 @@ BIN = Path(sys.executable).parent
 JOBS = ["concept-ot", "c3", "infoground", "visual-tokens", "text-groups", "relation-head"]
 
 # (benchmark, subset, metric) -> expectation: "learn" (ci_low above chance and above the strongest no-learning
-# baseline reported beside the row), "chance" (not above chance) or "prior"; an optional fifth element is the
+# baseline reported beside the row), "chance" (not above chance), "prior" or "measured" (shown, no learning
+# verdict; its control must still be at chance; an optional sixth element says why); an optional fifth element is the
 # row's minimum n (default MIN_N). A subset or metric of None matches any. Every pattern must match a row.
 # Rows not named here are shown only with --all-rows.
 MIN_N = 30
@@ -109,7 +110,7 @@ def _wall(wall: float, stderr: str) -> str:
 
 
 def _matches(row: dict, pat: tuple) -> bool:
-    b, s, m, _ = pat
+    b, s, m = pat[:3]
     return ((b is None or row["benchmark"] == b) and (s is None or (row.get("subset") or "") == s)
             and (m is None or row["metric"] == m))
 
@@ -197,6 +198,12 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
         elif expect == "chance":
             ok = _in(r, chance) and (control is None or _in(c, chance))
             verdict = "at chance" if ok else "OFF CHANCE"
+        elif expect == "measured":  # shown with what it is, no learning verdict (a sixth element: why)
+            why = pat[5] if len(pat) > 5 else ""
+            verdict = ("measured: " + ("above chance" if _above(r, chance) else "not above chance")
+                       + (f" ({why})" if why else ""))
+            verdict += "" if control is None else (", control at chance" if _in(c, chance) else ", CONTROL OFF CHANCE")
+            ok = control is None or _in(c, chance)
         else:
             ok, verdict = True, ""
         out.append({"job": job, "row": "/".join(x for x in (r["benchmark"], r.get("subset") or "", r["metric"]) if x),
@@ -228,11 +235,14 @@ def main(argv=None) -> int:
     CHILD_ENV.update({"OMP_NUM_THREADS": "1"} if args.parallel > 1 else {})
     pool = ThreadPoolExecutor(max(1, args.parallel))
     sets = sum((["--set", s] for s in args.sets), [])
-    from benchmarks.testbed_encoders import ENCODER_LEARNABLE, encoder_jobs, oracle_rows, run_encoders
+    from benchmarks.testbed_encoders import ENCODER_LEARNABLE, encoder_jobs, oracle_rows, pixels_expectations, run_encoders
 
     LEARNABLE.update(ENCODER_LEARNABLE)
     compare = None if Path(args.compare).resolve() == Path(args.manifest).resolve() else args.compare
-    encoders = [] if args.no_encoders else encoder_jobs(args.manifest, args.sets)
+    encoders = encoder_jobs(args.manifest, args.sets)
+    if encoders:  # the pixels testbed: rows whose signal its encoders are measured not to carry
+        pixels_expectations(LEARNABLE, MIN_N)
+    encoders = [] if args.no_encoders else encoders
     enc_runs, t_ingest = run_encoders(_cli, args.manifest, sets, encoders, pool) if encoders else ([], 0.0)
     t_encoders = time.perf_counter() - t_start  # elapsed: the encoder runs may overlap
     t_stages = 0.0
