@@ -192,6 +192,13 @@ def groupvit(spec: str, image_size: int = 128) -> dict:
 
 
 # ------------------------------------------------------------------ SAM
+def _clip_pool(spec: str) -> dict | None:
+    """A ``clip-pool:<CLIP>`` slot (pipeline/models/clip_grid.py) is that CLIP's vision tower: its shapes, else None."""
+    from pipeline.models.clip_grid import clip_spec_of, is_clip_pool
+
+    return clip(clip_spec_of(spec)) if is_clip_pool(spec) else None
+
+
 @functools.cache
 def sam(spec: str) -> dict:
     """``image_feature_dim`` (pooled global-attention blocks + neck, as pipeline.models.sam) and the
@@ -203,6 +210,9 @@ def sam(spec: str) -> dict:
 
         o = SceneOracle()
         return dict(image_feature_dim=o.proj, flops_image=0, source="scene-oracle instrument")
+    if (c := _clip_pool(spec)) is not None:
+        return dict(image_feature_dim=c["projection_dim"], flops_image=c["flops_image"], image_size=c["image_size"],
+                    source=f"clip-pool: {c['source']}")
     import torch
 
     from pipeline.models import sam as adapter
@@ -269,6 +279,8 @@ def detector(spec: str) -> dict:
         from pipeline.models.scene_oracle import SceneOracle
 
         return dict(feature_dim=SceneOracle().d_v, flops_image=0, source="scene-oracle instrument")
+    if (c := _clip_pool(spec)) is not None:
+        return dict(feature_dim=c["projection_dim"], flops_image=c["flops_image"], source=f"clip-pool: {c['source']}")
     if _is(spec, "tiny-random"):
         from pipeline.models.detector import load_detector
 
