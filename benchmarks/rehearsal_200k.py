@@ -3,26 +3,28 @@
 One command (hours on the 2-core reference machine; kept out of CI: benchmarks/ is not collected)::
 
     nice .venv/bin/python benchmarks/rehearsal_200k.py                      # 200,000 images, 64 px
-    nice .venv/bin/python benchmarks/rehearsal_200k.py --images 300         # a smoke run (minutes)
+    nice .venv/bin/python benchmarks/rehearsal_200k.py --images 3000        # ~4 min on 2 cores
 
 What it does, in order:
 
 1. writes ``<out>/rehearsal.yaml``: the generated dataset at ``--images`` images of ``--image-size``
    px (5 captions each), ``tiny-random`` models, and the five stages ingest, extract-clip-tokens,
    build-index (IVF: over 300k captions), mine-concepts, negative-captions (the others disabled);
-2. `pipeline plan --json` on it (before anything exists: the estimate), saved as ``plan.json``;
-3. starts a two-node Ray cluster on loopback exactly as tests/test_cluster.py does (a head and a
+2. starts a two-node Ray cluster on loopback exactly as tests/test_cluster.py does (a head and a
    second node, one CPU each, token authentication, stopped by their own pids at exit) and points
    ``ray.address`` at it;
+3. `pipeline plan --json` on it (before any stage has run: the estimate, its calibration timed on
+   this cluster and machine), saved as ``plan.json``;
 4. runs each stage as `pipeline run <stage>`, sampling every 0.5 s the resident memory of the
    driver (the `pipeline` process and its children) and of each node's Ray workers;
 5. prints and saves (``rehearsal.json``, ``rehearsal.md``) per stage: wall time, peak driver and
    worker RSS, files and bytes of the artifact, beside the plan's bytes and time, and whether each
    is within the issue's tolerance (bytes 10%, time a factor 1.5).
 
-The plan's CPU times are FLOPs over a ViT-B/16 calibration plus the measured image decode: for
-``tiny-random`` models, which are bound by per-call overheads, they are lower bounds, and the
-rehearsal is where that is measured. Copy ``rehearsal.md`` into BENCHMARKS.md and docs/scaling.md.
+``--replan`` plans again (calibration redone, on a fresh cluster, the generated dataset at a fresh
+root as before the run) and compares with the stages measured before, running none. The plan's
+CPU times are the stages' own workers timed on the first records plus the measured fixed costs
+(pipeline/sizing/calibrate.py, walltime.py). Copy ``rehearsal.md`` into BENCHMARKS.md and docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -42,12 +45,12 @@ STAGES = ["ingest", "extract-clip-tokens", "build-index", "mine-concepts", "nega
 OTHERS = ["encode_concepts", "extract_visual_tokens", "extract_image_groups", "extract_regions"]
 
 
-def manifest(out: Path, images: int, size: int, address: str | None) -> dict:
+def manifest(out: Path, images: int, size: int, address: str | None, root: Path | None = None) -> dict:
+    synthetic = {"n_images": images, "image_size": size, "captions_per_image": 5, "seed": 0, "heldout": 0.1}
     return {
         "name": "rehearsal", "output": str(out),
         "ray": {"address": address, "object_store_memory": 268435456},
-        "dataset": {"kind": "synthetic", "synthetic": {"n_images": images, "image_size": size, "captions_per_image": 5,
-                                                       "seed": 0, "heldout": 0.1}},
+        "dataset": {"kind": "synthetic", "synthetic": dict(synthetic, root=str(root)) if root else synthetic},
         "models": {"mlm": "tiny-random", "word_encoder": "tiny-random", "clip": "tiny-random"},
         "stages": {"ingest": {"shard_size": 5000}, "extract_clip_tokens": {"shard_size": 2000},
                    "build_index": {"k": 32, "query_chunk": 50000}, "mine_concepts": {"shard_size": 20000},
@@ -97,6 +100,9 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=64)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "rehearsal-200k")
     ap.add_argument("--plan-only", action="store_true", help="write the manifest and the plan, run nothing")
+    ap.add_argument("--replan", action="store_true",
+                    help="plan again on a fresh two-node cluster and compare with the stages measured before "
+                         "(<out>/rehearsal.json); runs no stage")
     args = ap.parse_args()
     import yaml
 
@@ -106,18 +112,47 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     mpath = out / "rehearsal.yaml"
     mpath.write_text(yaml.safe_dump(manifest(out, args.images, args.image_size, None), sort_keys=False))
-    t0 = time.perf_counter()
-    plan_run = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "-m", str(mpath), "--json"],
-                              capture_output=True, text=True, env=_env(), cwd=REPO, check=True)
-    plan = json.loads(plan_run.stdout)
-    (out / "plan.json").write_text(json.dumps(plan, indent=1))
-    print(f"plan ({time.perf_counter() - t0:.0f} s, the generated dataset counted by its reader):", file=sys.stderr)
-    print(plan_run.stderr.strip(), file=sys.stderr)
+
+    def plan_now(address, root=None):
+        mpath.write_text(yaml.safe_dump(manifest(out, args.images, args.image_size, address, root), sort_keys=False))
+        t0 = time.perf_counter()
+        run = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "-m", str(mpath), "--json"],
+                             capture_output=True, text=True, env=_env(), cwd=REPO)
+        if run.returncode != 0:
+            raise SystemExit(f"pipeline plan failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        plan = json.loads(run.stdout)
+        (out / "plan.json").write_text(json.dumps(plan, indent=1))
+        print(f"plan ({time.perf_counter() - t0:.0f} s, the dataset counted by its reader, the stages' work calibrated):",
+              file=sys.stderr)
+        print(run.stderr.strip(), file=sys.stderr)
+        return plan
+
     if args.plan_only:
+        plan_now(None)
         return
     rows = []
+    if args.replan:
+        measured = json.loads((out / "rehearsal.json").read_text())["stages"]
+        shutil.rmtree(out / "_cache" / "plan", ignore_errors=True)  # calibrate again
+        # the plan as before the run: the generated dataset not yet on disk (at a fresh root, removed after)
+        fresh = out / "_cache" / "replan-source"
+        shutil.rmtree(fresh, ignore_errors=True)
+        try:
+            with two_node_cluster(out) as (address, node2):
+                plan = plan_now(address, fresh)
+        finally:
+            shutil.rmtree(fresh, ignore_errors=True)
+            mpath.write_text(yaml.safe_dump(manifest(out, args.images, args.image_size, None), sort_keys=False))
+        for r in measured:
+            est = next(s for s in plan["stages"] if s["stage"] == r["stage"])
+            r.update(plan_wall_s=est["wall_seconds"], plan_bytes=est["total_bytes"],
+                     bytes_ok=abs(est["total_bytes"] - r["bytes"]) <= 0.10 * r["bytes"],
+                     time_ok=bool(est["wall_seconds"]) and 1 / 1.5 <= r["wall_s"] / est["wall_seconds"] <= 1.5)
+            rows.append(r)
+        report(args, out, rows, replanned=True)
+        return
     with two_node_cluster(out) as (address, node2):
-        mpath.write_text(yaml.safe_dump(manifest(out, args.images, args.image_size, address), sort_keys=False))
+        plan = plan_now(address)  # on the cluster the stages will use: its CPUs, Ray attach and the pools timed there
         head_nodes = [node2]
         for stage in STAGES:
             t0 = time.perf_counter()
@@ -141,12 +176,17 @@ def main() -> None:
                          "bytes_ok": abs(est["total_bytes"] - n_bytes) <= 0.10 * n_bytes,
                          "time_ok": bool(est["wall_seconds"]) and 1 / 1.5 <= wall / est["wall_seconds"] <= 1.5})
             print(json.dumps(rows[-1]), file=sys.stderr)
+    report(args, out, rows)
+
+
+def report(args, out: Path, rows: list[dict], replanned: bool = False) -> None:
     (out / "rehearsal.json").write_text(json.dumps({"images": args.images, "image_size": args.image_size,
                                                      "stages": rows}, indent=1))
     from pipeline.sizing.plan import fmt_bytes, fmt_seconds
 
     lines = [f"Rehearsal: {args.images:,} generated images of {args.image_size} px, tiny-random models, two-node "
-             f"Ray cluster on loopback (1 CPU each); `benchmarks/rehearsal_200k.py --images {args.images}`", "",
+             f"Ray cluster on loopback (1 CPU each); `benchmarks/rehearsal_200k.py --images {args.images}`"
+             + (" (plan: `--replan`, calibrated again after the run)" if replanned else ""), "",
              "| stage | wall (plan) | driver peak RSS | node-2 workers peak RSS | files | bytes (plan) | bytes within 10% | time within x1.5 |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -56,11 +56,13 @@ def _plan(args, tmp_path, **kw):
 
 @pytest.fixture
 def no_calibration(monkeypatch):
-    """The CPU calibration is a ViT-B/16 forward (seconds); these tests check the rest."""
+    """The CPU calibration is a ViT-B/16 forward and each stage's worker timed (seconds to a minute);
+    these tests check the rest."""
     from pipeline.sizing import plan
 
     monkeypatch.setattr(plan, "calibrate", lambda spec, cache: {"model": "fixed", "flops": 1e9, "seconds": 0.1,
                                                                 "flops_per_s": 1e10, "measured_at": "-"})
+    monkeypatch.setattr(plan, "MEASURE", False)
 
 
 def test_plan_json_schema(tmp_path, monkeypatch, no_calibration):
@@ -136,3 +138,108 @@ def test_plan_matches_what_pipeline_run_writes(tmp_path, monkeypatch, no_calibra
         if real > 0.05 * plan["total_bytes"]:
             assert abs(s["total_bytes"] - real) <= 0.10 * real, (s["artifact"], s["total_bytes"], real)
     assert abs(plan["total_bytes"] - total_real) <= 0.10 * total_real, (plan["total_bytes"], total_real)
+
+
+def test_makespan_is_a_pool_taking_units_in_order():
+    """Against a brute-force event simulation of workers that each take the next unit when free."""
+    import heapq
+    import itertools
+
+    from pipeline.sizing.walltime import makespan
+
+    def simulate(units, workers):
+        free = [(0, w) for w in range(workers)]
+        loads = [0] * workers
+        for u in units:
+            t, w = heapq.heappop(free)
+            loads[w] = t + u
+            heapq.heappush(free, (t + u, w))
+        return max(loads)
+
+    rng = np.random.default_rng(0)
+    for n, w in itertools.product((1, 2, 5, 9), (1, 2, 3)):
+        units = rng.integers(1, 50, n).tolist()
+        assert makespan(units, w) == simulate(units, w)
+    assert makespan([2000, 1000], 2) == 2000 and makespan([5000, 5000, 5000, 5000], 2) == 10000 and makespan([], 2) == 0
+
+
+def test_parquet_growth_predicts_a_larger_file_of_the_same_content():
+    """A table of templated captions (as generated datasets have: repeats that dictionaries and zstd
+    find more of in more rows): profiled on 1,000 and 2,000 rows, its Parquet bytes at 8,000 rows
+    within 10%; and at 2,000 rows exactly the profiled file's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    nouns = ["dog", "cat", "man", "woman", "car", "tree", "ball", "red cup", "kite", "boat"]
+    texts = [f"A {rng.choice(nouns)} {rng.choice(['next to', 'on', 'under', 'behind'])} a {rng.choice(nouns)}."
+             for _ in range(8000)]
+    table = pa.table({"caption_id": np.arange(8000), "sample_id": np.arange(8000) // 5, "text": texts,
+                      "score": rng.random(8000).astype(np.float32)})
+
+    def profile(n):
+        buf = io.BytesIO()
+        pq.write_table(table.slice(0, n), buf, compression="zstd")
+        rows, data, dic = A.parquet_parts(pq.read_metadata(pa.BufferReader(buf.getvalue())))
+        return rows, len(buf.getvalue()), data, dic
+
+    g = A.parquet_growth(profile(1000), profile(2000))
+    real = profile(8000)[1]
+    assert abs(A.grown_bytes(g, 8000) - real) <= 0.10 * real, (A.grown_bytes(g, 8000), real)
+    assert A.grown_bytes(g, 2000) == profile(2000)[1]
+
+
+def test_vocabulary_extrapolated_from_a_caption_sample(tmp_path):
+    """The concept miner's vocabulary on 4,000 generated records, estimated from their first
+    1,000 (growth exponent fitted on the sample's quarter, half and whole), within 10% of the miner
+    run on all 4,000; concept rows within 10% too."""
+    from pipeline.concepts.mining import mine
+    from pipeline.config import load_manifest
+    from pipeline.readers import read_dataset
+    from pipeline.sizing.dataset import DatasetSize, SampleRecord
+
+    m = load_manifest(REPO / "manifests" / "tiny.yaml", overrides=[f"output={tmp_path}", "dataset.synthetic.n_images=4000"])
+    recs = [SampleRecord([c for c in r.captions if c and c.strip()]) for r in read_dataset(m.dataset, tmp_path, defer_masks=True)]
+    recs = [r for r in recs if r.captions][:4000]
+    cfg = m.stages.mine_concepts
+    texts = [c for r in recs for c in r.captions]
+    concepts, vocab = mine([i for i, r in enumerate(recs) for _ in r.captions], texts, cfg.mining_params())
+    size = DatasetSize(len(recs), len(texts), "test", exact=False, sample=recs[:256], text_sample=recs[:1000])
+    est = A.mined_sample(size, cfg)
+    assert not est["exact"] and 0 < est["heaps_exponent"] < 1
+    assert abs(est["vocab"] - vocab.num_rows) <= 0.10 * vocab.num_rows, (est["vocab"], vocab.num_rows)
+    rows = est["per_sample"] * len(recs)
+    assert abs(rows - concepts.num_rows) <= 0.10 * concepts.num_rows, (rows, concepts.num_rows)
+
+
+def test_calibrated_clip_seconds_per_image_agree_with_timing_the_worker(tmp_path, monkeypatch):
+    """`pipeline plan`'s per-image cost of extract-clip-tokens (the stage's worker on the first
+    records, best of two) against the same worker timed here on a unit of those records."""
+    import time
+
+    from pipeline.config import load_manifest
+    from pipeline.io.artifacts import ArtifactWriter
+    from pipeline.sizing import calibrate as C
+    from pipeline.stages import extract_clip_tokens as st
+    from pipeline.stages._image_units import image_units
+
+    monkeypatch.setattr(C, "cold_load", lambda code: 0.0)  # a child process's imports: not what is checked here
+    m = load_manifest(REPO / "manifests" / "tiny.yaml", overrides=[f"output={tmp_path}"])
+    cfg = m.stages.extract_clip_tokens
+    records = C.first_records(m, tmp_path, 48)
+    cost = C.clip_tokens(tmp_path / "cache", "tiny-random", cfg, records)
+    assert cost["items"] == 48 and cost["item"] == "image"
+    assert C.clip_tokens(tmp_path / "cache", "tiny-random", cfg, records) == cost  # cached
+
+    recs = C._unit_records(records, 48)
+    worker = st.ClipTokenWorker("tiny-random", "cpu", 1, cfg.batch_size, cfg.text_batch_size, cfg.max_text_tokens,
+                                cfg.project_tokens, cfg.token_precision)
+    times = []
+    for k in range(3):
+        writer = ArtifactWriter(tmp_path / f"direct{k}", "clip_tokens", st.NAME, {})
+        (name, unit_input, payload), = image_units(recs, len(recs))
+        t0 = time.perf_counter()
+        worker(dict(payload, artifact_dir=str(writer.dir), stage=st.NAME, unit=name, fingerprint=writer.unit_fingerprint(name, unit_input)))
+        times.append((time.perf_counter() - t0) / len(recs))
+    direct = sorted(times)[1]
+    assert 0.5 <= cost["per_item_s"] / direct <= 2.0, (cost["per_item_s"], times)

@@ -121,6 +121,53 @@ def fixed_width_table(columns: dict[str, tuple[str, int]], id_range: int):
     return make
 
 
+def parquet_parts(meta) -> tuple[int, int, int]:
+    """(rows, data bytes, dictionary bytes) of a Parquet file's metadata."""
+    data = dic = 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        for i in range(rg.num_columns):
+            c = rg.column(i)
+            d = (c.data_page_offset - c.dictionary_page_offset) if c.has_dictionary_page and c.dictionary_page_offset is not None else 0
+            dic += d
+            data += c.total_compressed_size - d
+    return meta.num_rows, data, dic
+
+
+def parquet_growth(*profiles: tuple[int, int, int, int]) -> dict:
+    """How a table's Parquet bytes grow with its rows, from files of the same content at two or
+    three row counts: each ``(rows, file bytes, data-page bytes, dictionary bytes)``, ascending.
+    A row costs less in more rows (dictionaries fill, zstd finds repeats); how much less depends on
+    the content, so two laws are fitted: the marginal bytes per row (linear: a row's cost settles,
+    as for text held in dictionaries) and a power of the rows (repeats keep paying, as for the
+    same floats recurring). Given three files, the law that predicts the largest from the two
+    smaller ones better is kept; both are fitted on the two largest. The footer is fixed."""
+    (r1, _, p1, d1), (r2, f2, p2, d2) = profiles[-2:]
+    v1, v2 = p1 + d1, p2 + d2
+    per_row = (v2 - v1) / (r2 - r1) if r2 > r1 else v2 / max(1, r2)
+    exp = math.log(v2 / v1) / math.log(r2 / r1) if v1 > 0 and v2 > 0 and r2 > r1 else 1.0
+    law = "linear"
+    if len(profiles) >= 3:
+        (q0, _, a0, b0), (q1, _, a1, b1), (q2, _, a2, b2) = profiles[-3:]
+        w0, w1, w2 = a0 + b0, a1 + b1, a2 + b2
+        if w0 > 0 and q1 > q0:
+            linear = w1 + (q2 - q1) * (w1 - w0) / (q1 - q0)
+            power = w1 * (q2 / q1) ** (math.log(w1 / w0) / math.log(q1 / q0))
+            law = "power" if abs(power - w2) < abs(linear - w2) else "linear"
+    return {"pages": v2, "rows": r2, "small_pages": v1, "small_rows": r1, "per_row": max(0.0, per_row),
+            "exp": min(1.0, max(0.0, exp)), "law": law, "fixed": f2 - v2}
+
+
+def grown_bytes(g: dict, rows: float) -> int:
+    """Bytes of one Parquet file of ``rows`` rows of a table profiled by :func:`parquet_growth`:
+    from the largest file by its law (or, below the smaller file's rows, at that file's bytes per row)."""
+    if rows < g["small_rows"]:
+        return int(g["fixed"] + g["small_pages"] * rows / max(1, g["small_rows"]))
+    if g.get("law") == "power":
+        return int(g["fixed"] + g["pages"] * (rows / max(1, g["rows"])) ** g["exp"])
+    return int(g["fixed"] + g["pages"] + (rows - g["rows"]) * g["per_row"])
+
+
 def overhead(units: int, files_per_unit: int) -> int:
     return FIXED_OVERHEAD + units * (UNIT_STATE + MANIFEST_PER_FILE * files_per_unit)
 
@@ -131,9 +178,22 @@ def _mean(values) -> float:
 
 
 # ------------------------------------------------------------------ the artifacts
-def samples(size, cfg) -> ArtifactSize:
+def samples(size, cfg, measured: dict | None = None) -> ArtifactSize:
+    """``measured``: per table ``rows_per_image``, ``per_row`` and ``base`` bytes of a unit, from
+    ingest's worker on the dataset's first records (:func:`pipeline.sizing.calibrate.ingest`);
+    without it, bytes per row measured on the demo's artifacts."""
     s = size.sample
-    n_units = len(unit_rows(size.images, cfg.shard_size))
+    units = unit_rows(size.images, cfg.shard_size)
+    n_units = len(units)
+    if measured:
+        rows, b = {}, {}
+        for name, t in measured.items():
+            rows[name] = round(t["rows_per_image"] * size.images) if name != "captions" else size.captions
+            b[name] = sum(grown_bytes(t, r * rows[name] / max(1, size.images)) for r in units)
+        rows = {"samples": size.images, "captions": size.captions, **{k: v for k, v in rows.items() if k not in ("samples", "captions")}}
+        b["overhead"] = overhead(n_units, len(rows))
+        return ArtifactSize("samples", rows, b, exact_rows=size.exact and set(rows) <= {"samples", "captions"},
+                            notes=["Parquet bytes per row: ingest's worker on the dataset's first records (measured)"])
     per_img = {k: _mean(getattr(r, k) for r in s) for k in ("instances", "phrases", "relations")}
     cap_chars = _mean(len(c) for r in s for c in r.captions)
     rows = {"samples": size.images, "captions": size.captions}
@@ -239,8 +299,10 @@ def visual_tokens(size, cfg, shape, dataset_kind: str) -> ArtifactSize:
                         exact_rows=size.exact, notes=notes)
 
 
-def negatives(size, cfg, dim: int, pos: list[list[str]]) -> ArtifactSize:
-    """``pos``: the universal POS tags of each sampled caption (spaCy, as the stage tags them)."""
+def negatives(size, cfg, dim: int, pos: list[list[str]], measured: dict | None = None) -> ArtifactSize:
+    """``pos``: the universal POS tags of each sampled caption (spaCy, as the stage tags them).
+    ``measured``: per table ``per_row`` and ``base`` bytes of a unit, from the stage's worker on
+    the first captions (:func:`pipeline.sizing.calibrate.negatives`); else the demo's bytes per row."""
     noun_tags = set(cfg.noun_pos) | ({"PROPN"} if cfg.include_propn else set())
     feat_tags = set(cfg.feature_pos) | ({"PROPN"} if cfg.include_propn else set())
     k = cfg.negative_feature_k if cfg.negative_features != "none" else 0
@@ -258,27 +320,53 @@ def negatives(size, cfg, dim: int, pos: list[list[str]]) -> ArtifactSize:
     nouns = round(_mean(nouns_per_caption) * size.captions)
     words = round(_mean(sum(t in feat_tags for t in c) for c in pos) * size.captions) if pos else 0
     units = len(unit_rows(size.images, cfg.shard_size))
-    return ArtifactSize("negatives", {"shards": size.images, "negatives": nouns, "words": words}, {
-        "shards": tar_bytes(_mean(per), size.images, cfg.shard_size),
-        "negatives": int(nouns * DEMO_ROW_BYTES["negatives"] * cfg.keep / 25),
-        "words": int(words * DEMO_ROW_BYTES["words"]) + units * 2500,
-        "overhead": overhead(units, 3),
-    }, exact_rows=False, notes=["nouns and words per caption tagged by spaCy on the sampled captions (estimate)"])
+    b = {"shards": tar_bytes(_mean(per), size.images, cfg.shard_size),
+         "negatives": int(nouns * DEMO_ROW_BYTES["negatives"] * cfg.keep / 25),
+         "words": int(words * DEMO_ROW_BYTES["words"]) + units * 2500, "overhead": overhead(units, 3)}
+    notes = ["nouns and words per caption tagged by spaCy on the sampled captions (estimate)"]
+    for table, rows in (("negatives", nouns), ("words", words)):
+        if measured and table in measured:
+            b[table] = sum(grown_bytes(measured[table], rows * r / max(1, size.images)) for r in unit_rows(size.images, cfg.shard_size))
+    if measured:
+        notes.append("Parquet bytes per row: the stage's worker on the first captions (measured)")
+    return ArtifactSize("negatives", {"shards": size.images, "negatives": nouns, "words": words}, b,
+                        exact_rows=False, notes=notes)
+
+
+def table_growth(table) -> dict | None:
+    """:func:`parquet_growth` of an in-memory table written as the pipeline writes it (zstd), from
+    its first quarter, half and the whole."""
+    if table is None or table.num_rows < 16:
+        return None
+    import pyarrow.parquet as pq
+
+    def profile(t) -> tuple[int, int, int, int]:
+        buf = io.BytesIO()
+        pq.write_table(t, buf, compression="zstd")
+        rows, data, dic = parquet_parts(pq.read_metadata(io.BytesIO(buf.getvalue())))
+        return rows, len(buf.getvalue()), data, dic
+
+    n = table.num_rows
+    return parquet_growth(profile(table.slice(0, n // 4)), profile(table.slice(0, n // 2)), profile(table))
 
 
 def concepts(size, cfg, text_dim: int, mined: dict) -> ArtifactSize:
-    """``mined``: :func:`mined_sample` (the miner over the sampled records)."""
+    """``mined``: :func:`mined_sample` (the miner over the caption sample). Concept and vocabulary
+    rows are sized by writing the mined tables; embeddings as random float16 rows (incompressible)."""
     rows = min(cfg.k2, mined["per_sample"]) * size.images
     vocab = mined["vocab"]
     units = len(unit_rows(size.images, cfg.shard_size))
+    emb = parquet_bytes(fixed_width_table({"concept_id": ("int64", 0), "embedding": ("float16", text_dim)}, vocab),
+                        vocab, cfg.encode_unit)
     return ArtifactSize("concepts", {"concepts": int(rows), "vocab": vocab, "hard_negatives": vocab}, {
-        "concepts": int(rows * (DEMO_ROW_BYTES["concepts"] + 4 * cfg.k1)),
-        "vocab": int(vocab * DEMO_ROW_BYTES["vocab"]),
-        "embeddings": npy_bytes((vocab, text_dim), "float16"),
-        "hard_negatives": int(vocab * DEMO_ROW_BYTES["hard_negatives"] * cfg.hard_negatives_k / 10),
+        "concepts": (sum(grown_bytes(cg, rows * r / max(1, size.images)) for r in unit_rows(size.images, cfg.shard_size))
+                     if (cg := table_growth(mined.get("concepts_table"))) else int(rows * (DEMO_ROW_BYTES["concepts"] + 4 * cfg.k1))),
+        "vocab": grown_bytes(vg, vocab) if (vg := table_growth(mined.get("vocab_table"))) else int(vocab * DEMO_ROW_BYTES["vocab"]),
+        "embeddings": emb if cfg.hard_negatives else 0,
+        "hard_negatives": int(vocab * DEMO_ROW_BYTES["hard_negatives"] * cfg.hard_negatives_k / 10) if cfg.hard_negatives else 0,
         "overhead": overhead(units, 1) + 3 * 2000,
-    }, exact_rows=False, notes=["concept rows and vocabulary: the miner over the sampled records" +
-                                ("" if mined.get("exact") else ", vocabulary scaled by Heaps' law (estimate)")])
+    }, exact_rows=False, notes=["concept rows and vocabulary: the miner over the caption sample" +
+                                ("" if mined.get("exact") else ", vocabulary extrapolated by Heaps' law fitted on it (estimate)")])
 
 
 def concept_tokens(mined: dict, size, cfg, shape, tokens) -> ArtifactSize:
@@ -296,7 +384,10 @@ def concept_tokens(mined: dict, size, cfg, shape, tokens) -> ArtifactSize:
     }, exact_rows=False, notes=["vocabulary and membership from mine-concepts' estimate"])
 
 
-def index(size, cfg, p: int) -> ArtifactSize:
+def index(size, cfg, p: int, measured: dict | None = None) -> ArtifactSize:
+    """``measured``: each table's :func:`parquet_growth` from the stage's search on the CLIP
+    calibration unit's embeddings (:func:`pipeline.sizing.calibrate.index_tables`); without it,
+    random rows of the schema (ids drawn below the dataset's rows, incompressible scores)."""
     n, c, k = size.images, size.captions, cfg.k
     ivf = cfg.index == "ivf" or (cfg.index == "auto" and max(n, c) > cfg.flat_max)
     b = {"faiss": 0}
@@ -311,29 +402,59 @@ def index(size, cfg, p: int) -> ArtifactSize:
                                                             "scores": ("float32", k)}, c), n, cfg.query_chunk)
     b["caption_negatives"] = parquet_bytes(fixed_width_table({"caption_id": ("int64", 0), "sample_id": ("int64", 0),
                                                               "image_ids": ("int64", k), "scores": ("float32", k)}, n), c, cfg.query_chunk)
+    notes = []
+    if measured:
+        for table, rows in (("image_negatives", n), ("caption_negatives", c)):
+            if table in measured:
+                b[table] = sum(grown_bytes(measured[table], r) for r in unit_rows(rows, cfg.query_chunk))
+        notes.append("negatives tables: the stage's search on the CLIP calibration's embeddings, grown by the law fitted on them (measured)")
     b["overhead"] = overhead(units_i + units_c, 1)
     return ArtifactSize("index", {"image_negatives": n, "caption_negatives": c}, b, exact_rows=size.exact,
-                        notes=["IVF index" if ivf else "flat index"])
+                        notes=["IVF index" if ivf else "flat index", *notes])
 
 
 def mined_sample(size, cfg) -> dict:
     """The C3 miner itself (:func:`pipeline.concepts.mining.mine`, the stage's parameters) over the
-    sampled records: concept rows per sample, the vocabulary (texts, df) and membership rows per
-    sample. On the whole dataset more n-grams are shared (df >= 2), so rows per sample grow
-    towards K2 and the vocabulary grows; it is scaled by Heaps' law with exponent 0.5 (an estimate)."""
+    caption sample (``size.text_sample``: up to 5,000 records, the whole dataset below that):
+    concept rows per sample, the vocabulary (texts, df) and membership rows per sample, and the
+    mined tables. Beyond the sample the vocabulary grows sublinearly and ever more slowly (a finite
+    word list makes a finite n-gram space): mined on the sample's first eighth, quarter, half and
+    whole, its growth exponent per doubling (Heaps' law locally) is fitted with a linear trend over
+    the three doublings and extrapolated on that trend, floored at 0, doubling by doubling up to the
+    dataset's size;
+    concept rows per sample keep their growth per doubling, up to K2 (estimates)."""
     from pipeline.concepts.mining import mine
     params = cfg.mining_params()
-    sids = [i for i, r in enumerate(size.sample) for _ in r.captions]
-    texts = [c for r in size.sample for c in r.captions]
-    if not texts:
+    recs = size.text_sample or size.sample
+    if not any(r.captions for r in recs):
         return {"per_sample": 0.0, "vocab": 0, "texts": [], "membership_per_sample": 0.0}
-    concepts, vocab = mine(sids, texts, params)
-    n = max(1, len(size.sample))
-    scale = math.sqrt(max(1.0, size.images / n))
-    df = vocab["df"].to_numpy()
-    return {"per_sample": concepts.num_rows / n, "vocab": int(round(vocab.num_rows * scale)),
-            "texts": vocab["text"].to_pylist(), "membership_per_sample": float(df.sum()) / n,
-            "exact": size.images == n}
+
+    def run(rs):
+        sids = [i for i, r in enumerate(rs) for _ in r.captions]
+        return mine(sids, [c for r in rs for c in r.captions], params)
+
+    n = len(recs)
+    concepts, vocab = run(recs)
+    out = {"per_sample": concepts.num_rows / n, "vocab": vocab.num_rows, "texts": vocab["text"].to_pylist(),
+           "membership_per_sample": float(vocab["df"].to_numpy().sum()) / n, "exact": size.images <= n,
+           "concepts_table": concepts, "vocab_table": vocab}
+    if size.images > n and n >= 16:
+        parts = [run(recs[: n // d]) for d in (8, 4, 2)] + [(concepts, vocab)]
+        v = [max(1, t.num_rows) for _, t in parts]
+        slopes = [math.log2(b / a) for a, b in zip(v, v[1:])]  # growth exponent per doubling, at n/8 .. n
+        trend = (slopes[2] - slopes[0]) / 2  # least squares over three equally spaced points
+        fall = max(0.0, -trend)
+        now = sum(slopes) / 3 + trend  # the fitted exponent at the last doubling
+        doublings, total, k = math.log2(size.images / n), float(vocab.num_rows), 1
+        while doublings > 0:
+            step = min(1.0, doublings)
+            total *= 2 ** (max(0.0, now - fall * k) * step)
+            doublings, k = doublings - step, k + 1
+        c4 = parts[1][0]
+        grow = max(0.0, (concepts.num_rows / n - c4.num_rows / (n // 4)) / 2)  # concept rows per sample, per doubling
+        out.update(vocab=int(round(total)), heaps_exponent=now, heaps_fall=fall,
+                   per_sample=min(float(cfg.k2), out["per_sample"] + grow * math.log2(size.images / n)))
+    return out
 
 
 def dumps(a: ArtifactSize) -> dict:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SAMPLE_RECORDS = 256  # records kept for per-image shapes (captions, lengths, instances, relations)
+TEXT_RECORDS = 5000  # records whose captions are kept (the concept miner's vocabulary grows sublinearly with them)
+TEXT_SAMPLE_GENERATED = 5000  # images generated for the caption sample of a generated dataset too large to generate
 GENERATE_MAX = 5000  # a generated dataset up to this size is generated (as ingest would) and read back
 
 
@@ -39,6 +41,7 @@ class DatasetSize:
     exact: bool  # False: records before the image checks, or given
     sample: list[SampleRecord] = field(default_factory=list)
     note: str = ""
+    text_sample: list[SampleRecord] = field(default_factory=list)  # captions only, up to TEXT_RECORDS records
 
     @property
     def captions_per_image(self) -> float:
@@ -56,6 +59,7 @@ def _sample(rec) -> SampleRecord:
 def _count(records, kind: str, skip_images: set[str] = frozenset(), skip_captions: int = 0) -> DatasetSize:
     images = captions = 0
     sample: list[SampleRecord] = []
+    texts: list[SampleRecord] = []
     for rec in records:
         if rec.image and Path(str(rec.image)).name in skip_images:
             continue
@@ -66,7 +70,23 @@ def _count(records, kind: str, skip_images: set[str] = frozenset(), skip_caption
         captions += len(s.captions)
         if len(sample) < SAMPLE_RECORDS:
             sample.append(s)
-    return DatasetSize(images, captions, f"counted by the {kind} reader", exact=False, sample=sample)
+        if len(texts) < TEXT_RECORDS:
+            texts.append(SampleRecord(s.captions))
+    return DatasetSize(images, captions, f"counted by the {kind} reader", exact=False, sample=sample, text_sample=texts)
+
+
+def plan_dataset(manifest, output: Path):
+    """The dataset `pipeline plan` reads records of: the manifest's, except a generated dataset too
+    large to generate for a plan, for which a generated sample of :data:`TEXT_SAMPLE_GENERATED`
+    images of the same parameters (cached under ``<output>/_cache/plan/``)."""
+    ds = manifest.dataset
+    if ds.kind != "synthetic" or ds.synthetic.n_images <= GENERATE_MAX:
+        return ds
+    sample_ds = ds.model_copy(deep=True)
+    sample_ds.synthetic.n_images = TEXT_SAMPLE_GENERATED
+    sample_ds.synthetic.corrupt_images = sample_ds.synthetic.empty_captions = 0
+    sample_ds.synthetic.root = str(output / "_cache" / "plan" / "synthetic-sample")
+    return sample_ds
 
 
 def count_dataset(manifest, output: Path) -> DatasetSize:
@@ -89,15 +109,12 @@ def count_dataset(manifest, output: Path) -> DatasetSize:
         return size
     # Too large to generate for a plan: a generated sample gives the per-image shapes, the
     # generator's parameters the counts (blank captions can fall on broken images: +- that many).
-    sample_ds = ds.model_copy(deep=True)
-    sample_ds.synthetic.n_images = SAMPLE_RECORDS
-    sample_ds.synthetic.corrupt_images = sample_ds.synthetic.empty_captions = 0
-    sample_ds.synthetic.root = str(output / "_cache" / "plan" / "synthetic-sample")
+    sample_ds = plan_dataset(manifest, output)
     sampled = _count(read_dataset(sample_ds, output, defer_masks=True), "synthetic")
     images = s.n_images - s.corrupt_images
     return DatasetSize(images, images * s.captions_per_image - s.empty_captions, "generator parameters",
-                       exact=s.empty_captions == 0, sample=sampled.sample,
-                       note=f"per-image shapes from a generated sample of {SAMPLE_RECORDS} images")
+                       exact=s.empty_captions == 0, sample=sampled.sample, text_sample=sampled.text_sample,
+                       note=f"per-image shapes from a generated sample of {TEXT_SAMPLE_GENERATED} images")
 
 
 def read_captions(path: str | Path) -> list[str]:

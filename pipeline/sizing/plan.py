@@ -2,24 +2,27 @@
 
 Nothing here downloads weights or runs a stage. Rows come from the dataset counted by its reader
 (:mod:`pipeline.sizing.dataset`), bytes from the artifacts' layouts at the models' shapes
-(:mod:`pipeline.sizing.artifacts`, :mod:`pipeline.sizing.shapes`). Time: forward FLOPs counted on
-the meta device, turned into seconds by
+(:mod:`pipeline.sizing.artifacts`, :mod:`pipeline.sizing.shapes`) and, for Parquet tables whose
+content compresses, from the stages' own workers on the first records. Time:
 
-* on CPU, a calibration on this machine: a CLIP vision tower built from its config with random
-  weights (the manifest's published CLIP when one forward is under :data:`CALIBRATE_MAX_FLOPS`,
-  else ViT-B/16's shapes), one torch thread, the best of a few forwards at the real input size;
-  that FLOP/s rate converts every model's FLOPs. Cached in ``<output>/_cache/plan/calibration.json``.
-  Tiny models (``tiny-random``) are bound by per-call overheads, not FLOPs: their times here are
-  lower bounds;
+* on CPU, for a stage whose models can be built here (the ``*-random`` presets, ``scene-oracle``,
+  a local folder or packaged model; ingest and build-index need none): the stage's own worker timed
+  on the dataset's first records, alone and with as many copies at once as the stage runs, plus
+  the fixed costs of a run (process start, Ray, the pools, cold worker builds), all measured
+  (:mod:`pipeline.sizing.calibrate`) and composed by :mod:`pipeline.sizing.walltime`;
+* otherwise on CPU, forward FLOPs counted on the meta device over a calibration on this machine: a
+  CLIP vision tower built from its config with random weights (the manifest's published CLIP when
+  one forward is under :data:`CALIBRATE_MAX_FLOPS`, else ViT-B/16's shapes), one torch thread, the
+  best of a few forwards; cached in ``<output>/_cache/plan/calibration.json``;
 * on GPUs, one published anchor: SAM's ViT-H image encoder (5.96 TFLOP per image, counted here)
   takes ~0.15 s on an NVIDIA A100 (segment-anything.com, FAQ "How long does inference take?"),
   i.e. ~40 TFLOP/s effective; every model's FLOPs are divided by that rate (an assumption for the
   other architectures, stated in the output).
 
-Wall time = rows x seconds per image / the stage's parallel workers on the manifest's cluster
-(Ray's CPUs and GPUs for ``ray.address``; this machine's for an embedded run; ``--cpus`` /
-``--gpus`` state another node). Stages whose cost is not a model forward (ingest's decode is
-measured on sampled images; mine-concepts' n-gram index is not modelled) say so.
+On the FLOP paths wall time = rows x seconds per image / the stage's parallel workers on the
+manifest's cluster (Ray's CPUs and GPUs for ``ray.address``; this machine's for an embedded run;
+``--cpus`` / ``--gpus`` state another node), without fixed costs. Each stage's ``time_basis`` says
+which path and what it covers.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from pathlib import Path
 
 from pipeline.sizing import artifacts as A
 from pipeline.sizing import shapes as S
+from pipeline.sizing import walltime as W
 from pipeline.sizing.dataset import DatasetSize, count_dataset
 
 SCHEMA_VERSION = 1
+MEASURE = True  # time each CPU stage's own worker (pipeline.sizing.calibrate); tests switch it off
 CALIBRATE_MAX_FLOPS = 40e9  # time a model directly when one forward is under this (seconds on one core)
 GPU_ANCHOR = {"node": "NVIDIA A100", "flops_per_s": 5.96e12 / 0.15,
               "source": "SAM ViT-H image encoder ~0.15 s/image on an A100 (segment-anything.com FAQ); 5.96 TFLOP/image counted here"}
@@ -100,10 +105,11 @@ def calibrate(spec: str, cache: Path, repeats: int = 2) -> dict:
 def _decode_seconds(manifest, output: Path, n: int = 8) -> float | None:
     """Seconds to open and fully decode one of the dataset's images (the first ``n`` records)."""
     from pipeline.readers import open_image, read_dataset
+    from pipeline.sizing.dataset import plan_dataset
 
     t, k = 0.0, 0
     try:
-        for rec in read_dataset(manifest.dataset, output, defer_masks=True):
+        for rec in read_dataset(plan_dataset(manifest, output), output, defer_masks=True):
             if k >= n:
                 break
             try:
@@ -210,10 +216,13 @@ def build_plan(manifest, *, cpus: int | None = None, gpus: int | None = None, si
     stages = []
     for name in names:
         cfg = getattr(manifest.stages, reg[name].key)
-        a = _artifact(name, cfg, manifest, size, sized)
+        a = _artifact(name, cfg, manifest, size, sized, output if calibrate_cpu and MEASURE else None, clus)
         sized[a.artifact] = a
         flops, covers = _stage_flops(name, cfg, manifest, size, a)
-        stages.append(_timed(name, cfg, a, flops, covers, size, clus, cal, decode_s))
+        st = _timed(name, cfg, a, flops, covers, size, clus, cal, decode_s)
+        if calibrate_cpu and MEASURE and st["device"] == "cpu":
+            _measured(st, name, cfg, manifest, size, a, output, clus)
+        stages.append(st)
     total = sum(s["total_bytes"] for s in stages)
     return {"schema_version": SCHEMA_VERSION, "manifest": getattr(manifest, "name", None), "output": str(manifest.output),
             "dataset": {"kind": manifest.dataset.kind, "images": size.images, "captions": size.captions, "source": size.source,
@@ -222,9 +231,62 @@ def build_plan(manifest, *, cpus: int | None = None, gpus: int | None = None, si
             "gpu_anchor": GPU_ANCHOR, "stages": stages, "total_bytes": total, "free_bytes": free_bytes(output)}
 
 
-def _artifact(name, cfg, manifest, size, sized) -> A.ArtifactSize:
+def _measured(st: dict, name, cfg, manifest, size: DatasetSize, a: A.ArtifactSize, output: Path, clus: dict) -> None:
+    """Replace a CPU stage's FLOP-based time by its measured per-item cost plus the fixed costs
+    (:mod:`pipeline.sizing.calibrate`) when its models can be built here."""
+    from pipeline.sizing import calibrate as C
+
+    cache, m = output / "_cache" / "plan", manifest.models
+    if size.source == "given":  # a dataset not on this machine (and often a node stated by --cpus/--gpus): the FLOP path
+        return
+    records = _first_records(manifest, output) if name in ("extract-clip-tokens", "negative-captions") else None
+    cost = None
+    if name == "ingest":
+        cost = C.ingest(cache, cfg, manifest, output)
+    elif name == "extract-clip-tokens" and W.loadable(m.clip) and records:
+        cost = C.clip_tokens(cache, m.clip, cfg, records, _busy(name, cfg, manifest, size, clus))
+    elif name == "negative-captions" and W.loadable(m.mlm) and W.loadable(m.word_encoder) and records:
+        cost = C.negatives(cache, m, cfg, records, _busy(name, cfg, manifest, size, clus))
+    elif name == "mine-concepts" and W.loadable(cfg.text_encoder or m.text_encoder):
+        enc = cfg.text_encoder or m.text_encoder
+        texts = [c for r in (size.text_sample or size.sample) for c in r.captions]
+        cost = dict(C.concepts(cache, enc, cfg, texts, _mined(size, manifest)["texts"]))
+        cost["hn_per_pair_s"] = C.search(cache, S.text_model(enc)["hidden"])["per_pair_s"] if cfg.hard_negatives else 0.0
+    elif name == "build-index":
+        cost = C.search(cache, S.clip(m.clip)["projection_dim"])
+    if cost is None:
+        return
+    if name in ("ingest", "build-index", "mine-concepts"):  # their units run as Ray tasks, which import the stage's module
+        cost = dict(cost, import_s=C.stage_import(cache, f"pipeline.stages.{name.replace('-', '_')}"))
+    workers = st["workers"] if name != "mine-concepts" else max(1, int(clus["cpus"] // max(1, cfg.torch_threads)))
+    wall, how = W.stage_wall(name, cfg, manifest, size, a.rows, cost, C.system(cache, manifest.ray), workers)
+    st.update(wall_seconds=wall, time_basis=how, seconds_per_image=wall / max(1, size.images), measured=True)
+
+
+def _busy(name, cfg, manifest, size, clus) -> int:
+    """Workers of a CPU stage busy at once: the cluster's CPUs over each worker's, at most its units."""
+    workers = max(1, int(clus["cpus"] // max(1e-9, getattr(cfg, "num_cpus", None) or getattr(cfg, "torch_threads", 1) or 1)))
+    return max(1, min(workers, len(W.units_of(name, cfg, size, {}, manifest))))
+
+
+def _first_records(manifest, output: Path) -> list[dict]:
+    from pipeline.sizing import calibrate as C
+
+    if _FIRST.get("key") != id(manifest):
+        _FIRST.update(key=id(manifest), value=C.first_records(manifest, output, max(C.CLIP_IMAGES, C.NEG_CAPTIONS // 4)))
+    return _FIRST["value"]
+
+
+_FIRST: dict = {}
+
+
+def _artifact(name, cfg, manifest, size, sized, output: Path | None = None, clus: dict | None = None) -> A.ArtifactSize:
     m = manifest.models
     if name == "ingest":
+        if output is not None and size.source != "given":  # ingest's worker on the first records (cached)
+            from pipeline.sizing import calibrate as C
+
+            return A.samples(size, cfg, C.ingest(output / "_cache" / "plan", cfg, manifest, output)["tables"])
         return A.samples(size, cfg)
     if name == "extract-clip-tokens":
         sh = S.clip(m.clip)
@@ -236,7 +298,13 @@ def _artifact(name, cfg, manifest, size, sized) -> A.ArtifactSize:
     if name == "extract-visual-tokens":
         return A.visual_tokens(size, cfg, S.sam(m.sam), manifest.dataset.kind)
     if name == "negative-captions":
-        return A.negatives(size, cfg, S.text_model(m.word_encoder)["hidden"], _pos_tags(m.spacy, size))
+        measured = None
+        if output is not None and size.source != "given":
+            from pipeline.sizing import calibrate as C
+
+            if W.loadable(m.mlm) and W.loadable(m.word_encoder) and (records := _first_records(manifest, output)):
+                measured = C.negatives(output / "_cache" / "plan", m, cfg, records, _busy(name, cfg, manifest, size, clus)).get("tables")
+        return A.negatives(size, cfg, S.text_model(m.word_encoder)["hidden"], _pos_tags(m.spacy, size), measured)
     if name == "mine-concepts":
         enc = cfg.text_encoder or m.text_encoder
         return A.concepts(size, cfg, S.text_model(enc)["hidden"], _mined(size, manifest))
@@ -244,7 +312,17 @@ def _artifact(name, cfg, manifest, size, sized) -> A.ArtifactSize:
         sh = S.clip(m.clip)
         return A.concept_tokens(_mined(size, manifest), size, cfg, sh, lambda text, cap: S.caption_tokens(sh, text, cap))
     if name == "build-index":
-        return A.index(size, cfg, S.clip(m.clip)["projection_dim"])
+        measured = None
+        if output is not None and size.source != "given":
+            from pipeline.sizing import calibrate as C
+
+            cache = output / "_cache" / "plan"
+            if W.loadable(m.clip) and (records := _first_records(manifest, output)):
+                clip_cfg = manifest.stages.extract_clip_tokens
+                emb = C.clip_tokens(cache, m.clip, clip_cfg, records, _busy("extract-clip-tokens", clip_cfg, manifest, size, clus)).get("embeddings")
+                if emb and (cache / emb).is_file():
+                    measured = C.index_tables(cache / emb, cfg)
+        return A.index(size, cfg, S.clip(m.clip)["projection_dim"], measured)
     raise ValueError(f"pipeline plan: no size model for stage {name}")
 
 
