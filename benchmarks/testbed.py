@@ -14,7 +14,9 @@
      lower bound is above chance *and* above the strongest no-learning baseline the job reports beside
      the row (a frozen score, a prior, one group, the untrained model: ``baseline_for`` in results.parquet,
      :mod:`pipeline.report.significance`), and the control ``at chance`` when its interval's lower bound
-     is not above chance (one-sided: a control that learns nothing may land a little below chance);
+     is not above chance (one-sided: a control that learns nothing may land a little below chance), or
+     ``at its no-learning baseline`` when it is not above that baseline (a frozen score the model adds to,
+     which a control keeps: concept-ot's g on the pixels testbed);
    * a row that must stay at chance (word order: the scene-oracle's features carry none): ``at chance``
      when its interval's lower bound is not above chance, in the trained run and in the control.
    * a row a prior scores without the images (c3's ``type2_as_trained``: C' drawn as training draws it):
@@ -102,9 +104,29 @@ def _cli(tool: str, *args: str) -> tuple[dict | None, float, str, str]:
     return last, wall, "", p.stderr
 
 
+def _finished_run(tool: str, *args: str) -> tuple[dict | None, float, str, str]:
+    """``--table-only``'s stand-in for :func:`_cli`: nothing runs; a ``train run`` answers with the folder that the
+    same command trains into (``train.cli.run_folder``) when its final evaluation is there."""
+    if tool != "train":
+        return None, 0.0, "", ""
+    from pipeline.config import load_manifest
+    from train.cli import run_folder
+
+    job, manifest = args[1], args[args.index("--manifest") + 1]
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    m = load_manifest(manifest, sets)
+    run = run_folder(job, m, getattr(m.train, job.replace("-", "_")))
+    if not (run / "eval" / "final" / "results.parquet").is_file():
+        return None, 0.0, f"{run}: no finished run (train it first)", ""
+    return {"run_dir": str(run)}, 0.0, "", ""
+
+
 def _wall(wall: float, stderr: str) -> str:
     """The wall column: a training time, or a plain word that the run was trained before."""
     from train.loop import NOTHING_TO_TRAIN  # torch: imported once a run has finished, not at start-up
+
+    if wall == 0.0 and not stderr:  # --table-only: nothing ran
+        return "-"
 
     return f"{wall:.0f} (re-evaluated: trained before; --fresh retrains)" if NOTHING_TO_TRAIN in stderr else f"{wall:.0f}"
 
@@ -134,6 +156,17 @@ def _in(r: dict | None, x) -> bool:
 def _above(r: dict | None, x) -> bool:
     """Above chance: the interval's lower bound exceeds it."""
     return bool(r) and x is not None and r.get("ci_low") is not None and r["ci_low"] > x
+
+
+def _control(c: dict | None, chance, bar) -> tuple[bool, str]:
+    """(ok, verdict text) of a control row: it must not rise above what needs no learning, i.e. its lower bound is
+    not above chance, or not above the strongest no-learning baseline the job reports beside the row (``bar``:
+    a frozen score the job's model adds to, which a control that learns nothing keeps: concept-ot's g)."""
+    if _in(c, chance):
+        return True, ", control at chance"
+    if bar is not None and _in(c, bar[1]):
+        return True, f", control at its no-learning baseline ({bar[0]} {bar[1]:.4g})"
+    return False, ", CONTROL OFF CHANCE"
 
 
 def _steps(run_dir: Path) -> int | None:
@@ -190,8 +223,9 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
             ok = _above(r, chance) and above_bar
             verdict = ("learned" if ok else "NOT LEARNED" if above_bar else f"NOT ABOVE BASELINE {bar[0]} ({bar[1]:.4g})")
             verdict += (f" (bar: {bar[0]} {bar[1]:.4g})" if ok and bar is not None else "")
-            verdict += "" if control is None else (", control at chance" if _in(c, chance) else ", CONTROL OFF CHANCE")
-            ok = ok and (control is None or _in(c, chance))
+            cok, ctext = _control(c, chance, bar)
+            verdict += "" if control is None else ctext
+            ok = ok and (control is None or cok)
         elif expect == "prior":  # a row a prior without the images scores: above chance, the control too
             ok = _above(r, chance) and (control is None or _above(c, chance))
             verdict = "prior: above chance, the control too" if ok else "PRIOR NOT ABOVE CHANCE"
@@ -202,8 +236,9 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
             why = pat[5] if len(pat) > 5 else ""
             verdict = ("measured: " + ("above chance" if _above(r, chance) else "not above chance")
                        + (f" ({why})" if why else ""))
-            verdict += "" if control is None else (", control at chance" if _in(c, chance) else ", CONTROL OFF CHANCE")
-            ok = control is None or _in(c, chance)
+            cok, ctext = _control(c, chance, r.get("bar"))
+            verdict += "" if control is None else ctext
+            ok = control is None or cok
         else:
             ok, verdict = True, ""
         out.append({"job": job, "row": "/".join(x for x in (r["benchmark"], r.get("subset") or "", r["metric"]) if x),
@@ -227,6 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=str(REPO / "manifests" / "testbed.yaml"),
                     help="the oracle column: each row's value in this manifest's run of the job (benchmarks/testbed_encoders.py)")
     ap.add_argument("--no-encoders", action="store_true", help="the encoders exist: skip training the ones models.* point at")
+    ap.add_argument("--table-only", action="store_true", help="train nothing, run no stage: the table of the runs that "
+                    "the same command trained before (their folders as `train run` names them)")
     ap.add_argument("--parallel", type=int, default=2, help="commands at once (encoders; each job beside its control); "
                     "each child gets OMP_NUM_THREADS=1 when above 1")
     args = ap.parse_args(argv)
@@ -235,7 +272,9 @@ def main(argv=None) -> int:
     CHILD_ENV.update({"OMP_NUM_THREADS": "1"} if args.parallel > 1 else {})
     pool = ThreadPoolExecutor(max(1, args.parallel))
     sets = sum((["--set", s] for s in args.sets), [])
-    from benchmarks.testbed_encoders import ENCODER_LEARNABLE, encoder_jobs, oracle_rows, pixels_expectations, run_encoders
+    cli = _finished_run if args.table_only else _cli
+    from benchmarks.testbed_encoders import (ENCODER_LEARNABLE, encoder_jobs, oracle_key, oracle_rows, pixels_expectations,
+                                             run_encoders)
 
     LEARNABLE.update(ENCODER_LEARNABLE)
     compare = None if Path(args.compare).resolve() == Path(args.manifest).resolve() else args.compare
@@ -243,19 +282,22 @@ def main(argv=None) -> int:
     if encoders:  # the pixels testbed: rows whose signal its encoders are measured not to carry
         pixels_expectations(LEARNABLE, MIN_N)
     encoders = [] if args.no_encoders else encoders
-    enc_runs, t_ingest = run_encoders(_cli, args.manifest, sets, encoders, pool) if encoders else ([], 0.0)
+    enc_runs, t_ingest = run_encoders(cli, args.manifest, sets, encoders, pool) if encoders else ([], 0.0)
     t_encoders = time.perf_counter() - t_start  # elapsed: the encoder runs may overlap
     t_stages = 0.0
     if not args.no_stages:
-        _, t_stages, err, _ = _cli("pipeline", "run", "all", "--manifest", args.manifest, *sets)
+        _, t_stages, err, _ = cli("pipeline", "run", "all", "--manifest", args.manifest, *sets)
         if err:
             print(f"testbed: pipeline run all failed: {err}", file=sys.stderr)
             return 1
-    lines = ([f"encoders: {t_encoders:.0f} s elapsed (`pipeline run ingest` {t_ingest:.0f} s, "
-              + ", ".join(f"`train run {j}` {w:.0f} s" for j, _, w, _, _ in enc_runs) + ")"] if enc_runs else []) + [
-             f"stages: {t_stages:.0f} s (`pipeline run all --manifest {args.manifest}`)", "",
-             "| job | metric | value | 95% interval | chance | n | control | control 95% | oracle testbed | verdict | steps | wall s |",
-             "|---|---|---:|---|---:|---:|---:|---|---:|---|---:|---:|"]
+    lines = []
+    if not args.table_only:
+        if enc_runs:
+            lines.append(f"encoders: {t_encoders:.0f} s elapsed (`pipeline run ingest` {t_ingest:.0f} s, "
+                         + ", ".join(f"`train run {j}` {w:.0f} s" for j, _, w, _, _ in enc_runs) + ")")
+        lines += [f"stages: {t_stages:.0f} s (`pipeline run all --manifest {args.manifest}`)", ""]
+    lines += ["| job | metric | value | 95% interval | chance | n | control | control 95% | oracle testbed | verdict | steps | wall s |",
+              "|---|---|---:|---|---:|---:|---:|---|---:|---|---:|---:|"]
     ok_all = True
     for job, res, wall, err, log in enc_runs:  # each encoder's own held-out quality (no control run)
         if err or not res:
@@ -273,8 +315,8 @@ def main(argv=None) -> int:
         jsets = sets + (["--set", f"train.{key}.seed={args.seed}"] if args.seed is not None else [])
         jsets += ["--fresh"] if args.fresh else []
         cmd = ("train", "run", job, "--manifest", args.manifest, "--json", "--no-progress", *jsets)
-        runs[job] = (pool.submit(_cli, *cmd),
-                     None if args.no_control else pool.submit(_cli, *cmd, "--set", f"train.{key}.control=shuffled"))
+        runs[job] = (pool.submit(cli, *cmd),
+                     None if args.no_control else pool.submit(cli, *cmd, "--set", f"train.{key}.control=shuffled"))
     for job, (fut, cfut) in runs.items():
         res, wall, err, log = fut.result()
         if err or not res:
@@ -295,12 +337,13 @@ def main(argv=None) -> int:
         for r in job_rows(job, run, control, args.all_rows):
             ok_all &= r["ok"]
             lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
-                         f"{_num(r['control'])} | {r['control_ci']} | {_num(oracle.get(r.get('key')))} | {r['verdict']} | "
+                         f"{_num(r['control'])} | {r['control_ci']} | {_num(oracle.get(oracle_key(r.get('key'))))} | {r['verdict']} | "
                          f"{_num(steps)} | {_wall(wall, log)} |")
     pool.shutdown()
     t_all = time.perf_counter() - t_start
     lines.append("")
-    lines.append(f"whole run: {t_all:.0f} s ({args.parallel} command(s) at once)")
+    lines.append("table of earlier runs (--table-only): nothing was trained" if args.table_only
+                 else f"whole run: {t_all:.0f} s ({args.parallel} command(s) at once)")
     text = "\n".join(lines)
     print(text)
     from pipeline.config import load_manifest

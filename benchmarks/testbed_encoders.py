@@ -96,4 +96,13 @@ def oracle_rows(job: str, compare: str | None, sets: list[str]) -> dict:
     run = run_folder(job, m, cfg)
     if not (run / "eval" / "final" / "results.parquet").is_file():
         return {}
-    return {(r["benchmark"], r.get("subset") or "", r["metric"]): r.get("value") for r in result_rows(run)}
+    return {oracle_key((r["benchmark"], r.get("subset") or "", r["metric"])): r.get("value") for r in result_rows(run)}
+
+
+def oracle_key(key: tuple | None) -> tuple | None:
+    """A row's key across manifests: infoground names its grounding benchmark after the manifest
+    (``grounding:testbed``, ``grounding:pixels``), so that part is dropped."""
+    if not key:
+        return key
+    bench = key[0].split(":", 1)[0] if key[0].startswith("grounding:") else key[0]
+    return (bench, *key[1:])

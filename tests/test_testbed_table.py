@@ -111,3 +111,22 @@ def test_a_job_without_an_image_text_scorer_is_not_a_failed_benchmark(tmp_path):
     run = _run(tmp_path, "r", [("relation-head", "held_out", f"recall@{k}", 60.0, 10.0, 50.0, 70.0, 280) for k in (1, 3, 5)],
                errors=["RelationHeadJob does not implement the scoring interface: benchmarks sugarcrepe not scored"])
     assert all(r["ok"] for r in tb.job_rows("relation-head", run, None, False))
+
+
+def test_a_control_may_keep_the_frozen_score_but_not_rise_above_it(tmp_path):
+    """A control learns nothing, so it sits at what needs no learning: chance, or the frozen score the job's model
+    adds to (concept-ot's g, reported as its no-learning baseline). Above both, it fails."""
+    tb = _testbed()
+    rows = [("c3_mcp", "type1", "auc", 0.70, 0.5, 0.66, 0.74, 900),
+            ("c3_mcp", "type1", "auc_global_cosine", 0.60, 0.5, 0.57, 0.63, 900, "type1/auc"),
+            *C3_OTHER, ("c3_mcp", "type2_as_trained", "auc", 0.82, 0.5, 0.80, 0.83, 2000)]
+    run = _run(tmp_path, "r", rows)
+    at_frozen = _run(tmp_path, "c1", [("c3_mcp", "type1", "auc", 0.58, 0.5, 0.55, 0.61, 900), *C3_CTL,
+                                      ("c3_mcp", "type2_as_trained", "auc", 0.8, 0.5, 0.78, 0.82, 2000)])
+    got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", run, at_frozen, False)}
+    assert got["c3_mcp/type1/auc"] == ("learned (bar: auc_global_cosine 0.6), control at its no-learning baseline "
+                                       "(auc_global_cosine 0.6)", True)
+    above = _run(tmp_path, "c2", [("c3_mcp", "type1", "auc", 0.66, 0.5, 0.63, 0.69, 900), *C3_CTL,
+                                  ("c3_mcp", "type2_as_trained", "auc", 0.8, 0.5, 0.78, 0.82, 2000)])
+    got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", run, above, False)}
+    assert got["c3_mcp/type1/auc"] == ("learned (bar: auc_global_cosine 0.6), CONTROL OFF CHANCE", False)
