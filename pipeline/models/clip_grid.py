@@ -119,7 +119,6 @@ class ClipMaskEncoder(ClipGrid):
 
     def __init__(self, spec: str, device: str = "cpu"):
         super().__init__(spec, "sam", device)
-        self.image_feature_dim = self.token_dim = self.embed_dim = self.dim
         self.record.update(image_feature_dim=self.dim, token_dim=self.dim,
                            tangible="CLIP projected patch grid averaged under the ground-truth mask",
                            image_feature="CLIP image embedding")
