@@ -151,11 +151,9 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     if not oracle and cfg.backend != "annotations":
         from pipeline.models.detector import proposes_boxes
 
-        try:
+        with model_key("models.detector", spec):  # a malformed spec: the same one-line error as a failed load
             if not proposes_boxes(spec):
                 raise StageError(f"models.detector: {spec} pools given boxes only: set stages.extract_regions.backend: annotations")
-        except ValueError as e:
-            raise StageError(f"models.detector: {e}") from None
     attach = (("boxes",) if cfg.backend == "annotations" else ()) + (("scene",) if oracle else ())
     plan = plan_image_units(ctx, cfg.shard_size, attach, missing_hint="use backend: detector")
 
