@@ -63,7 +63,7 @@ def test_flat_hard_negatives_equal_brute_force():
     assert (owner[np.searchsorted(cap_ids, raw)] == img_ids).mean() > 0.9
 
 
-def test_batched_ivf_equals_faiss_ivf_and_pads_short_lists():
+def test_batched_ivf_equals_faiss_ivf_and_pads_short_lists(tmp_path):
     import faiss
 
     x = clustered_embeddings(6000, 64, clusters=60, seed=1)
@@ -73,6 +73,8 @@ def test_batched_ivf_equals_faiss_ivf_and_pads_short_lists():
         index = build_index(x, ids, "ivf", nlist=40, nprobe=3)
         centroids, assign = ivf_lists(index, x)
         ours_s, ours_i = ivf_search_batched(x, ids, centroids, assign, q, 20, 3)
+    # the stage's way: FAISS's own lists read back by id equal the assignment by the quantizer
+    np.testing.assert_array_equal(ivf_lists(index, x, ids)[1], assign)
     ivf = faiss.extract_index_ivf(index)
     # FAISS's own assignment (inverted list contents) equals ours
     for lst in range(0, 40, 7):
@@ -81,6 +83,15 @@ def test_batched_ivf_equals_faiss_ivf_and_pads_short_lists():
     ref_s, ref_i = index.search(q, 20)
     np.testing.assert_allclose(ours_s, ref_s, rtol=1e-4, atol=1e-5)
     assert (ours_i == ref_i).mean() > 0.999  # equal up to exact ties
+    # the search units' way: the base memory-mapped, one list gathered at a time; and the contiguous copy
+    path = tmp_path / "x.npy"
+    np.save(path, x)
+    mm = np.load(path, mmap_mode="r")
+    with blas_threads(1):
+        for got_s, got_i in (BatchedIVF(mm, ids, centroids, assign, 3, copy=False).search(q, 20),
+                             BatchedIVF(x, ids, centroids, assign, 3, copy=True).search(q, 20)):
+            np.testing.assert_array_equal(got_i, ours_i)
+            np.testing.assert_allclose(got_s, ours_s, rtol=1e-6)
     # tiny probe: fewer candidates than k -> -1 padding, like FAISS
     s1, i1 = ivf_search_batched(x, ids, centroids, assign, q[:5], 500, 1)
     assert ((i1 == -1) == np.isneginf(s1)).all()

@@ -339,3 +339,25 @@ def test_winoground_pairs_are_true_for_exactly_their_image(tmp_path):
         assert sorted(e["caption_0"].split()) == sorted(e["caption_1"].split())  # same words, another order
         assert holds(i0, e["caption_0"]) and not holds(i1, e["caption_0"])
         assert holds(i1, e["caption_1"]) and not holds(i0, e["caption_1"])
+
+
+def test_captions_of_is_the_written_captions(gen, tmp_path):
+    """`captions_of` (what `pipeline plan` mines for a generated dataset too large to generate) is
+    the generator's captions.json, caption for caption, except the ones `empty_captions` blanked;
+    and so for the "large" vocabulary too."""
+    from pipeline.synthetic.generate import captions_of
+
+    paths, _ = gen
+    written = json.loads(paths["captions"].read_text())["annotations"]
+    ours = captions_of(PARAMS["n_images"], **{k: v for k, v in PARAMS.items() if k != "n_images"})
+    by_image: dict[int, list[str]] = {}
+    for a in sorted(written, key=lambda a: a["id"]):
+        by_image.setdefault(a["image_id"], []).append(a["caption"])
+    blank = [(w, o) for i, caps in by_image.items() for w, o in zip(caps, ours[i - 1]) if w != o]
+    assert len(blank) == 3 and all(not w.strip() for w, _ in blank)  # exactly the three blanked
+    assert sum(len(c) for c in ours) == PARAMS["n_images"] * PARAMS["captions_per_image"]
+    large = dict(PARAMS, n_images=6, vocabulary="large")
+    p2 = generate(tmp_path / "large", **large)
+    w2 = [a["caption"] for a in sorted(json.loads(p2["captions"].read_text())["annotations"], key=lambda a: a["id"])]
+    assert [c for caps in captions_of(**large) for c in caps] == w2
+    assert [c for caps in captions_of(**dict(large, vocabulary="small")) for c in caps] != w2

@@ -16,7 +16,8 @@ records, at the manifest's batch shapes, into a scratch folder:
 * ``mine-concepts``: the miner on the caption sample (seconds per caption) and the hard-negative
   encoder (:class:`~pipeline.models.text_encoder.TextEncoder`) on mined concept texts of every
   length: seconds per vocabulary entry;
-* ``build-index``: FAISS exact search at the projection width: seconds per query x row.
+* ``build-index``: :mod:`pipeline.sizing.index_cost` (its build and both sides' searches, the
+  stage's own functions timed); the embeddings' reading is timed here with extract-clip-tokens'.
 
 A stage whose workers run several at once is timed again with that many copies started together
 in child processes (:func:`at_once`): the slowdown the machine's cores, caches and other load
@@ -40,11 +41,12 @@ from pathlib import Path
 
 from pipeline.sizing import artifacts as A
 
-COST_VERSION = 12
+COST_VERSION = 13
 CLIP_IMAGES = 512  # images of the calibration unit (extract-clip-tokens; their embeddings size build-index's tables)
 NEG_CAPTIONS = 1000  # captions mined (negative-captions): enough rows for the Parquet's compression to show
 VOCAB_TEXTS = 512  # concept texts encoded (mine-concepts)
 INGEST_RECORDS = 2000
+MINE_RECORDS = 5000  # records whose captions the miner is timed on (seconds per caption)
 
 
 def _key(parts: dict) -> str:
@@ -248,9 +250,9 @@ def clip_tokens(cache: Path, spec: str, cfg, records: list[dict], together: int 
         recs = _unit_records(records, CLIP_IMAGES)
         with tempfile.TemporaryDirectory() as tmp:
             per_item, folder = clip_work(args, recs, tmp)
-            _save_embeddings(Path(folder), cache / f"embeddings-{_key(parts)}.npz")
+            read = _save_embeddings(Path(folder), cache / f"embeddings-{_key(parts)}.npz")
         out = {"load_s": load, "per_item_s": per_item, "item": "image", "items": len(recs),
-               "embeddings": f"embeddings-{_key(parts)}.npz"}
+               "embeddings": f"embeddings-{_key(parts)}.npz", "embed_read_per_row_s": read}
         if together > 1:
             out["per_item_s_together"] = {str(together): at_once(together, "clip_work", {"args": args, "recs": recs})}
         return out
@@ -314,8 +316,9 @@ def at_once(k: int, fn: str, kwargs: dict) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def _save_embeddings(folder: Path, path: Path) -> None:
-    """The calibration unit's image and caption embeddings (what build-index reads), for sizing the index's tables."""
+def _save_embeddings(folder: Path, path: Path) -> float:
+    """The calibration unit's image and caption embeddings (what build-index reads), for sizing the
+    index's tables; returns the seconds per row of reading them as build-index does."""
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -323,11 +326,14 @@ def _save_embeddings(folder: Path, path: Path) -> None:
         col = col.combine_chunks()
         return np.asarray(col.values.to_numpy(zero_copy_only=False), np.float32).reshape(-1, col.type.list_size)
 
-    imgs = pq.read_table(next((folder / "images").glob("*.parquet")))
-    caps = pq.read_table(next((folder / "captions").glob("*.parquet")))
+    t0 = time.perf_counter()  # build-index reads these columns of every shard
+    imgs = pq.read_table(next((folder / "images").glob("*.parquet")), columns=["sample_id", "image_embed"])
+    caps = pq.read_table(next((folder / "captions").glob("*.parquet")), columns=["caption_id", "sample_id", "text_embed"])
+    read_s = time.perf_counter() - t0
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, img_ids=imgs["sample_id"].to_numpy(), img=mat(imgs["image_embed"]), cap_ids=caps["caption_id"].to_numpy(),
              cap_owner=caps["sample_id"].to_numpy(), cap=mat(caps["text_embed"]))
+    return read_s / max(1, imgs.num_rows + caps.num_rows)
 
 
 def index_tables(npz: Path, cfg) -> dict:

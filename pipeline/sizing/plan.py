@@ -190,12 +190,14 @@ def _stage_flops(name: str, cfg, manifest, size: DatasetSize, art: A.ArtifactSiz
         total = _mined(size, manifest)["vocab"] * enc["flops_token"] * (cfg.n_max / 2 + 2)
         return total / max(1, size.images), "vocabulary encoder only (the driver's n-gram index is not modelled)"
     if name == "build-index":  # exact or IVF top-K search, both directions, as matrix products
+        from pipeline.stages.build_index import resolve_kind
+
         p = S.clip(m.clip)["projection_dim"]
         n, c = size.images, size.captions
-        frac = 1.0
-        if cfg.index == "ivf" or (cfg.index == "auto" and max(n, c) > cfg.flat_max):
-            frac = cfg.nprobe_fraction
-        return 2 * 2 * n * c * p * frac / max(1, n), "FAISS search, both directions, as BLAS (k-means not counted)"
+        frac = {side: cfg.nprobe_fraction if resolve_kind(rows, cfg.index, cfg.flat_max) == "ivf" else 1.0
+                for side, rows in (("images", n), ("captions", c))}  # a query scans that share of the other side
+        return (2 * p * n * c * (frac["images"] + frac["captions"]) / max(1, n),
+                "FAISS search, both directions, as BLAS (each side's index exact or IVF; k-means not counted)")
     return None, "no model forward"
 
 
@@ -249,11 +251,19 @@ def _measured(st: dict, name, cfg, manifest, size: DatasetSize, a: A.ArtifactSiz
         cost = C.negatives(cache, m, cfg, records, _busy(name, cfg, manifest, size, clus))
     elif name == "mine-concepts" and W.loadable(cfg.text_encoder or m.text_encoder):
         enc = cfg.text_encoder or m.text_encoder
-        texts = [c for r in (size.text_sample or size.sample) for c in r.captions]
+        texts = [c for r in (size.text_sample or size.sample)[:C.MINE_RECORDS] for c in r.captions]
         cost = dict(C.concepts(cache, enc, cfg, texts, _mined(size, manifest)["texts"]))
         cost["hn_per_pair_s"] = C.search(cache, S.text_model(enc)["hidden"])["per_pair_s"] if cfg.hard_negatives else 0.0
     elif name == "build-index":
-        cost = C.search(cache, S.clip(m.clip)["projection_dim"])
+        from pipeline.sizing import index_cost
+
+        cost = index_cost.costs(cache, S.clip(m.clip)["projection_dim"], cfg, size.images, size.captions,
+                                math.ceil(max((len(r.captions) for r in size.sample), default=1)), cfg.query_chunk)
+        clip_cfg = manifest.stages.extract_clip_tokens
+        if W.loadable(m.clip) and (recs := _first_records(manifest, output)):
+            clip = C.clip_tokens(cache, m.clip, clip_cfg, recs,
+                                 _busy("extract-clip-tokens", clip_cfg, manifest, size, clus))
+            cost["read_per_row_s"] = clip.get("embed_read_per_row_s", 0.0)
     if cost is None:
         return
     if name in ("ingest", "build-index", "mine-concepts"):  # their units run as Ray tasks, which import the stage's module

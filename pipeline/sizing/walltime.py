@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def makespan(unit_rows: list[int], workers: int) -> int:
-    """Rows on the busiest worker when units go, in order, each to the first worker free (what a
-    pool of workers does with a queue of units)."""
+def makespan(unit_rows: list[float], workers: int) -> float:
+    """Rows (or seconds) on the busiest worker when units go, in order, each to the first worker
+    free (what a pool of workers does with a queue of units)."""
     loads = [0] * max(1, workers)
     for r in unit_rows:
         i = loads.index(min(loads))
@@ -97,16 +97,20 @@ def stage_wall(name: str, cfg, manifest, size, rows: dict, cost: dict, sysc: dic
             hn = rows["vocab"] ** 2 * cost["hn_per_pair_s"]
             work += hn
             parts.append(f"hard-negative search {hn:.1f} s")
-    elif name == "build-index":  # query units of both sides; each searches the other side's whole index
+    elif name == "build-index":  # the driver's build, then query units of both sides over the other side's index
         fixed += tasks + imp
-        parts.append(f"task pool {tasks:.1f} s, the stage's imports in a worker {imp:.1f} s")
-        n, c = size.images, size.captions
-        frac = 1.0
-        if cfg.index == "ivf" or (cfg.index == "auto" and max(n, c) > cfg.flat_max):
-            frac = cfg.nprobe_fraction
-        work = 2 * n * c * frac * cost["per_pair_s"] / max(1, busy) * slow
-        how = (f"FAISS search, both directions: {cost['per_pair_s'] * 1e9:.3g} ns per query x row (measured) x {frac:g}"
-               f" over {busy} workers" + (f" x {slow:.2f} ({busy} at once here, measured)" if busy > 1 else ""))
+        read = cost.get("read_per_row_s", 0.0) * (size.images + size.captions)
+        build = sum(cost["build_s"].values())
+        parts.append(f"task pool {tasks:.1f} s, the stage's imports in a worker {imp:.1f} s, reading "
+                     f"{size.images + size.captions:,} embeddings {read:.1f} s (measured per row)")
+        from pipeline.sizing.artifacts import unit_rows
+
+        secs = [q * cost["per_query_s"][side] for side, n in (("images", size.images), ("captions", size.captions))
+                for q in unit_rows(n, cfg.query_chunk)]
+        search = makespan(secs, workers) * slow
+        work = read + build + search
+        how = (f"search {search:.1f} s on the busiest of {busy} workers ({cost['how']}; the stage's own search timed "
+               f"here, one thread" + (f"; x {slow:.2f}, {busy} at once here, measured" if busy > 1 else "") + ")")
     return fixed + work, f"{how}; + {', '.join(parts)}"
 
 

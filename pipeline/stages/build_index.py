@@ -39,8 +39,10 @@ memory-maps the stored matrices and reads only its own ``[start, stop)`` query s
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import time
 from typing import Literal
 
 import numpy as np
@@ -49,6 +51,8 @@ from pydantic import Field
 
 from pipeline.io.atomic import atomic_path, fingerprint, sha256_file, write_json_atomic
 from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
+
+log = logging.getLogger("pipeline")
 
 NAME = "build-index"
 READS = ["clip_tokens"]
@@ -160,23 +164,69 @@ def search_excluding(index, queries: np.ndarray, k: int, result_owner: np.ndarra
     return ids, scores
 
 
-def ivf_lists(index, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def ivf_lists(index, x: np.ndarray, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Centroids [nlist, d] of an IVF index and the list of every row of ``x`` (as FAISS assigns
-    them when adding: nearest centroid by the quantizer's metric)."""
+    them when adding: nearest centroid by the quantizer's metric). With the rows' ``ids`` (unique,
+    as added), read from the index's own inverted lists instead of assigning every row again."""
     import faiss
 
     ivf = faiss.extract_index_ivf(index)
     centroids = ivf.quantizer.reconstruct_n(0, ivf.nlist)
-    _, assign = ivf.quantizer.search(np.ascontiguousarray(x, dtype=np.float32), 1)
-    return centroids, assign[:, 0].astype(np.int64)
+    if ids is None:
+        _, assign = ivf.quantizer.search(np.ascontiguousarray(x, dtype=np.float32), 1)
+        return centroids, assign[:, 0].astype(np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
+    inv = ivf.invlists
+    sizes = np.array([inv.list_size(lst) for lst in range(ivf.nlist)], dtype=np.int64)
+    listed = np.concatenate([faiss.rev_swig_ptr(inv.get_ids(lst), int(n)).copy() for lst, n in enumerate(sizes) if n]
+                            or [np.zeros(0, np.int64)])
+    order = np.argsort(ids, kind="stable")
+    rows = order[np.searchsorted(ids, listed, sorter=order)]
+    assign = np.full(len(ids), -1, np.int64)
+    assign[rows] = np.repeat(np.arange(ivf.nlist), sizes)
+    if len(listed) != len(ids) or (assign < 0).any():
+        raise ValueError("ivf_lists: the index's lists do not hold each id once")
+    return centroids, assign
 
 
-def ivf_layout(x: np.ndarray, ids: np.ndarray, assign: np.ndarray, nlist: int):
-    """The base vectors and ids reordered list by list (each inverted list one contiguous block,
-    so scoring a list reads a view, not a gather), and each list's [start, stop) bounds."""
-    rows = np.argsort(assign, kind="stable")
-    bounds = np.searchsorted(np.asarray(assign)[rows], np.arange(nlist + 1))
-    return np.ascontiguousarray(np.asarray(x, dtype=np.float32)[rows]), np.asarray(ids)[rows], bounds
+class IvfLayout:
+    """An IVF base list by list: each list's rows of ``x`` (ascending) and their ids, and its
+    ``[start, stop)`` bounds. With ``copy`` the vectors are also reordered into one contiguous
+    block per list (a view per list instead of a gather: worth it when the same base is searched
+    many times, at the cost of a second copy of it in memory); without, a list's vectors are
+    gathered from ``x`` when it is scored (``x`` may be a memory map: a search unit then holds
+    one list's vectors at a time, not the base)."""
+
+    def __init__(self, x: np.ndarray, ids: np.ndarray, assign: np.ndarray, nlist: int, copy: bool = True):
+        self.rows = np.argsort(assign, kind="stable")
+        self.bounds = np.searchsorted(np.asarray(assign)[self.rows], np.arange(nlist + 1))
+        self.ids = np.asarray(ids)[self.rows]
+        self.x = x
+        self.xs = np.ascontiguousarray(np.asarray(x, dtype=np.float32)[self.rows]) if copy else None
+
+    def vectors(self, lst: int) -> np.ndarray:
+        a, b = self.bounds[lst], self.bounds[lst + 1]
+        if self.xs is not None:
+            return self.xs[a:b]
+        return np.asarray(self.x[self.rows[a:b]], dtype=np.float32)
+
+
+def ivf_layout(x: np.ndarray, ids: np.ndarray, assign: np.ndarray, nlist: int, copy: bool = True) -> IvfLayout:
+    """:class:`IvfLayout` of a base (``copy``: one contiguous block per list)."""
+    return IvfLayout(x, ids, assign, nlist, copy)
+
+
+def ivf_probes(queries: np.ndarray, centroids: np.ndarray, nprobe: int, block: int = 4096) -> np.ndarray:
+    """The ``nprobe`` lists each query probes (its nearest centroids by inner product), [q, nprobe];
+    scored ``block`` queries at a time so the query x centroid matrix stays small."""
+    nq, nlist = len(queries), len(centroids)
+    if nprobe >= nlist:
+        return np.tile(np.arange(nlist), (nq, 1))
+    probe = np.empty((nq, nprobe), np.int64)
+    for a in range(0, nq, block):
+        cs = queries[a:a + block] @ centroids.T
+        probe[a:a + block] = np.argpartition(-cs, nprobe - 1, axis=1)[:, :nprobe]
+    return probe
 
 
 def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, assign: np.ndarray, queries: np.ndarray, k: int, nprobe: int, layout=None):
@@ -187,51 +237,34 @@ def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, as
     but each inverted list is scored against all queries probing it in one matrix product
     instead of one query at a time: FAISS's per-query scan is memory-bound and on CPU barely
     beats a BLAS flat search, which defeats the point of IVF for offline mining where all
-    queries are known up front. Returns (scores [q, k], ids [q, k]); -1 / -inf where fewer.
+    queries are known up front. Each query keeps a running top-k, merged list by list (memory
+    O(queries x k), not O(queries x nprobe x k): at 1M captions the candidates of one 50k-query
+    unit were ~1.5 GB before, and their global sort most of the unit's time). Returns
+    (scores [q, k], ids [q, k]) by decreasing score; -1 / -inf where fewer.
     ``layout`` is :func:`ivf_layout` of the base, when the same base is searched more than once."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     nq, nlist = len(queries), len(centroids)
     nprobe = min(nprobe, nlist)
-    cs = queries @ centroids.T
-    probe = np.argpartition(-cs, nprobe - 1, axis=1)[:, :nprobe] if nprobe < nlist else np.tile(np.arange(nlist), (nq, 1))
-    # inverted view: for each list, the queries probing it
-    flat_lists = probe.reshape(-1)
-    q_of = np.repeat(np.arange(nq), nprobe)
-    order = np.argsort(flat_lists, kind="stable")
-    q_sorted, l_sorted = q_of[order], flat_lists[order]
-    q_bounds = np.searchsorted(l_sorted, np.arange(nlist + 1))
-    xs, ids_s, r_bounds = layout if layout is not None else ivf_layout(x, ids, assign, nlist)
-    cand_q, cand_s, cand_i = [], [], []
+    lay = layout if layout is not None else ivf_layout(x, ids, assign, nlist, copy=False)
+    probe = ivf_probes(queries, centroids, nprobe).reshape(-1)
+    order = np.argsort(probe, kind="stable")  # inverted view: for each list, the queries probing it
+    q_sorted = order // nprobe
+    q_bounds = np.searchsorted(probe[order], np.arange(nlist + 1))
+    best_s = np.full((nq, k), -np.inf, np.float32)
+    best_i = np.full((nq, k), -1, np.int64)
     for lst in range(nlist):
         qa, qb = q_bounds[lst], q_bounds[lst + 1]
-        ra, rb = r_bounds[lst], r_bounds[lst + 1]
+        ra, rb = lay.bounds[lst], lay.bounds[lst + 1]
         if qa == qb or ra == rb:
             continue
-        qi = q_sorted[qa:qb]
-        sc = queries[qi] @ xs[ra:rb].T  # [q_l, n_l]; the list is one contiguous block
-        kk = min(k, sc.shape[1])
-        if kk < sc.shape[1]:
-            top = np.argpartition(-sc, kk - 1, axis=1)[:, :kk]
-            sc = np.take_along_axis(sc, top, axis=1)
-            mi = ids_s[ra:rb][top]
-        else:
-            mi = np.broadcast_to(ids_s[ra:rb], sc.shape)
-        cand_q.append(np.repeat(qi, kk))
-        cand_s.append(sc.reshape(-1))
-        cand_i.append(mi.reshape(-1))
-    out_s = np.full((nq, k), -np.inf, np.float32)
-    out_i = np.full((nq, k), -1, np.int64)
-    if not cand_q:
-        return out_s, out_i
-    cq, cs_, ci = np.concatenate(cand_q), np.concatenate(cand_s), np.concatenate(cand_i)
-    o = np.lexsort((-cs_, cq))  # by query, then decreasing score
-    cq, cs_, ci = cq[o], cs_[o], ci[o]
-    starts = np.searchsorted(cq, np.arange(nq))
-    rank = np.arange(len(cq)) - starts[cq]
-    sel = rank < k
-    out_s[cq[sel], rank[sel]] = cs_[sel]
-    out_i[cq[sel], rank[sel]] = ci[sel]
-    return out_s, out_i
+        qi = q_sorted[qa:qb]  # distinct: a query probes a list once
+        sc = np.concatenate([best_s[qi], queries[qi] @ lay.vectors(lst).T], axis=1)
+        ci = np.concatenate([best_i[qi], np.broadcast_to(lay.ids[ra:rb], (len(qi), rb - ra))], axis=1)
+        top = np.argpartition(-sc, k - 1, axis=1)[:, :k]  # k + the list's rows > k columns
+        best_s[qi] = np.take_along_axis(sc, top, axis=1)
+        best_i[qi] = np.take_along_axis(ci, top, axis=1)
+    o = np.argsort(-best_s, axis=1, kind="stable")
+    return np.take_along_axis(best_s, o, axis=1), np.take_along_axis(best_i, o, axis=1)
 
 
 def clustered_embeddings(n: int, d: int = 512, clusters: int = 1000, noise: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -254,9 +287,9 @@ def clustered_embeddings(n: int, d: int = 512, clusters: int = 1000, noise: floa
 class BatchedIVF:
     """Adapter giving :func:`ivf_search_batched` FAISS's ``search(q, k) -> (D, I)`` shape."""
 
-    def __init__(self, x, ids, centroids, assign, nprobe):
+    def __init__(self, x, ids, centroids, assign, nprobe, copy: bool = True):
         self.x, self.ids, self.centroids, self.assign, self.nprobe = x, ids, centroids, assign, nprobe
-        self.layout = ivf_layout(x, ids, assign, len(centroids))  # once, not per search
+        self.layout = ivf_layout(x, ids, assign, len(centroids), copy)  # once, not per search
 
     def search(self, queries, k):
         return ivf_search_batched(self.x, self.ids, self.centroids, self.assign, queries, k, self.nprobe, self.layout)
@@ -312,6 +345,7 @@ def _search_unit(payload: dict) -> dict:
             np.load(os.path.join(root, f"{other}_centroids.npy")),
             np.load(os.path.join(root, f"{other}_assign.npy")),
             payload["nprobe"],
+            copy=False,  # one list's vectors at a time from the memory map, not a second copy of the base
         )
     else:
         index = faiss.read_index(os.path.join(root, f"{other}.faiss"))
@@ -381,13 +415,17 @@ def _build(ctx: RunContext, cfg: Config, root, build_fp: str) -> dict:
     ``faiss/*.npy``, the driver keeps only ``_build.json``. Returns that content."""
     import faiss
 
+    t0 = time.perf_counter()
     _, xi, img_ids, xc, cap_ids, cap_owner = _load_embeddings(ctx, cfg.normalize)
+    log.info("index: read %s image and %s caption embeddings in %.1fs", f"{len(img_ids):,}", f"{len(cap_ids):,}",
+             time.perf_counter() - t0)
     if len(cap_ids) == 0:
         raise StageError("clip_tokens has no caption embeddings; hard negatives need captions")
     faiss.omp_set_num_threads(max(1, os.cpu_count() or 1))
     info = {"fingerprint": build_fp, "indexes": {}}
     sides = {"images": (xi, img_ids), "captions": (xc, cap_ids)}
     for side, (x, ids) in sides.items():
+        t0 = time.perf_counter()
         kind = resolve_kind(len(ids), cfg.index, cfg.flat_max)
         index = build_index(x, ids, kind, cfg.nlist, cfg.nprobe, cfg.nprobe_fraction, cfg.train_size, cfg.seed, cfg.kmeans_iters)
         _faiss_write(index, root / f"{side}.faiss")
@@ -397,10 +435,11 @@ def _build(ctx: RunContext, cfg: Config, root, build_fp: str) -> dict:
         if kind == "ivf":
             ivf = faiss.extract_index_ivf(index)
             entry.update(nlist=int(ivf.nlist), nprobe=int(ivf.nprobe))
-            centroids, assign = ivf_lists(index, x)
+            centroids, assign = ivf_lists(index, x, ids)
             _npy_write(root / f"{side}_centroids.npy", centroids)
             _npy_write(root / f"{side}_assign.npy", assign)
         info["indexes"][side] = entry
+        log.info("index: %s: %s index of %s built and written in %.1fs", side, kind, f"{len(ids):,}", time.perf_counter() - t0)
     _npy_write(root / "captions_owner.npy", cap_owner)
     for side in sides:
         info["indexes"][side]["sha256"] = sha256_file(root / f"{side}.faiss")

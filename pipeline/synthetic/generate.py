@@ -122,6 +122,28 @@ def id_stride(max_objects: int, captions_per_image: int) -> int:
     return stride
 
 
+def _scene_captions(cfg: dict, i: int, grid):
+    """Image ``i``'s random stream, scene, relations and captions (text, phrase spans)."""
+    rng = np.random.default_rng([cfg["seed"], i])
+    n_obj = int(rng.integers(cfg["min_objects"], cfg["max_objects"] + 1))
+    scene = make_scene(rng, cfg["S"], n_obj, (grid[0], grid[1]))
+    rels = relations(scene)
+    # vocabulary "large": the same captions re-worded from their own stream (scenes, negatives unchanged)
+    lex = Lexicon(np.random.default_rng([cfg["seed"], i, 0x1E71C]) if cfg["vocabulary"] == "large" else None)
+    return rng, scene, rels, make_captions(scene, rels, cfg["cpi"], rng, lex)
+
+
+def captions_of(n_images: int, seed: int = 0, image_size: int = 128, captions_per_image: int = 5, min_objects: int = 1,
+                max_objects: int = 4, vocabulary: str = "small") -> list[list[str]]:
+    """The captions :func:`generate` writes for its first ``n_images`` images with these parameters
+    (before ``empty_captions`` blanks any), without writing anything: the text of a generated
+    dataset too large to generate for a plan (``pipeline plan`` mines it)."""
+    cfg = {"seed": seed, "S": image_size, "cpi": captions_per_image, "min_objects": min_objects,
+           "max_objects": max_objects, "vocabulary": vocabulary}
+    grid = np.mgrid[0:image_size, 0:image_size].astype(np.float32)
+    return [[text for text, _ in _scene_captions(cfg, i, grid)[3]] for i in range(n_images)]
+
+
 def _render_range(cfg: dict, start: int, stop: int) -> dict:
     """Render images [start, stop): write their image and Flickr files, return their JSON entries."""
     root = Path(cfg["root"])
@@ -139,13 +161,7 @@ def _render_range(cfg: dict, start: int, stop: int) -> dict:
         stem = f"{image_id:012d}"
         fname = f"{stem}.jpg"
         split = split_of(i, cfg["heldout"])
-        rng = np.random.default_rng([seed, i])
-        n_obj = int(rng.integers(cfg["min_objects"], cfg["max_objects"] + 1))
-        scene = make_scene(rng, S, n_obj, (grid[0], grid[1]))
-        rels = relations(scene)
-        # vocabulary "large": the same captions re-worded from their own stream (scenes, negatives unchanged)
-        lex = Lexicon(np.random.default_rng([seed, i, 0x1E71C]) if cfg["vocabulary"] == "large" else None)
-        caps = make_captions(scene, rels, cpi, rng, lex)
+        rng, scene, rels, caps = _scene_captions(cfg, i, grid)
         negs = make_negatives(scene, rels, rng)
 
         buf = io.BytesIO()
