@@ -42,6 +42,19 @@ def small_testbed(tmp_path_factory, ray_session) -> Path:
     return small_oracle_testbed(tmp_path_factory.mktemp("small_testbed"))
 
 
+@pytest.fixture(scope="session")
+def infoground_testbed(tmp_path_factory) -> Path:
+    """The output folder of `pipeline run ingest / negative-captions / extract-regions` on the testbed
+    manifest at 400 images (tests/test_testbed_infoground.py, :func:`run_stages`), made once per session
+    for tests/test_testbed_infoground.py and tests/test_paper_grid_slow.py; each copies it
+    (:func:`tests.test_testbed_infoground.copy_stages`) before it writes run folders."""
+    from tests.test_testbed_infoground import run_stages
+
+    out = tmp_path_factory.mktemp("infoground_testbed") / "out"
+    run_stages(out)
+    return out
+
+
 @pytest.fixture
 def testbed_copy(small_testbed, tmp_path) -> tuple[Path, Path]:
     """(output folder, manifest) of this test's own copy of ``small_testbed``."""

@@ -1,7 +1,9 @@
 """A paper's ablation grid end to end through the real commands, on a reduced testbed (issue 26).
 
-`pipeline run ingest / negative-captions / extract-regions --manifest manifests/testbed.yaml` on 200
-generated images (the stages infoground reads, with the scene-oracle detector and word encoder), then
+`pipeline run ingest / negative-captions / extract-regions --manifest manifests/testbed.yaml` on 400
+generated images (the stages infoground reads, with the scene-oracle detector and word encoder; run
+once per session for this test and tests/test_testbed_infoground.py: the ``infoground_testbed``
+fixture of tests/conftest.py, copied here), then
 `train sweep infoground --grid <two rows of grids/infoground.yaml> --seeds 1` (one epoch each) and
 `train compare --paper infoground <output>/train/infoground/*`, as a user types them. Asserted: the
 paper's table comes out of the real run folders with both rows (one seed each), each row's published
@@ -25,13 +27,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_testbed_infoground import _env, _sets
+from tests.test_testbed_infoground import _env, _sets, copy_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the stages alone took over 10 min at load ~38 (600 s default hit)
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "manifests" / "testbed.yaml"
-N_IMAGES = 200  # 20 val + test images (i % 20 == 18, 19): ~150 held-out phrases
+N_IMAGES = 400  # tests/test_testbed_infoground.py's `_sets`: 40 val + test images (i % 20 == 18, 19), ~330 held-out phrases
 ROWS = {"none-pretrained": "none", "contextual": "contextual"}  # table row -> train.infoground.negatives
 TRAIN = ["train.infoground.epochs=1", "train.infoground.test_splits=[val,test]", "train.infoground.best_metric=null",
          "train.infoground.eval_per_epoch=false", "train.infoground.heatmaps=0", "train.infoground.threads=1"]
@@ -52,11 +54,9 @@ def _column(table: str, col: str) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def compare_table(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("paper_grid")
+def compare_table(tmp_path_factory, infoground_testbed) -> str:
+    out = copy_stages(infoground_testbed, tmp_path_factory.mktemp("paper_grid") / "out")
     sets = _sets(out, [f"dataset.synthetic.n_images={N_IMAGES}", "ray.num_cpus=2"])
-    for stage in ("ingest", "negative-captions", "extract-regions"):
-        _cli("pipeline", "run", stage, "--manifest", str(MANIFEST), *sets)
     grid = out / "grid.yaml"
     grid.write_text(yaml.safe_dump({"configurations": [{"train.infoground.negatives": v} for v in ROWS.values()]}))
     _cli("train", "sweep", "infoground", "--manifest", str(MANIFEST), "--grid", str(grid), "--seeds", "1",

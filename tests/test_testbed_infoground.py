@@ -56,14 +56,28 @@ def _pointing(run_dir: str) -> dict:
     return row[0]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("testbed_ig")
-    py = sys.executable
+def run_stages(out: Path) -> None:
+    """`pipeline run <stage> --manifest manifests/testbed.yaml --set ...` (:func:`_sets`) for the stages
+    infoground reads, into ``out``: the session fixture ``infoground_testbed`` (tests/conftest.py) runs
+    them once for this module and tests/test_paper_grid_slow.py."""
     for stage in ("ingest", "negative-captions", "extract-regions"):  # what infoground reads
-        r = subprocess.run([py, "-m", "pipeline.cli", "run", stage, "--manifest", str(MANIFEST), *_sets(out)],
+        r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", stage, "--manifest", str(MANIFEST), *_sets(out)],
                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def copy_stages(src: Path, dest: Path) -> Path:
+    """A private copy of :func:`run_stages`' output (run folders of one test are not another's)."""
+    import shutil
+
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("_logs", "_lock"))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, infoground_testbed):
+    out = copy_stages(infoground_testbed, tmp_path_factory.mktemp("testbed_ig") / "out")
+    py = sys.executable
     procs = {}
     for control in ("none", "shuffled"):  # the two trainings side by side (one thread each)
         argv = [py, "-m", "train.cli", "run", "infoground", "--manifest", str(MANIFEST), "--no-progress", "--json",
