@@ -43,6 +43,16 @@ def small_testbed(tmp_path_factory, ray_session) -> Path:
 
 
 @pytest.fixture(scope="session")
+def testbed(tmp_path_factory):
+    """The learning tests' reduced testbed (tests/testbed_run.py, :class:`Testbed`): defined here, not
+    imported into each test module, so that the modules share ONE instance per session (a fixture
+    imported into two modules is two fixtures, and made the stages run twice)."""
+    from tests.testbed_run import Testbed
+
+    return Testbed(tmp_path_factory.mktemp("testbed"))
+
+
+@pytest.fixture(scope="session")
 def infoground_testbed(tmp_path_factory) -> Path:
     """The output folder of `pipeline run ingest / negative-captions / extract-regions` on the testbed
     manifest at 400 images (tests/test_testbed_infoground.py, :func:`run_stages`), made once per session

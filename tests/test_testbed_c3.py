@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.testbed_run import rows, testbed  # noqa: F401  (the session fixture)
+from tests.testbed_run import rows  # the session fixture `testbed`: tests/conftest.py
 
 LEARNED = {"type1": 0.03, "type2_random": 0.03, "type2_hard": 0.03, "type2_binding": 0.03}  # ci_low - 0.5 required
 SLACK = 0.01  # the control's ci_low may exceed 0.5 by at most this (largest over seeds 0-2: 0.0012)
@@ -55,14 +55,15 @@ NO_BENCH = "eval.benchmarks=[]"
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_c3_learns_mcp_on_the_testbed_and_its_control_does_not(testbed):  # noqa: F811
+def test_c3_learns_mcp_on_the_testbed_and_its_control_does_not(testbed):
     testbed.stages("ingest", "extract-clip-tokens", "mine-concepts", "encode-concepts")
-    _, results = testbed.train("c3", NO_BENCH)
+    # the run and its control side by side (threads: 1 each, as calibrated; their numbers do not depend on it)
+    (_, results), (_, ctl_results) = testbed.train_side_by_side(("c3", NO_BENCH),
+                                                                ("c3", NO_BENCH, "train.c3.control=shuffled"))
     r = rows(results)
     for t, margin in LEARNED.items():
         x = r[("c3_mcp", t, "auc")]
         assert x["n"] >= 300 and x["ci_low"] - 0.5 > margin, (t, x)
-    _, ctl_results = testbed.train("c3", NO_BENCH, "train.c3.control=shuffled")
     c = rows(ctl_results)
     for t in ("type1", "type2_random", "type2_hard", "type2_binding"):
         x = c[("c3_mcp", t, "auc")]

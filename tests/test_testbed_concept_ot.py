@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.testbed_run import rows, testbed  # noqa: F401  (the session fixture)
+from tests.testbed_run import rows  # the session fixture `testbed`: tests/conftest.py
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # over 10 min at load 15-30 on 2 cores
 
@@ -51,7 +51,7 @@ def _in(r) -> bool:
     return r["ci_low"] <= r["chance"] <= r["ci_high"]
 
 
-def test_concept_ot_learns_on_the_testbed_and_its_control_does_not(testbed):  # noqa: F811
+def test_concept_ot_learns_on_the_testbed_and_its_control_does_not(testbed):
     testbed.stages("ingest", "extract-clip-tokens")
     res, results = testbed.train("concept-ot")
     r = rows(results)

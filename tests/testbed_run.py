@@ -2,7 +2,7 @@
 and its output in a temporary folder (written by :func:`tests.testbed_reduced.reduced_testbed`), its stages run by ``pipeline run <stage>`` in a subprocess,
 its jobs by ``train run <job> --json`` (also in a subprocess: the commands a user types).
 
-``testbed`` is a session fixture: the learning tests of several jobs (tests/test_testbed_*.py)
+``testbed`` (tests/conftest.py) is a session fixture: the learning tests of several jobs (tests/test_testbed_*.py)
 share one run of the stages; each test asks for the stages it needs (:meth:`Testbed.stages`,
 idempotent: a stage already complete is skipped by the pipeline itself).
 """
@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 N_IMAGES = 1000  # 50 test + 50 val images (i % 20 == 18 val, == 19 test): the benchmarks score held-out images only
@@ -46,15 +45,40 @@ class Testbed:
                 self._cli("pipeline", "run", s, "--manifest", str(self.manifest))
                 self.done.add(s)
 
+    def _train_args(self, job: str, sets) -> list[str]:
+        args = ["train.cli", "run", job, "--manifest", str(self.manifest), "--no-progress", "--json", "--fresh"]
+        for s in sets:
+            args += ["--set", s]
+        return args
+
+    @staticmethod
+    def _result(stdout: str) -> tuple[dict, Path]:
+        res = json.loads(stdout.strip().splitlines()[-1])
+        return res, Path(res["run_dir"]) / "eval" / "final" / "results.parquet"
+
     def train(self, job: str, *sets: str) -> tuple[dict, Path]:
         """``train run <job> --manifest <reduced testbed> --json --set ...``: (the result line, the
         final results.parquet)."""
-        args = ["run", job, "--manifest", str(self.manifest), "--no-progress", "--json", "--fresh"]
-        for s in sets:
-            args += ["--set", s]
-        p = self._cli("train", *args)
-        res = json.loads(p.stdout.strip().splitlines()[-1])
-        return res, Path(res["run_dir"]) / "eval" / "final" / "results.parquet"
+        p = self._cli("train", *self._train_args(job, sets)[1:])
+        return self._result(p.stdout)
+
+    def train_side_by_side(self, *runs: tuple[str, ...], timeout: int = 1500) -> list[tuple[dict, Path]]:
+        """:meth:`train` of each ``(job, *sets)`` at once, one process each (for jobs at ``threads: 1``:
+        each run's numbers are the ones it has alone; the wall time is the longest run's on 2 cores)."""
+        procs = [subprocess.Popen([sys.executable, "-m", *self._train_args(job, sets)], cwd=REPO, env=self.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job, *sets in runs]
+        outs = []
+        for (job, *sets), p in zip(runs, procs):
+            try:
+                so, se = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+            outs.append((p.returncode, so, se, job, sets))
+        for rc, so, se, job, sets in outs:
+            assert rc == 0, f"train run {job} {' '.join(sets)}\n{so[-3000:]}\n{se[-3000:]}"
+        return [self._result(so) for _, so, *_ in outs]
 
 
 def rows(results: Path) -> dict:
@@ -63,7 +87,3 @@ def rows(results: Path) -> dict:
 
     return {(r["benchmark"], r["subset"] or "", r["metric"]): r for r in pl.read_parquet(results).to_dicts()}
 
-
-@pytest.fixture(scope="session")
-def testbed(tmp_path_factory) -> Testbed:
-    return Testbed(tmp_path_factory.mktemp("testbed"))
