@@ -65,6 +65,19 @@ def infoground_testbed(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def oracle_testbed_400(tmp_path_factory, ray_session) -> Path:
+    """The manifest of :func:`tests.testbed_reduced.reduced_testbed` at 400 images (every benchmark)
+    with ingest, extract-clip-tokens and extract-visual-tokens run, once per session: the stages the
+    visual-tokens and relation-head learning tests read (tests/test_testbed_visual_tokens.py,
+    tests/test_testbed_relation_head.py); each takes a copy (:func:`tests.testbed_reduced.reduced_testbed_from`)."""
+    from tests.testbed_reduced import reduced_testbed, run_stages
+
+    man = reduced_testbed(tmp_path_factory.mktemp("oracle_testbed_400"), 400, None)
+    run_stages(man, ["ingest", "extract-clip-tokens", "extract-visual-tokens"])
+    return man
+
+
 @pytest.fixture
 def testbed_copy(small_testbed, tmp_path) -> tuple[Path, Path]:
     """(output folder, manifest) of this test's own copy of ``small_testbed``."""

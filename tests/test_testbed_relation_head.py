@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.testbed_reduced import reduced_testbed, run_stages, train_run
+from tests.testbed_reduced import reduced_testbed_from, run_stages, train_runs_side_by_side
 
 MARGIN = {"recall@3": 8.0, "recall@5": 8.0}  # ci_low - chance, points (calibrated minimum 13.3, minus a safety gap)
 SLACK = 2.0  # points: the control's allowance for three simultaneous 95% intervals
@@ -44,14 +44,15 @@ SLACK = 2.0  # points: the control's allowance for three simultaneous 95% interv
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 6-7 min on the shared 2-core machine under load from four other sessions
-def test_relation_head_learns_on_the_testbed_and_control_stays_at_chance(tmp_path, ray_session):
-    man = reduced_testbed(tmp_path, 400, [])
+def test_relation_head_learns_on_the_testbed_and_control_stays_at_chance(tmp_path, oracle_testbed_400):
+    man = reduced_testbed_from(oracle_testbed_400, tmp_path, 400, [])  # its stages' output copied: complete
     run_stages(man, ["ingest", "extract-visual-tokens"])
-    got, _ = train_run(man, "relation-head", tmp_path / "rh", "epochs=75")
+    # the run and its control side by side (threads: 1, the job's default: their numbers do not depend on it)
+    got, ctl = train_runs_side_by_side(man, "relation-head", (tmp_path / "rh", "epochs=75"),
+                                       (tmp_path / "rh-control", "epochs=75", "control=shuffled"))
     for metric, margin in MARGIN.items():
         r = got[("relation-head", "held_out", metric)]
         assert r["n"] >= 25 and r["ci_low"] - r["chance"] > margin, (metric, r)
-    ctl, _ = train_run(man, "relation-head", tmp_path / "rh-control", "epochs=75", "control=shuffled")
     for k in (1, 3, 5):
         r = ctl[("relation-head", "held_out", f"recall@{k}")]
         assert r["ci_low"] <= r["chance"] + SLACK, (k, r)

@@ -68,12 +68,18 @@ def test_text_groups_learns_and_control_stays_at_chance(tmp_path):
     for stage in ("ingest", "extract-image-groups"):  # what text-groups reads
         _run(["pipeline.cli", "run", stage, *base])
     sets = [x for k, v in OPTS.items() for x in ("--set", f"train.text_groups.{k}={v}")]
-    runs = {}
+    procs = {}
     for name, extra in (("learnt", []), ("control", ["--set", "train.text_groups.control=shuffled"])):
-        rd = tmp_path / name
-        _run(["train.cli", "run", "text-groups", *base, *sets, *extra, "--set", f"train.text_groups.run_dir={rd}",
-              "--no-progress"])
-        runs[name] = _retrieval(rd)
+        # the two trainings side by side (threads=1 each: a run's numbers are the ones it has alone)
+        argv = [sys.executable, "-m", "train.cli", "run", "text-groups", *base, *sets, *extra,
+                "--set", f"train.text_groups.run_dir={tmp_path / name}", "--no-progress"]
+        procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                       cwd=REPO)
+    runs = {}
+    for name, p in procs.items():
+        so, se = p.communicate(timeout=900)
+        assert p.returncode == 0, so[-3000:] + se[-3000:]
+        runs[name] = _retrieval(tmp_path / name)
     learnt, control = runs["learnt"], runs["control"]
     assert learnt["n"] == 30 and abs(learnt["chance"] - 100 / 30) < 1e-9
     assert learnt["ci_low"] > learnt["chance"] and learnt["value"] >= MARGIN, learnt

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.testbed_reduced import reduced_testbed, run_stages, train_run
+from tests.testbed_reduced import reduced_testbed_from, run_stages, train_runs_side_by_side
 
 LEARNED = [("eval-split-retrieval", "all", "i2t_R@1"), ("sugarcrepe", "replace_att", "accuracy"),
            ("sugarcrepe", "replace_obj", "accuracy")]
@@ -63,15 +63,16 @@ def not_above(row) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 6-7 min on the shared 2-core machine under load from four other sessions
-def test_visual_tokens_learns_on_the_testbed_and_control_stays_at_chance(tmp_path, ray_session):
-    man = reduced_testbed(tmp_path, 400, ["sugarcrepe", "vg-relation"])
+def test_visual_tokens_learns_on_the_testbed_and_control_stays_at_chance(tmp_path, oracle_testbed_400):
+    man = reduced_testbed_from(oracle_testbed_400, tmp_path, 400, ["sugarcrepe", "vg-relation"])  # stages: copied
     run_stages(man, ["ingest", "extract-clip-tokens", "extract-visual-tokens"])
-    got, _ = train_run(man, "visual-tokens", tmp_path / "vt", "epochs=60")
+    # the run and its control side by side (threads: 1, the testbed's: their numbers do not depend on it)
+    got, ctl = train_runs_side_by_side(man, "visual-tokens", (tmp_path / "vt", "epochs=60"),
+                                       (tmp_path / "vt-control", "epochs=60", "control=shuffled"))
     for key in LEARNED:
         r = got[key]
         assert r["ci_low"] - r["chance"] > MARGIN[key[2]], (key, r)
     for key in ORDER:
         assert not_above(got[key]), (key, got[key])
-    ctl, _ = train_run(man, "visual-tokens", tmp_path / "vt-control", "epochs=60", "control=shuffled")
     for key in LEARNED + ORDER:
         assert not_above(ctl[key]), (key, ctl[key])

@@ -41,6 +41,20 @@ def reduced_testbed(tmp_path: Path, n_images: int, benchmarks: list[str] | None,
     return path
 
 
+def reduced_testbed_from(made: Path, tmp_path: Path, n_images: int, benchmarks: list[str] | None) -> Path:
+    """:func:`reduced_testbed` (default shard size, output and name) whose output starts as a copy of
+    the one of ``made`` (a manifest of :func:`reduced_testbed` with the same ``n_images`` whose stages
+    ran): the stages it already has are complete in the copy, so :func:`run_stages` skips them."""
+    import shutil
+
+    path = reduced_testbed(tmp_path, n_images, benchmarks)
+    src = yaml.safe_load(Path(made).read_text())
+    assert src["dataset"]["synthetic"]["n_images"] == n_images, (made, n_images)
+    shutil.copytree(src["output"], yaml.safe_load(path.read_text())["output"],
+                    ignore=shutil.ignore_patterns("_logs", "_lock"))
+    return path
+
+
 def run_stages(manifest_path: Path, stages: list[str], sets: list[str] = ()) -> None:
     """Run ``stages`` in order on the manifest (with ``--set``-style overrides ``sets``, e.g.
     ``stages.encode_concepts.min_df=3``), as ``pipeline run <stage> -m <manifest> --set ...`` does."""
@@ -52,20 +66,47 @@ def run_stages(manifest_path: Path, stages: list[str], sets: list[str] = ()) -> 
         run_stage(s, RunContext(m))
 
 
+def _train_cmd(manifest_path: Path, job: str, run_dir: Path, sets) -> list[str]:
+    key = job.replace("-", "_")
+    return [sys.executable, "-m", "train.cli", "run", job, "-m", str(manifest_path), "--no-progress", "--fresh",
+            "--set", f"train.{key}.run_dir={run_dir}", *[x for s in sets for x in ("--set", f"train.{key}.{s}")]]
+
+
+def _results(run_dir: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(Path(run_dir) / "eval" / "final" / "results.parquet").to_pylist()
+    return {(x["benchmark"], x["subset"], x["metric"]): x for x in rows}
+
+
 def train_run(manifest_path: Path, job: str, run_dir: Path, *sets: str, timeout: int = 600) -> tuple[dict, float]:
     """``train run <job> -m <manifest> --set train.<job>.run_dir=... [--set ...]`` in a subprocess;
     returns ({(benchmark, subset, metric): row of results.parquet}, wall seconds)."""
-    import pyarrow.parquet as pq
-
-    key = job.replace("-", "_")
-    cmd = [sys.executable, "-m", "train.cli", "run", job, "-m", str(manifest_path), "--no-progress", "--fresh",
-           "--set", f"train.{key}.run_dir={run_dir}", *[x for s in sets for x in ("--set", f"train.{key}.{s}")]]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(_train_cmd(manifest_path, job, run_dir, sets), cwd=REPO, capture_output=True, text=True,
+                       timeout=timeout)
     wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    rows = pq.read_table(Path(run_dir) / "eval" / "final" / "results.parquet").to_pylist()
-    return {(x["benchmark"], x["subset"], x["metric"]): x for x in rows}, wall
+    return _results(run_dir), wall
+
+
+def train_runs_side_by_side(manifest_path: Path, job: str, *runs: tuple, timeout: int = 600) -> list[dict]:
+    """:func:`train_run` of each ``(run_dir, *sets)`` at once, one process each (for a job at ``threads: 1``:
+    each run's numbers are the ones it has alone; the wall time is the longest run's on 2 cores);
+    returns each run's rows, in order."""
+    procs = [subprocess.Popen(_train_cmd(manifest_path, job, rd, sets), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rd, *sets in runs]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for (so, se), p in zip(outs, procs):
+        assert p.returncode == 0, so[-2000:] + se[-4000:]
+    return [_results(rd) for rd, *_ in runs]
 
 
 # --- the small oracle testbed: the structural tests' data, made by the real stages (no test-written features) ---
