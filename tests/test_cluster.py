@@ -74,17 +74,23 @@ class Node:
                 out.append(p)
         return out
 
-    def stop(self) -> None:
-        import psutil
 
-        procs = self.descendants()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # --block: stops the node's processes
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        for p in procs:  # anything the node left behind
+def stop_nodes(nodes: list[Node]) -> None:
+    """SIGTERM to every node's `ray start --block` at once (each stops its own processes gracefully:
+    about 30 s when they are left to finish), a few seconds' grace, then SIGKILL by pid to each node and
+    everything it spawned (the test is over: nothing of the cluster is read after this)."""
+    import psutil
+
+    procs = [n.descendants() for n in nodes]
+    for n in nodes:
+        if n.proc.poll() is None:
+            n.proc.send_signal(signal.SIGTERM)  # --block: stops the node's processes
+    for n, left in zip(nodes, procs):
+        try:
+            n.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            n.proc.kill()
+        for p in left:  # anything the node left behind
             try:
                 p.kill()
             except psutil.NoSuchProcess:
@@ -146,16 +152,23 @@ def two_node_cluster(tmp_path: Path):
         _wait_nodes(address, 2)
         yield address, node2
     finally:
-        if node2 is not None:
-            node2.stop()
-        head.stop()
+        stop_nodes([n for n in (node2, head) if n is not None])
 
 
-def test_train_two_workers_on_two_nodes(tmp_path, testbed_copy):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(address, second node) of one two-node cluster that this module's tests share (starting and
+    stopping one takes tens of seconds); stopped after the module's last test. The test that kills
+    the second node's workers leaves the node itself running (Ray starts new workers on it)."""
+    pytest.importorskip("psutil")
+    with two_node_cluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+def test_train_two_workers_on_two_nodes(tmp_path, testbed_copy, cluster):
     """`train run concept-ot --workers 2` on the two-node cluster: one worker per node (each node has
     1 CPU and a worker takes 1), rank 0 writes the run folder, the run trains to its last step and
     evaluates. Data: a copy of the small oracle testbed (tests/conftest.py)."""
-    pytest.importorskip("psutil")
     data, _ = testbed_copy
     man = tmp_path / "m.yaml"
     man.write_text("name: t\n")
@@ -164,10 +177,10 @@ def test_train_two_workers_on_two_nodes(tmp_path, testbed_copy):
             "train.concept_ot.d_c=16", "train.concept_ot.rank=8", "train.concept_ot.log_every=1",
             "train.concept_ot.eval_splits=[test]", "train.concept_ot.sugarcrepe_dirs=[]", "train.concept_ot.heatmaps=0",
             "train.concept_ot.threads=1", f"train.concept_ot.run_dir={run}"]
-    with two_node_cluster(tmp_path) as (address, _):
-        cmd = [str(BIN / "train"), "run", "concept-ot", "--manifest", str(man), "--workers", "2", "--no-progress",
-               "--set", f"ray.address={address}", *sum((["--set", s] for s in sets), [])]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=1500)
+    address, _ = cluster
+    cmd = [str(BIN / "train"), "run", "concept-ot", "--manifest", str(man), "--workers", "2", "--no-progress",
+           "--set", f"ray.address={address}", *sum((["--set", s] for s in sets), [])]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=1500)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -177,36 +190,35 @@ def test_train_two_workers_on_two_nodes(tmp_path, testbed_copy):
     assert "global/avg_R@1" in json.loads((run / "eval" / "final" / "metrics.json").read_text())
 
 
-def test_multinode_cluster_matches_single_node_with_a_killed_node(tmp_path):
-    pytest.importorskip("psutil")
+def test_multinode_cluster_matches_single_node_with_a_killed_node(tmp_path, cluster):
     single, multi = tmp_path / "single", tmp_path / "multi"
     for st in STAGES:
         p = _run(st, single, ["ray.num_cpus=2", "ray.object_store_memory=134217728"])
         out, _ = p.communicate(timeout=900)
         assert p.returncode == 0, out[-3000:]
 
-    with two_node_cluster(tmp_path) as (address, node2):
-        killed = 0
-        for st in STAGES:
-            p = _run(st, multi, [f"ray.address={address}"])
-            if st == "extract-clip-tokens":
-                # kill the second node's workers once the stage has started work
-                t0 = time.time()
-                while p.poll() is None and time.time() - t0 < 600 and not killed:
-                    ws = node2.workers()
-                    busy = [w for w in ws if w.name().startswith("ray::") and "IDLE" not in w.name()]
-                    if busy:
-                        time.sleep(1.0)
-                        for w in node2.workers():
-                            try:
-                                w.kill()
-                                killed += 1
-                            except Exception:
-                                pass
-                    time.sleep(0.5)
-            out, _ = p.communicate(timeout=900)
-            assert p.returncode == 0, f"{st} on the cluster failed:\n{out[-4000:]}"
-        assert killed >= 1, "no worker of the second node was seen running the stage"
+    address, node2 = cluster
+    killed = 0
+    for st in STAGES:
+        p = _run(st, multi, [f"ray.address={address}"])
+        if st == "extract-clip-tokens":
+            # kill the second node's workers once the stage has started work
+            t0 = time.time()
+            while p.poll() is None and time.time() - t0 < 600 and not killed:
+                ws = node2.workers()
+                busy = [w for w in ws if w.name().startswith("ray::") and "IDLE" not in w.name()]
+                if busy:
+                    time.sleep(1.0)
+                    for w in node2.workers():
+                        try:
+                            w.kill()
+                            killed += 1
+                        except Exception:
+                            pass
+                time.sleep(0.5)
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, f"{st} on the cluster failed:\n{out[-4000:]}"
+    assert killed >= 1, "no worker of the second node was seen running the stage"
 
     for art in ("concepts", "clip_tokens"):
         a, b = _shards(single, art), _shards(multi, art)
