@@ -68,6 +68,12 @@ def _build_index(emb: np.ndarray, kind: str, flat_max: int, k: int):
     return index, kind
 
 
+def search_depth(n: int, k: int, margin: int | None = None) -> int:
+    """Neighbours searched per concept on the first pass: ``k`` plus a margin for the ones skipped
+    (itself, related concepts); the rare concept left short is searched again twice as deep."""
+    return min(n, k + (margin if margin is not None else max(8, k)))
+
+
 def mine_hard_negatives(emb: np.ndarray, tokens: np.ndarray, k: int = 10, index: str = "auto",
                         flat_max: int = 200_000, batch: int = 8192, margin: int | None = None,
                         exclude_related: bool = True):
@@ -80,7 +86,7 @@ def mine_hard_negatives(emb: np.ndarray, tokens: np.ndarray, k: int = 10, index:
     idx, kind = _build_index(emb, index, flat_max, k)
     emb = np.ascontiguousarray(emb, dtype=np.float32)
     todo = np.arange(U)
-    depth = min(U, k + (margin if margin is not None else max(8, k)))
+    depth = search_depth(U, k, margin)
     while len(todo):
         nxt = []
         for s in range(0, len(todo), batch):

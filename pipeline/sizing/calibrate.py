@@ -526,27 +526,6 @@ def _generate_seconds(ds, n: int = 200) -> float | None:
         return (time.perf_counter() - t0) / n
 
 
-def search(cache: Path, dim: int) -> dict:
-    """Seconds per (query x database row) of FAISS's exact inner-product search, one thread."""
-
-    def measure():
-        import faiss
-        import numpy as np
-
-        faiss.omp_set_num_threads(1)
-        rng = np.random.default_rng(0)
-        rates = []
-        for nq, nb in ((1000, 8000), (2000, 32000)):  # large enough for FAISS's blocked BLAS path
-            x = rng.standard_normal((nb, dim)).astype(np.float32)
-            q = rng.standard_normal((nq, dim)).astype(np.float32)
-            index = faiss.IndexFlatIP(dim)
-            index.add(x)
-            rates.append(_best(lambda: index.search(q, 32)) / (nq * nb))
-        return {"per_pair_s": min(rates)}
-
-    return _cached(cache, "search", {"dim": dim}, measure)
-
-
 def stage_import(cache: Path, module: str) -> float:
     """Seconds a fresh worker process takes to import a stage's module beyond what the task pool's
     timing already covered (a task stage's workers import it before their first unit), timed in a

@@ -40,25 +40,26 @@ def _rng_unit(n: int, dim: int, seed: int):
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def flat_pair_seconds(cache: Path, dim: int, k: int, queries: int, rows: int) -> float:
-    """Seconds per (query x row) of FAISS's exact inner-product search returning ``k``, one thread,
-    for a unit of ``queries`` queries over ``rows`` rows: timed at that shape, or, beyond what takes
-    a second or two here, at 8,192 queries and the rows that fit (the cost per pair falls with both:
-    FAISS scores blocks of 4,096 queries and its top-k heaps fill; at 24 dims 5.8 ns at 2,048 x 65,536,
-    1.2 ns at 8,192 x 200,000, 1.3 ns at 50,000 x 200,000)."""
+def flat_pair_seconds(cache: Path, dim: int, k: int, queries: int, rows: int, threads: int = 1) -> float:
+    """Seconds per (query x row) of FAISS's exact inner-product search returning ``k`` on
+    ``threads`` threads, for a unit of ``queries`` queries over ``rows`` rows: timed at that shape,
+    or, beyond what takes a few seconds here, at 8,192 queries and the rows that fit (the cost per
+    pair falls with both: FAISS scores blocks of 4,096 queries and its top-k heaps fill; at 24 dims
+    5.8 ns at 2,048 x 65,536, 1.2 ns at 8,192 x 200,000, 1.3 ns at 50,000 x 200,000)."""
     nq = int(max(1, min(queries, 8192)))
-    nb = int(max(1, min(rows, max(16384, 4e10 // (nq * dim)))))
+    nb = int(max(1, min(rows, max(16384, 1.6e11 // (nq * dim)))))
 
     def measure():
         import faiss
 
-        faiss.omp_set_num_threads(1)
+        faiss.omp_set_num_threads(threads)
         x, q = _rng_unit(nb, dim, 0), _rng_unit(nq, dim, 1)
         index = faiss.IndexFlatIP(dim)
         index.add(x)
         return {"per_pair_s": _best(lambda: index.search(q, min(k, nb))) / (nq * nb)}
 
-    return _cached(cache, "flat-search", {"dim": dim, "k": k, "nq": nq, "nb": nb}, measure)["per_pair_s"]
+    parts = {"dim": dim, "k": k, "nq": nq, "nb": nb, "threads": threads}
+    return _cached(cache, "flat-search", parts, measure)["per_pair_s"]
 
 
 def kmeans_pair_seconds(cache: Path, dim: int, iters: int) -> float:

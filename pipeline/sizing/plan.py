@@ -253,7 +253,13 @@ def _measured(st: dict, name, cfg, manifest, size: DatasetSize, a: A.ArtifactSiz
         enc = cfg.text_encoder or m.text_encoder
         texts = [c for r in (size.text_sample or size.sample)[:C.MINE_RECORDS] for c in r.captions]
         cost = dict(C.concepts(cache, enc, cfg, texts, _mined(size, manifest)["texts"]))
-        cost["hn_per_pair_s"] = C.search(cache, S.text_model(enc)["hidden"])["per_pair_s"] if cfg.hard_negatives else 0.0
+        if cfg.hard_negatives:  # FAISS's exact search of the vocabulary, 8,192 concepts a batch, k + max(8, k) deep
+            from pipeline.concepts.hard_negatives import search_depth
+            from pipeline.sizing.index_cost import flat_pair_seconds
+
+            vocab = _mined(size, manifest)["vocab"]
+            cost["hn_per_pair_s"] = flat_pair_seconds(cache, S.text_model(enc)["hidden"], search_depth(vocab, cfg.hard_negatives_k),
+                                                      min(vocab, 8192), vocab, threads=os.cpu_count() or 1)  # the driver's
     elif name == "build-index":
         from pipeline.sizing import index_cost
 
