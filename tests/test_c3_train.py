@@ -294,3 +294,25 @@ def test_image_store_random_access_matches_memory(data):
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     b1, b2 = next(iter(mem.batches(0, 1))), next(iter(rnd.batches(0, 1)))
     assert all(torch.equal(b1[k], b2[k]) for k in b1 if isinstance(b1[k], torch.Tensor))
+
+
+def test_held_out_rows_are_computed_once_per_state_of_the_weights(data, tmp_path):
+    """The final evaluation and the harness both ask for the held-out rows of the same final model:
+    computed once; any change to the weights (an optimizer step, a load_state_dict) scores again."""
+    import torch
+
+    job = _job(data, ["train.c3.eval_max_triplets=200"])
+    calls = []
+    rows_of = job.heldout.rows
+    job.heldout.rows = lambda model: calls.append(1) or rows_of(model)
+    model = job.build_model()
+    first = job.job_metrics(model, tmp_path)
+    assert job.job_metrics(model, tmp_path) is first and len(calls) == 1
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.requires_grad).add_(0.5)  # in place, as an optimizer step
+    job.job_metrics(model, tmp_path)
+    model.load_state_dict(job.build_model().state_dict())
+    job.job_metrics(model, tmp_path)
+    other = job.build_model()
+    job.job_metrics(other, tmp_path)
+    assert len(calls) == 4

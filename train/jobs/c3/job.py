@@ -90,8 +90,15 @@ class C3Job(Job):
         return c3_loss(model, batch, self.cfg, self.device)
 
     def job_metrics(self, model, out_dir: Path) -> list:
-        model.eval()
-        return self.heldout.rows(model)
+        """The held-out rows, computed once per state of the weights: the final evaluation
+        (metrics.jsonl) and the harness (results.parquet) both ask for them of the same final model.
+        The key is the parameters' in-place version counters (an optimizer step or a
+        ``load_state_dict`` bumps them), so a changed model is always scored again."""
+        key = (id(model), tuple(p._version for p in model.parameters()))
+        if getattr(self, "_rows_for", None) != key:
+            model.eval()
+            self._rows, self._rows_for = self.heldout.rows(model), key
+        return self._rows
 
     def evaluate(self, model, out_dir: Path) -> dict:
         try:
