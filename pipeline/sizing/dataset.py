@@ -150,9 +150,9 @@ def given_size(images: int, captions_per_image: float, captions: list[str], word
         pool = " ".join(c.rstrip(". ") + "," for c in captions).split()
         captions = [" ".join(pool[i:i + target]).rstrip(",") + "." for i in range(0, len(pool) - target + 1, target)]
     per = max(1, round(captions_per_image))
-    recs = [SampleRecord(captions[i:i + per], instances=round(instances))
-            for i in range(0, min(len(captions), SAMPLE_RECORDS * per) - per + 1, per)]
+    texts = [SampleRecord(captions[i:i + per]) for i in range(0, min(len(captions), TEXT_RECORDS * per) - per + 1, per)]
+    recs = [SampleRecord(r.captions, instances=round(instances)) for r in texts[:SAMPLE_RECORDS]]
     words = sum(len(c.split()) for r in recs for c in r.captions) / max(1, sum(len(r.captions) for r in recs))
-    return DatasetSize(images, round(images * captions_per_image), "given", exact=False, sample=recs,
+    return DatasetSize(images, round(images * captions_per_image), "given", exact=False, sample=recs, text_sample=texts,
                        note=f"{captions_per_image:g} captions/image; per-caption shapes from {len(recs) * per} sample "
                             f"captions, {words:.1f} words each on average")
