@@ -25,7 +25,6 @@ search only, and as IVF on both sides) were the caption queries' exact search of
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from pipeline.sizing.calibrate import _best, _cached
@@ -133,29 +132,26 @@ def costs(cache: Path, dim: int, cfg, n_images: int, n_captions: int, max_captio
     per query of each side, with what they are, for :func:`pipeline.sizing.walltime.stage_wall`."""
     from pipeline.stages.build_index import default_nlist, default_nprobe, resolve_kind
 
-    t0 = time.perf_counter()
     n = {"images": n_images, "captions": n_captions}
+    ivf = {side: resolve_kind(rows, cfg.index, cfg.flat_max) == "ivf" for side, rows in n.items()}  # the stage's rule
+    nlist = {side: cfg.nlist or default_nlist(rows) for side, rows in n.items()}
     k_of = {"images": cfg.k + max(1, max_captions), "captions": cfg.k + 1}  # queries of a side skip their own matches
     build, per_query, how = {}, {}, []
     for side, other in (("images", "captions"), ("captions", "images")):
         nb = n[other]
-        if resolve_kind(nb, cfg.index, cfg.flat_max) == "flat":
+        if not ivf[other]:
             per_query[side] = nb * flat_pair_seconds(cache, dim, k_of[side], min(query_chunk, n[side]), nb)
             how.append(f"{side} queries: exact search of {nb:,} {other}")
         else:
-            nlist = cfg.nlist or default_nlist(nb)
-            nprobe = min(nlist, cfg.nprobe or default_nprobe(nlist, cfg.nprobe_fraction))
-            qpl = min(query_chunk, n[side]) * nprobe / nlist
-            per_query[side] = probe_seconds(cache, dim, nlist, nprobe) + ivf_query_seconds(
-                cache, dim, nprobe, nb / nlist, k_of[side], qpl)
-            how.append(f"{side} queries: IVF over {nlist:,} lists of {other}, {nprobe} probed")
+            nprobe = min(nlist[other], cfg.nprobe or default_nprobe(nlist[other], cfg.nprobe_fraction))
+            qpl = min(query_chunk, n[side]) * nprobe / nlist[other]
+            per_query[side] = probe_seconds(cache, dim, nlist[other], nprobe) + ivf_query_seconds(
+                cache, dim, nprobe, nb / nlist[other], k_of[side], qpl)
+            how.append(f"{side} queries: IVF over {nlist[other]:,} lists of {other}, {nprobe} probed")
     for side, rows in n.items():
-        if resolve_kind(rows, cfg.index, cfg.flat_max) == "flat":
-            build[side] = 0.0
-            continue
-        nlist = cfg.nlist or default_nlist(rows)
-        pairs = cfg.kmeans_iters * min(rows, cfg.train_size * nlist) * nlist + rows * nlist
-        build[side] = pairs * kmeans_pair_seconds(cache, dim, cfg.kmeans_iters)
-        how.append(f"{side} IVF build {build[side]:.1f} s ({pairs:.3g} point-centroid pairs)")
-    return {"build_s": build, "per_query_s": per_query, "how": "; ".join(how),
-            "calibration_s": time.perf_counter() - t0}
+        build[side] = 0.0
+        if ivf[side]:
+            pairs = cfg.kmeans_iters * min(rows, cfg.train_size * nlist[side]) * nlist[side] + rows * nlist[side]
+            build[side] = pairs * kmeans_pair_seconds(cache, dim, cfg.kmeans_iters)
+            how.append(f"{side} IVF build {build[side]:.1f} s ({pairs:.3g} point-centroid pairs)")
+    return {"build_s": build, "per_query_s": per_query, "how": "; ".join(how)}

@@ -241,13 +241,12 @@ def _measured(st: dict, name, cfg, manifest, size: DatasetSize, a: A.ArtifactSiz
     cache, m = output / "_cache" / "plan", manifest.models
     if size.source == "given":  # a dataset not on this machine (and often a node stated by --cpus/--gpus): the FLOP path
         return
-    records = _first_records(manifest, output) if name in ("extract-clip-tokens", "negative-captions") else None
     cost = None
     if name == "ingest":
         cost = C.ingest(cache, cfg, manifest, output)
-    elif name == "extract-clip-tokens" and W.loadable(m.clip) and records:
-        cost = C.clip_tokens(cache, m.clip, cfg, records, _busy(name, cfg, manifest, size, clus))
-    elif name == "negative-captions" and W.loadable(m.mlm) and W.loadable(m.word_encoder) and records:
+    elif name == "extract-clip-tokens":
+        cost = _clip_cost(manifest, output, size, clus)
+    elif name == "negative-captions" and W.loadable(m.mlm) and W.loadable(m.word_encoder) and (records := _first_records(manifest, output)):
         cost = C.negatives(cache, m, cfg, records, _busy(name, cfg, manifest, size, clus))
     elif name == "mine-concepts" and W.loadable(cfg.text_encoder or m.text_encoder):
         enc = cfg.text_encoder or m.text_encoder
@@ -265,10 +264,7 @@ def _measured(st: dict, name, cfg, manifest, size: DatasetSize, a: A.ArtifactSiz
 
         cost = index_cost.costs(cache, S.clip(m.clip)["projection_dim"], cfg, size.images, size.captions,
                                 math.ceil(max((len(r.captions) for r in size.sample), default=1)), cfg.query_chunk)
-        clip_cfg = manifest.stages.extract_clip_tokens
-        if W.loadable(m.clip) and (recs := _first_records(manifest, output)):
-            clip = C.clip_tokens(cache, m.clip, clip_cfg, recs,
-                                 _busy("extract-clip-tokens", clip_cfg, manifest, size, clus))
+        if clip := _clip_cost(manifest, output, size, clus):
             cost["read_per_row_s"] = clip.get("embed_read_per_row_s", 0.0)
     if cost is None:
         return
@@ -283,6 +279,17 @@ def _busy(name, cfg, manifest, size, clus) -> int:
     """Workers of a CPU stage busy at once: the cluster's CPUs over each worker's, at most its units."""
     workers = max(1, int(clus["cpus"] // max(1e-9, getattr(cfg, "num_cpus", None) or getattr(cfg, "torch_threads", 1) or 1)))
     return max(1, min(workers, len(W.units_of(name, cfg, size, {}, manifest))))
+
+
+def _clip_cost(manifest, output: Path, size, clus) -> dict | None:
+    """extract-clip-tokens' calibration (cached): its seconds, and the unit's embeddings and their
+    reading time that build-index's plan uses; None when its CLIP cannot be built here."""
+    from pipeline.sizing import calibrate as C
+
+    m, cfg = manifest.models, manifest.stages.extract_clip_tokens
+    if not (W.loadable(m.clip) and (records := _first_records(manifest, output))):
+        return None
+    return C.clip_tokens(output / "_cache" / "plan", m.clip, cfg, records, _busy("extract-clip-tokens", cfg, manifest, size, clus))
 
 
 def _first_records(manifest, output: Path) -> list[dict]:
@@ -333,11 +340,9 @@ def _artifact(name, cfg, manifest, size, sized, output: Path | None = None, clus
             from pipeline.sizing import calibrate as C
 
             cache = output / "_cache" / "plan"
-            if W.loadable(m.clip) and (records := _first_records(manifest, output)):
-                clip_cfg = manifest.stages.extract_clip_tokens
-                emb = C.clip_tokens(cache, m.clip, clip_cfg, records, _busy("extract-clip-tokens", clip_cfg, manifest, size, clus)).get("embeddings")
-                if emb and (cache / emb).is_file():
-                    measured = C.index_tables(cache / emb, cfg)
+            emb = (_clip_cost(manifest, output, size, clus) or {}).get("embeddings")
+            if emb and (cache / emb).is_file():
+                measured = C.index_tables(cache / emb, cfg)
         return A.index(size, cfg, S.clip(m.clip)["projection_dim"], measured)
     raise ValueError(f"pipeline plan: no size model for stage {name}")
 

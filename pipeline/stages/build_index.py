@@ -211,11 +211,6 @@ class IvfLayout:
         return np.asarray(self.x[self.rows[a:b]], dtype=np.float32)
 
 
-def ivf_layout(x: np.ndarray, ids: np.ndarray, assign: np.ndarray, nlist: int, copy: bool = True) -> IvfLayout:
-    """:class:`IvfLayout` of a base (``copy``: one contiguous block per list)."""
-    return IvfLayout(x, ids, assign, nlist, copy)
-
-
 def ivf_probes(queries: np.ndarray, centroids: np.ndarray, nprobe: int, block: int = 4096) -> np.ndarray:
     """The ``nprobe`` lists each query probes (its nearest centroids by inner product), [q, nprobe];
     scored ``block`` queries at a time so the query x centroid matrix stays small."""
@@ -241,11 +236,11 @@ def ivf_search_batched(x: np.ndarray, ids: np.ndarray, centroids: np.ndarray, as
     O(queries x k), not O(queries x nprobe x k): at 1M captions the candidates of one 50k-query
     unit were ~1.5 GB before, and their global sort most of the unit's time). Returns
     (scores [q, k], ids [q, k]) by decreasing score; -1 / -inf where fewer.
-    ``layout`` is :func:`ivf_layout` of the base, when the same base is searched more than once."""
+    ``layout`` is the base's :class:`IvfLayout`, when the same base is searched more than once."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     nq, nlist = len(queries), len(centroids)
     nprobe = min(nprobe, nlist)
-    lay = layout if layout is not None else ivf_layout(x, ids, assign, nlist, copy=False)
+    lay = layout if layout is not None else IvfLayout(x, ids, assign, nlist, copy=False)
     probe = ivf_probes(queries, centroids, nprobe).reshape(-1)
     order = np.argsort(probe, kind="stable")  # inverted view: for each list, the queries probing it
     q_sorted = order // nprobe
@@ -289,7 +284,7 @@ class BatchedIVF:
 
     def __init__(self, x, ids, centroids, assign, nprobe, copy: bool = True):
         self.x, self.ids, self.centroids, self.assign, self.nprobe = x, ids, centroids, assign, nprobe
-        self.layout = ivf_layout(x, ids, assign, len(centroids), copy)  # once, not per search
+        self.layout = IvfLayout(x, ids, assign, len(centroids), copy)  # once, not per search
 
     def search(self, queries, k):
         return ivf_search_batched(self.x, self.ids, self.centroids, self.assign, queries, k, self.nprobe, self.layout)
