@@ -410,13 +410,15 @@ def index(size, cfg, p: int, measured: dict | None = None) -> ArtifactSize:
     """``measured``: each table's :func:`parquet_growth` from the stage's search on the CLIP
     calibration unit's embeddings (:func:`pipeline.sizing.calibrate.index_tables`); without it,
     random rows of the schema (ids drawn below the dataset's rows, incompressible scores)."""
+    from pipeline.stages.build_index import default_nlist, resolve_kind
+
     n, c, k = size.images, size.captions, cfg.k
-    ivf = cfg.index == "ivf" or (cfg.index == "auto" and max(n, c) > cfg.flat_max)
+    kind = {side: resolve_kind(rows, cfg.index, cfg.flat_max) for side, rows in (("images", n), ("captions", c))}  # the stage's rule
     b = {"faiss": 0}
-    for rows in (n, c):
+    for side, rows in (("images", n), ("captions", c)):
         b["faiss"] += 2 * rows * p * 4 + rows * 8 + 2 * 128 + 200  # .faiss + .npy (float32) + ids
-        if ivf:
-            nlist = cfg.nlist or min(int(4 * math.sqrt(rows)), rows // 39)
+        if kind[side] == "ivf":
+            nlist = cfg.nlist or default_nlist(rows)
             b["faiss"] += rows * 8 + nlist * p * 4 + rows * 8  # ids inside the IVF lists, centroids, assignment
     b["faiss"] += c * 8 + 128  # captions_owner.npy
     units_i, units_c = len(unit_rows(n, cfg.query_chunk)), len(unit_rows(c, cfg.query_chunk))
@@ -432,7 +434,7 @@ def index(size, cfg, p: int, measured: dict | None = None) -> ArtifactSize:
         notes.append("negatives tables: the stage's search on the CLIP calibration's embeddings, grown by the law fitted on them (measured)")
     b["overhead"] = overhead(units_i + units_c, 1)
     return ArtifactSize("index", {"image_negatives": n, "caption_negatives": c}, b, exact_rows=size.exact,
-                        notes=["IVF index" if ivf else "flat index", *notes])
+                        notes=[f"images: {kind['images']} index, captions: {kind['captions']} index", *notes])
 
 
 def mined_sample(size, cfg) -> dict:
