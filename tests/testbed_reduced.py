@@ -90,12 +90,13 @@ def train_run(manifest_path: Path, job: str, run_dir: Path, *sets: str, timeout:
     return _results(run_dir), wall
 
 
-def train_runs_side_by_side(manifest_path: Path, job: str, *runs: tuple, timeout: int = 600) -> list[dict]:
-    """:func:`train_run` of each ``(run_dir, *sets)`` at once, one process each (for a job at ``threads: 1``:
-    each run's numbers are the ones it has alone; the wall time is the longest run's on 2 cores);
-    returns each run's rows, in order."""
-    procs = [subprocess.Popen(_train_cmd(manifest_path, job, rd, sets), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rd, *sets in runs]
+def side_by_side(cmds: list[list[str]], timeout: int, env: dict | None = None) -> list[str]:
+    """Run the commands at once, one process each, from the project root (for training runs at
+    ``threads: 1``: each run's numbers are the ones it has alone; the wall time is the longest
+    run's on 2 cores); every one must succeed; returns their stdouts, in order. On a timeout all
+    are killed."""
+    procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in cmds]
     outs = []
     for p in procs:
         try:
@@ -104,8 +105,15 @@ def train_runs_side_by_side(manifest_path: Path, job: str, *runs: tuple, timeout
             for q in procs:
                 q.kill()
             raise
-    for (so, se), p in zip(outs, procs):
-        assert p.returncode == 0, so[-2000:] + se[-4000:]
+    for c, (so, se), p in zip(cmds, outs, procs):
+        assert p.returncode == 0, f"{' '.join(c[2:])}\n{so[-2000:]}\n{se[-4000:]}"
+    return [so for so, _ in outs]
+
+
+def train_runs_side_by_side(manifest_path: Path, job: str, *runs: tuple, timeout: int = 600) -> list[dict]:
+    """:func:`train_run` of each ``(run_dir, *sets)`` at once (:func:`side_by_side`); returns each
+    run's rows, in order."""
+    side_by_side([_train_cmd(manifest_path, job, rd, sets) for rd, *sets in runs], timeout)
     return [_results(rd) for rd, *_ in runs]
 
 

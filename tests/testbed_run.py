@@ -63,22 +63,12 @@ class Testbed:
         return self._result(p.stdout)
 
     def train_side_by_side(self, *runs: tuple[str, ...], timeout: int = 1500) -> list[tuple[dict, Path]]:
-        """:meth:`train` of each ``(job, *sets)`` at once, one process each (for jobs at ``threads: 1``:
-        each run's numbers are the ones it has alone; the wall time is the longest run's on 2 cores)."""
-        procs = [subprocess.Popen([sys.executable, "-m", *self._train_args(job, sets)], cwd=REPO, env=self.env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job, *sets in runs]
-        outs = []
-        for (job, *sets), p in zip(runs, procs):
-            try:
-                so, se = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise
-            outs.append((p.returncode, so, se, job, sets))
-        for rc, so, se, job, sets in outs:
-            assert rc == 0, f"train run {job} {' '.join(sets)}\n{so[-3000:]}\n{se[-3000:]}"
-        return [self._result(so) for _, so, *_ in outs]
+        """:meth:`train` of each ``(job, *sets)`` at once, one process each
+        (:func:`tests.testbed_reduced.side_by_side`)."""
+        from tests.testbed_reduced import side_by_side
+
+        outs = side_by_side([[sys.executable, "-m", *self._train_args(job, sets)] for job, *sets in runs], timeout, self.env)
+        return [self._result(so) for so in outs]
 
 
 def rows(results: Path) -> dict:
