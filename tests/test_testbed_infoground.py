@@ -77,18 +77,12 @@ def copy_stages(src: Path, dest: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, infoground_testbed):
     out = copy_stages(infoground_testbed, tmp_path_factory.mktemp("testbed_ig") / "out")
-    py = sys.executable
-    procs = {}
-    for control in ("none", "shuffled"):  # the two trainings side by side (one thread each)
-        argv = [py, "-m", "train.cli", "run", "infoground", "--manifest", str(MANIFEST), "--no-progress", "--json",
-                *_sets(out, [*TRAIN, f"train.infoground.control={control}"])]
-        procs[control] = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    res = {}
-    for control, p in procs.items():
-        so, se = p.communicate(timeout=900)
-        assert p.returncode == 0, so[-3000:] + se[-3000:]
-        res[control] = _pointing(json.loads(so.strip().splitlines()[-1])["run_dir"])
-    return res
+    from tests.testbed_reduced import side_by_side
+
+    controls = ("none", "shuffled")  # the two trainings side by side (one thread each)
+    outs = side_by_side([[sys.executable, "-m", "train.cli", "run", "infoground", "--manifest", str(MANIFEST), "--no-progress",
+                          "--json", *_sets(out, [*TRAIN, f"train.infoground.control={c}"])] for c in controls], 900, _env())
+    return {c: _pointing(json.loads(so.strip().splitlines()[-1])["run_dir"]) for c, so in zip(controls, outs)}
 
 
 def test_infoground_learns_on_the_testbed(runs):
