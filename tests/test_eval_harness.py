@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from math import comb
 from pathlib import Path
 from types import SimpleNamespace
@@ -324,7 +325,7 @@ def test_image_splits_scores_held_out_items_only(tmp_path, monkeypatch):
 def test_a_jobs_frozen_score_is_reported_as_the_baseline_its_result_is_judged_against(tmp_path, monkeypatch):
     """A job with a frozen score (concept-ot's g) gets every pairwise row again as ``<metric>[frozen]``
     with ``baseline_for``; a baseline protocol's retrieval rows point at the learnt protocol; the
-    verdict of a result that does not clear its frozen score is not 'above'."""
+    verdict of a result is decided by its paired difference from its frozen score."""
     from pipeline.report.significance import verdicts
 
     monkeypatch.setitem(H.BUILTIN, "toy", _toy_reader)
@@ -350,11 +351,16 @@ def test_a_jobs_frozen_score_is_reported_as_the_baseline_its_result_is_judged_ag
     by = {(r["subset"], r["metric"]): r for r in rows}
     assert by[("all", "acc[frozen]")]["value"] == 100.0 and by[("all", "acc[frozen]")]["baseline_for"] == "all/acc"
     assert by[("all", "acc")]["baseline_for"] == ""
-    # many items so that the verdict is not "too few items": the learnt row above chance, below its frozen score
+    # the toy scorer's rows carry no per-item estimate: the difference from the frozen score has no paired
+    # interval, so no verdict (a baseline is never compared as a constant; tests/test_eval_paired.py pairs them)
+    assert by[("all", "acc")]["diff_vs"] == "acc[frozen]" and math.isnan(by[("all", "acc")]["diff_low"])
+    assert "no paired interval: the result has no per-item estimate" in by[("all", "acc")]["note"]
     rows = [{**by[("all", "acc")], "value": 70.0, "ci_low": 60.0, "ci_high": 80.0, "n": 100},
             {**by[("all", "acc[frozen]")], "value": 75.0, "n": 100}]
-    assert verdicts(rows) == ["not above acc[frozen] (75)", "baseline"]
-    rows[1]["value"] = 55.0
+    assert verdicts(rows) == [None, "baseline"]
+    rows[0].update(diff=-5.0, diff_low=-9.0, diff_high=-1.0)
+    assert verdicts(rows)[0] == "below"
+    rows[0].update(diff=5.0, diff_low=1.0, diff_high=9.0)
     assert verdicts(rows)[0] == "above"
 
     # retrieval: the frozen protocol's rows are the learnt protocol's baselines

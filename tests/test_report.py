@@ -282,8 +282,8 @@ def test_demo_report_in_headless_browser(tmp_path, no_ray, one_thread):
         # the summary on top: each run's headline metrics with interval and a verdict against chance
         verdicts = driver.execute_script(
             "return Array.from(document.querySelectorAll('#jobs-summary td.verdict')).map(e => e.textContent.trim())")
-        assert verdicts and all(v in {"above", "below", "not significant", "too few items", "baseline", "—"}
-                                or v.startswith("not above ") for v in verdicts), verdicts
+        assert verdicts and all(v in {"above", "below", "not resolved", "too few items", "baseline", "—"}
+                                for v in verdicts), verdicts
         # navigation: every stage, artifact and run is a fold, closed at first, so the page is short
         from selenium.webdriver.common.by import By
 
@@ -374,20 +374,18 @@ def test_report_shows_benchmarks_train_eval_could_not_score(tmp_path, no_ray):
 
 
 def test_significance_comes_from_the_95_interval_not_value_above_chance():
-    from pipeline.report.significance import interval, verdict, wilson_interval
+    from pipeline.report.significance import interval, verdict
 
-    lo, hi = wilson_interval(50.0, 100)
-    assert 40.0 < lo < 40.5 and 59.5 < hi < 60.0  # the textbook Wilson interval of 50/100
-    assert wilson_interval(0.0, 52)[0] == 0.0
     # AUC 0.515 on 45 items: a fraction without an interval column gets no verdict (was green "above chance")
     assert verdict({"value": 0.515, "n": 45, "chance": 0.5, "unit": "fraction"}) is None
-    assert verdict({"value": 52.0, "n": 274, "chance": 50.0, "unit": "%"}) == "not significant"
-    assert verdict({"value": 60.0, "n": 1000, "chance": 50.0, "unit": "%"}) == "above"
-    assert verdict({"value": 0.0, "n": 52, "chance": 25.0, "unit": "%"}) == "below"
-    # the harness's own interval wins over Wilson
+    # a percentage without an interval: none either (no Wilson that ignores how items share images)
+    assert verdict({"value": 60.0, "n": 1000, "chance": 50.0, "unit": "%"}) is None
+    assert verdict({"value": 52.0, "n": 274, "chance": 50.0, "unit": "%", "ci_low": 46.1, "ci_high": 57.8}) == \
+        "not resolved"
+    assert verdict({"value": 0.0, "n": 52, "chance": 25.0, "unit": "%", "ci_low": 0.0, "ci_high": 6.9}) == "below"
     row = {"value": 0.6, "n": 45, "chance": 0.5, "unit": "fraction", "ci_low": 0.52, "ci_high": 0.68}
     assert interval(row) == (0.52, 0.68) and verdict(row) == "above"
-    assert verdict({"value": 60.0, "n": 1000, "chance": None, "unit": "%"}) is None
+    assert verdict({**row, "chance": None}) is None
 
 
 def test_report_summary_on_top_and_a_folded_section_per_stage_and_job(tmp_path, no_ray):
@@ -399,9 +397,20 @@ def test_report_summary_on_top_and_a_folded_section_per_stage_and_job(tmp_path, 
     run = Path(m.output) / "train" / "concept-ot" / "conceptot"
     base = {"job": "concept-ot", "variant": "conceptot", "checkpoint": "c", "step": 3, "subset": "all", "skipped": 0,
             "skip_reasons": "{}", "unit": "%", "note": ""}
-    write_results([{**base, "benchmark": "sugarcrepe", "metric": "accuracy", "value": 51.5, "n": 274, "chance": 50.0},
-                   {**base, "benchmark": "winoground", "metric": "text_score", "value": 0.0, "n": 52, "chance": 25.0},
-                   {**base, "benchmark": "synthetic", "metric": "accuracy", "value": 90.0, "n": 200, "chance": 50.0}],
+    from train.eval.intervals import wilson_n
+
+    def ci(pct, n):
+        return dict(zip(("ci_low", "ci_high"), wilson_n(pct / 100, n)))
+
+    write_results([{**base, "benchmark": "sugarcrepe", "metric": "accuracy", "value": 51.5, "n": 274, "chance": 50.0,
+                    **ci(51.5, 274)},
+                   {**base, "benchmark": "winoground", "metric": "text_score", "value": 0.0, "n": 52, "chance": 25.0,
+                    **ci(0.0, 52)},
+                   {**base, "benchmark": "synthetic", "metric": "accuracy", "value": 90.0, "n": 200, "chance": 50.0,
+                    **ci(90.0, 200),
+                    "diff_vs": "accuracy[frozen]", "diff": 4.0, "diff_low": 1.5, "diff_high": 6.5},
+                   {**base, "benchmark": "synthetic", "metric": "accuracy[frozen]", "value": 86.0, "n": 200,
+                    "chance": 50.0, "baseline_for": "all/accuracy"}],
                   run / "eval" / "step000003")
     (run / "config.json").write_text(json.dumps({"variant": "conceptot", "seed": 0}))
     html = build_report(Path(m.output), "manifests/demo.yaml", m).read_text()
@@ -409,10 +418,12 @@ def test_report_summary_on_top_and_a_folded_section_per_stage_and_job(tmp_path, 
     jobs = top.split('id="jobs-summary"')[1].split("</table>")[0]
     # the headline metrics with interval and verdict, at the top
     assert 'href="#train-concept-ot-conceptot"' in jobs
-    for metric, sig in [("sugarcrepe / accuracy", "not significant"), ("winoground / text_score", "below"),
+    for metric, sig in [("sugarcrepe / accuracy", "not resolved"), ("winoground / text_score", "below"),
                         ("synthetic / accuracy", "above")]:
         cells = jobs.split(metric)[1].split("</tr>")[0]
         assert f">{sig}<" in cells, (metric, cells)
+    # the paired difference from the baseline beside its verdict
+    assert ">+4.0% [+1.5%, +6.5%] vs accuracy[frozen]<" in jobs.split("synthetic / accuracy")[1].split("</tr>")[0]
     assert "51.5%" in jobs and "45.6% – 57.4%" in jobs  # Wilson of 51.5 % over 274 items
     # far below chance: the table says why
     training = html.split('id="training"')[1]

@@ -65,7 +65,7 @@ def test_runs_table_lists_trained_and_failed_jobs(tmp_path):
     lines = text.splitlines()
     assert lines[0].split()[:2] == ["job", "headline"] and "wall" in lines[0].split()
     # no results.parquet: the evaluate() metric beside its chance, no interval, no verdict
-    assert lines[1].split() == ["concept-ot", "sugarcrepe/overall", "47.4", "—", "50", "(chance)", "—", "—", "42s"]
+    assert lines[1].split() == ["concept-ot", "sugarcrepe/overall", "47.4", "—", "50", "(chance)", "—", "—", "—", "42s"]
     assert lines[2].split()[-1] == "-"  # no wall time given
     assert lines[3].split()[0] == "c3" and "did not train" in lines[3]
     assert lines[4] == "run folders:" and lines[5].split() == ["concept-ot:", str(run)]
@@ -108,12 +108,14 @@ def test_runs_table_takes_chance_from_results_parquet(tmp_path):
                    run / "eval" / "final" / "results.parquet")
     text = runs_table([("infoground", run, {"val_r1": 31.0})], [])
     row = text.splitlines()[1].split()
-    assert row == ["infoground", "infoground/val_r1", "31", "[20,", "40]", "4", "(chance)", "64", "above", "-"], text
+    assert row == ["infoground", "infoground/val_r1", "31", "[20,", "40]", "4", "(chance)", "64", "above", "—", "-"], text
 
 
-def test_runs_table_judges_the_headline_against_the_strongest_baseline(tmp_path):
-    """A result above chance but not above a no-learning baseline reported beside it is not 'above'; a
-    row on fewer than 10 items gets no verdict; baseline rows never headline."""
+def test_runs_table_judges_the_headline_by_its_paired_difference_from_the_strongest_baseline(tmp_path):
+    """A result above chance whose paired difference from the baseline reported beside it lies below 0 is
+    'below', printed with that difference and its interval; without a paired interval (results written
+    before the paired columns) it gets no verdict; a row on fewer than 10 items gets none; baseline rows
+    never headline."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -122,17 +124,25 @@ def test_runs_table_judges_the_headline_against_the_strongest_baseline(tmp_path)
     run = tmp_path / "run"
     (run / "eval" / "final").mkdir(parents=True)
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 20, "loss": 0.5}) + "\n")
-    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n", "baseline_for"]
-    rows = [("c3_mcp", "type2_random", "auc_global_cosine", 0.641, 0.5, 0.62, 0.66, 900, "type2_random/auc"),
-            ("c3_mcp", "type2_random", "auc", 0.593, 0.5, 0.57, 0.61, 900, ""),
-            ("c3_mcp", "type1", "auc", 0.9, 0.5, 0.6, 1.0, 8, "")]
+    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n", "baseline_for", "diff_vs",
+            "diff", "diff_low", "diff_high"]
+    nan = float("nan")
+    rows = [("c3_mcp", "type2_random", "auc_global_cosine", 0.641, 0.5, 0.62, 0.66, 900, "type2_random/auc", "",
+             nan, nan, nan),
+            ("c3_mcp", "type2_random", "auc", 0.593, 0.5, 0.57, 0.61, 900, "", "auc_global_cosine", -0.048, -0.07, -0.03),
+            ("c3_mcp", "type1", "auc", 0.9, 0.5, 0.6, 1.0, 8, "", "", nan, nan, nan)]
     pq.write_table(pa.Table.from_pylist([dict(zip(cols, r)) for r in rows]), run / "eval" / "final" / "results.parquet")
     row = runs_table([("c3", run, {})], []).splitlines()[1]
     assert "c3_mcp/type2_random/auc " in row and "0.641 (auc_global_cosine)" in row
-    assert row.split()[-3:] == ["not", "above", "-"], row  # the bar it is not above is in its own column
+    assert row.split()[-5:] == ["below", "-0.048", "[-0.07,", "-0.03]", "-"], row
     text = summary_table("c3", run, {})
     assert "too few items" in text and "c3_mcp/type1/auc" in text
     assert not any(ln.startswith("c3_mcp/type2_random/auc_global_cosine") for ln in text.splitlines())
+    # the same rows without the paired columns (an older results.parquet): a baseline, no paired interval
+    old = [dict(zip(cols[:9], r[:9])) for r in rows]
+    pq.write_table(pa.Table.from_pylist(old), run / "eval" / "final" / "results.parquet")
+    row = runs_table([("c3", run, {})], []).splitlines()[1]
+    assert row.split()[-3:] == ["—", "—", "-"], row
 
 
 def test_runs_table_reads_a_metric_chance_suffix(tmp_path):
@@ -158,12 +168,15 @@ def test_runs_table_fits_120_columns_with_long_names(tmp_path):
     run = tmp_path / "train" / "infoground" / ("contextual-epochs3-lr0.003-test_splits_val+test-" + "x" * 30 + "-958a0f")
     (run / "eval" / "final").mkdir(parents=True)
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1230, "loss": 0.00568}) + "\n")
-    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n", "baseline_for"]
-    rows = [("grounding:a-long-output-folder-name", "val+test", "pointing accuracy", 82.4, 51.0, 79.5, 85.0, 1491, ""),
+    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n", "baseline_for", "diff_vs",
+            "diff", "diff_low", "diff_high"]
+    nan = float("nan")
+    rows = [("grounding:a-long-output-folder-name", "val+test", "pointing accuracy", 82.4, 51.0, 79.5, 85.0, 1491, "",
+             "pointing accuracy[prior of the nouns alone]", -5.6, -8.25, 1.125),
             ("grounding:a-long-output-folder-name", "val+test", "pointing accuracy[prior of the nouns alone]", 88.0, 51.0,
-             86.0, 90.0, 1491, "val+test/pointing accuracy")]
+             86.0, 90.0, 1491, "val+test/pointing accuracy", "", nan, nan, nan)]
     pq.write_table(pa.Table.from_pylist([dict(zip(cols, r)) for r in rows]), run / "eval" / "final" / "results.parquet")
     text = runs_table([("relation-head", run, {}, 1234.5), ("visual-tokens", run, {}, 3.0)], ["text-groups"])
     lines = text.splitlines()
     assert all(len(ln) <= CLOSING_WIDTH for ln in lines[:4]), "\n".join(f"{len(ln)}: {ln}" for ln in lines)
-    assert f"  relation-head: {run}" in lines and "not above" in lines[1], text
+    assert f"  relation-head: {run}" in lines and "not resolved  -5.6 [-8.25, +1.12]" in lines[1], text

@@ -40,7 +40,7 @@ def final_rows(run: Path) -> list[dict]:
     table = run / "eval" / "final" / "results.parquet"
     if table.is_file():
         rows += [{k: r.get(k) for k in ("benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n",
-                                        "unit", "baseline_for")}
+                                        "unit", "baseline_for", "diff_vs", "diff", "diff_low", "diff_high")}
                  for r in read_parquet_file(table).to_pylist()]
     metrics = run / "eval" / "final" / "metrics.json"
     if metrics.is_file():

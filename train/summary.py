@@ -76,14 +76,16 @@ MAIN_SUBSETS = ("all", "overall", "", "held_out", "i2t", "t2i")
 
 def result_rows(run_dir: Path) -> list[dict]:
     """The run's final ``results.parquet`` rows (the harness's and the job's own, with interval and n),
-    each with its ``verdict`` against chance and the strongest no-learning baseline reported beside it
-    (:func:`pipeline.report.significance.verdicts`) and that ``bar``: [] when the run has none."""
-    from pipeline.report.significance import judged
+    each with its ``verdict`` (:func:`pipeline.report.significance.verdicts`: the paired difference from
+    the strongest no-learning baseline reported beside it, else chance), that ``bar`` and ``diff_text``
+    (the difference and its 95% interval): [] when the run has none."""
+    from pipeline.report.significance import diff_text, judged
     from train.seeds_table import final_rows
 
     rows = [r for r in final_rows(Path(run_dir)) if r.get("benchmark") != "evaluate"]
     for r, (v, bar) in zip(rows, judged(rows)):
         r["verdict"], r["bar"] = v or "", bar
+        r["diff_text"] = diff_text(r, lambda x: ("+" if x > 0 else "") + fmt_num(x)).replace(f" vs {r.get('diff_vs')}", "")
     return rows
 
 
@@ -125,9 +127,10 @@ def _ci(r: dict) -> str:
 
 
 def _bar(r: dict) -> str:
-    """The no-learning bar the verdict used: the strongest baseline when it beats chance, else chance."""
+    """The no-learning bar the verdict used: the strongest baseline reported beside the row (the paired
+    difference is against it; the row must clear chance as well), else chance."""
     b, c = r.get("bar"), r.get("chance")
-    if b is not None and (c is None or b[1] > c):
+    if b is not None:
         return f"{fmt_num(b[1])} ({b[0]})"
     return f"{fmt_num(c)} (chance)" if c is not None else "—"
 
@@ -143,9 +146,9 @@ def summary_table(job: str, run_dir: Path, res: dict) -> str:
     main = _main(result_rows(run_dir))
     if main:  # held-out results with interval, n and a verdict against the no-learning bar
         shown = main[:HEADLINE_ROWS]
-        table = [["metric", "value", "95% interval", "no-learning bar", "n", "verdict"],
-                 *([_fit(_label(r), 44), fmt_num(r["value"]), _ci(r), _fit(_bar(r), 26), fmt_num(r.get("n")),
-                    _short_verdict(r["verdict"] or "—")] for r in shown)]  # within 120 columns
+        table = [["metric", "value", "95% interval", "no-learning bar", "n", "verdict", "diff vs bar [95%]"],
+                 *([_fit(_label(r), 36), fmt_num(r["value"]), _ci(r), _fit(_bar(r), 22), fmt_num(r.get("n")),
+                    r["verdict"] or "—", _fit_diff(r)] for r in shown)]  # within 120 columns
         lines += ["", *_align(table, right={1, 4})]
         more = len(main) - len(shown)
         where = Path(run_dir) / "eval" / "final" / "results.md"
@@ -176,9 +179,10 @@ def _fit(text: str, width: int) -> str:
     return text[:keep] + "…" + tail
 
 
-def _short_verdict(v: str) -> str:
-    """The verdict without the bar it names (the no-learning bar column shows it): 'not above X (v)' -> 'not above'."""
-    return "not above" if v.startswith("not above") else v
+def _fit_diff(r: dict) -> str:
+    """The paired difference from the bar and its 95% interval (the bar column names the baseline); "—"
+    for a row judged against chance."""
+    return r.get("diff_text") or "—"
 
 
 CLOSING_WIDTH = 120  # the closing table's columns (the run folders, whole, below it)
@@ -187,29 +191,30 @@ CLOSING_WIDTH = 120  # the closing table's columns (the run folders, whole, belo
 def runs_table(done: list[tuple], failed: list[str]) -> str:
     """``train run all``'s closing table, within CLOSING_WIDTH columns: per job (``done``: (job, run
     folder, result[, wall seconds])) its headline result (value, 95% interval, the no-learning bar it
-    is judged against: chance or the strongest baseline the job reports, n, verdict) and wall time of
+    is judged against: chance or the strongest baseline the job reports, n, verdict, the paired difference
+    from that baseline with its 95% interval) and wall time of
     the whole run; the jobs that did not train; the run folders below the table, whole. Each job's own
     table above it gives the run's steps and final loss."""
-    rows = [["job", "headline", "value", "95% interval", "no-learning bar", "n", "verdict", "wall"]]
+    rows = [["job", "headline", "value", "95% interval", "no-learning bar", "n", "verdict", "diff vs bar [95%]", "wall"]]
     folders = []
     for job, run_dir, res, *wall in done:
         w = f"{wall[0]:.0f}s" if wall else "-"
         r = _headline(job, result_rows(run_dir))
         if r is not None:
             rows.append([job, _label(r), fmt_num(r["value"]), _ci(r), _bar(r), fmt_num(r.get("n")),
-                         _short_verdict(r["verdict"] or "—"), w])
+                         r["verdict"] or "—", _fit_diff(r), w])
         else:  # no results table: the job's evaluate() metric beside its chance, no interval
             head = _with_chance(headline_metrics(res, limit=1)[0], run_dir)
             k, v, c = head[0] if head else ("-", None, None)
-            rows.append([job, k, fmt_num(v), "—", f"{fmt_num(c)} (chance)" if c is not None else "—", "—", "—", w])
+            rows.append([job, k, fmt_num(v), "—", f"{fmt_num(c)} (chance)" if c is not None else "—", "—", "—", "—", w])
         folders.append(f"  {job}: {run_dir}")
     # the headline and bar columns share what the others leave of CLOSING_WIDTH (2 spaces between columns)
-    other = sum(max(len(r[i]) for r in rows) for i in (0, 2, 3, 5, 6, 7)) + 2 * 7
+    other = sum(max(len(r[i]) for r in rows) for i in (0, 2, 3, 5, 6, 7, 8)) + 2 * 8
     room = max(CLOSING_WIDTH - other, 30)
     head_w = min(max(len(r[1]) for r in rows), max(room - max(len(r[4]) for r in rows), room * 4 // 7))
     bar_w = room - head_w
     rows = [[r[0], _fit(r[1], head_w), r[2], r[3], _fit(r[4], bar_w), *r[5:]] for r in rows]
-    out = _align(rows, right={2, 5, 7})
+    out = _align(rows, right={2, 5, 8})
     width = max(len(x) for x in out)
     out += [f"{job:{len(rows[0][0]) if len(rows) > 1 else len(job)}s}  did not train (see the error above)"[:width]
             for job in failed]

@@ -1,43 +1,38 @@
-"""Is a result distinguishable from what no learning gets? The 95 % interval decides, not ``value > chance``.
+"""Is a result distinguishable from what no learning gets? 95 % intervals decide, not ``value > chance``.
 
-An evaluation row carries ``value``, ``n`` (items scored), ``chance`` and, where the harness
-computed it, ``ci_low`` / ``ci_high`` (its 95 % interval, :mod:`train.eval.intervals`). A row without
-them gets a Wilson score interval when its value is a percentage accuracy over ``n`` items
-(``unit == "%"``); any other metric without an interval gets no verdict.
+An evaluation row carries ``value``, ``n`` (items scored), ``chance`` and, where the harness computed
+it, ``ci_low`` / ``ci_high`` (its 95 % interval, ``train.eval.intervals``). A row without them gets
+no verdict: no interval, no verdict (a macro row the harness could not give an interval is not
+judged by an interval it never computed).
 
 A job may report no-learning baselines beside a result: a frozen score, a prior without the image, one
 group, a random assignment, the untrained model. Such a row names the result it is the baseline of in
 ``baseline_for`` (``"<subset>/<metric>"`` in the same benchmark; older results: a metric spelled
-``<metric>[<baseline>]``). The verdicts (:func:`verdicts`):
+``<metric>[<baseline>]``). The harness pairs every result row with its strongest baseline over the
+same resampled images (``train.eval.paired``): ``diff_vs`` (that baseline), ``diff`` (result -
+baseline) and ``diff_low`` / ``diff_high`` (its 95 % interval). The verdicts (:func:`verdicts`):
 
 * ``baseline``: the row is a no-learning baseline, not a result;
 * ``too few items``: fewer than ``MIN_ITEMS`` (10) items: no verdict at all;
-* ``above``: the whole interval lies above chance *and* above the strongest baseline reported for it;
-* ``not above <baseline>``: above chance, but the interval does not clear that baseline's value;
-* ``below``: the whole interval lies below chance;
-* ``not significant``: chance lies inside the interval (AUC 0.515 on 45 items, 26 % on 52 items
-  against 25 %).
+* a row with a baseline: ``above`` when the paired difference's interval lies above 0 *and* the row's
+  own interval above chance; ``below`` when the difference's interval lies below 0; ``not resolved``
+  otherwise; no verdict (None) when the paired difference has no interval (a baseline is never
+  compared as a constant);
+* a row without a baseline, against chance by its own interval: ``above`` (the whole interval above),
+  ``below`` (the whole interval below), ``not resolved`` (chance inside: AUC 0.515 on 45 items, 26 %
+  on 52 items against 25 %).
+
+:func:`diff_text` writes the difference and its interval that every table prints beside the verdict.
 """
 
 from __future__ import annotations
 
 import math
 
-Z95 = 1.959963984540054
-
 # strict scoring: a tie between the right and the wrong option counts as wrong, so a scorer that
 # cannot tell the options apart (random or untrained features, identical texts) lands under chance
 BELOW_CHANCE_NOTE = ("significantly below chance: ties count as wrong (a scorer that gives the options equal "
                      "scores fails the item), so an uninformative model can score under chance, down to 0 %")
-
-
-def wilson_interval(value_pct: float, n: int) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a proportion given in percent over ``n`` items, in percent."""
-    p = min(1.0, max(0.0, float(value_pct) / 100.0))
-    z2 = Z95 * Z95
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return 100.0 * max(0.0, centre - half), 100.0 * min(1.0, centre + half)
 
 
 def _num(v) -> float | None:
@@ -51,15 +46,15 @@ def _num(v) -> float | None:
 
 
 def interval(row: dict) -> tuple[float, float] | None:
-    """The row's 95 % interval: its ``ci_low`` / ``ci_high``, else Wilson for a percentage over
-    ``n`` items, else None."""
+    """The row's 95 % interval (``ci_low``, ``ci_high``), or None when it has none."""
     lo, hi = _num(row.get("ci_low")), _num(row.get("ci_high"))
-    if lo is not None and hi is not None:
-        return lo, hi
-    value, n = _num(row.get("value")), _num(row.get("n"))
-    if row.get("unit") == "%" and value is not None and n and n > 0:
-        return wilson_interval(value, int(n))
-    return None
+    return (lo, hi) if lo is not None and hi is not None else None
+
+
+def diff_interval(row: dict) -> tuple[float, float] | None:
+    """The 95 % interval of the row's paired difference from its strongest baseline, or None."""
+    lo, hi = _num(row.get("diff_low")), _num(row.get("diff_high"))
+    return (lo, hi) if lo is not None and hi is not None else None
 
 
 MIN_ITEMS = 10  # below this many scored items a row gets "too few items", not a verdict
@@ -93,8 +88,9 @@ def baselines_of(rows: list[dict]) -> dict[tuple, list[tuple[str, float]]]:
 
 
 def verdict(row: dict, baselines: list[tuple[str, float]] = ()) -> str | None:
-    """The row's verdict (module doc), or None when it has no chance level or no interval.
-    ``baselines``: [(label, value)] of the no-learning baselines reported for it."""
+    """The row's verdict (module doc), or None when it has no chance level, no interval, or a baseline
+    but no paired interval. ``baselines``: [(label, value)] of the no-learning baselines reported for it
+    (a row whose own ``diff_vs`` is set has one, whether or not they are in ``baselines``)."""
     if baseline_target(row):
         return "baseline"
     n = _num(row.get("n"))
@@ -103,14 +99,28 @@ def verdict(row: dict, baselines: list[tuple[str, float]] = ()) -> str | None:
         return "too few items"
     if chance is None or ci is None:
         return None
+    if baselines or row.get("diff_vs"):
+        d = diff_interval(row)
+        if d is None:
+            return None
+        if d[0] > 0 and ci[0] > chance:
+            return "above"
+        return "below" if d[1] < 0 else "not resolved"
     if ci[1] < chance:
         return "below"
-    if ci[0] <= chance:
-        return "not significant"
-    strongest = max(baselines, key=lambda b: b[1], default=None)
-    if strongest is not None and ci[0] <= strongest[1]:
-        return f"not above {strongest[0]} ({strongest[1]:.4g})"
-    return "above"
+    return "above" if ci[0] > chance else "not resolved"
+
+
+def diff_text(row: dict, fmt=lambda v: f"{v:+.4g}") -> str:
+    """``+1.2 [0.3, 2.1] vs <baseline>``: the row's paired difference, its 95 % interval and what it
+    is against; ``vs <baseline>: no paired interval`` without one; "" for a row without a baseline."""
+    vs = row.get("diff_vs")
+    if not vs:
+        return ""
+    d, ci = _num(row.get("diff")), diff_interval(row)
+    if d is None or ci is None:
+        return f"vs {vs}: no paired interval"
+    return f"{fmt(d)} [{fmt(ci[0])}, {fmt(ci[1])}] vs {vs}"
 
 
 def judged(rows: list[dict]) -> list[tuple[str | None, tuple[str, float] | None]]:

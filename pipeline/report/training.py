@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.io.run_files import CorruptRunFile, read_json_file, read_parquet_file
 from pipeline.report.curves import chance_keys, plot_metrics, read_metrics
 from pipeline.report.formatting import fmt_num, fmt_value
-from pipeline.report.significance import BELOW_CHANCE_NOTE, interval, verdicts
+from pipeline.report.significance import BELOW_CHANCE_NOTE, diff_text, interval, verdicts
 
 log = logging.getLogger("pipeline")
 
@@ -35,12 +35,13 @@ def eval_tables(run_dir: Path) -> list[dict]:
                 unit = r.get("unit") or ""
                 ci = interval(r)
                 note = r.get("note") or ""
-                if sig == "below":
+                if ci and r.get("chance") is not None and ci[1] < r["chance"]:  # below chance, not only a baseline
                     note = f"{note}; {BELOW_CHANCE_NOTE}" if note else BELOW_CHANCE_NOTE
                 out_rows.append({"benchmark": r.get("benchmark"), "subset": r.get("subset"), "metric": r.get("metric"),
                                  "value": fmt_value(r.get("value"), unit), "chance": fmt_value(r.get("chance"), unit),
                                  "ci": f"{fmt_value(ci[0], unit)} – {fmt_value(ci[1], unit)}" if ci else "",
                                  "verdict": sig or "", "above": sig == "above", "below": sig == "below",
+                                 "diff": diff_text(r, lambda v: ("+" if v > 0 else "") + fmt_value(v, unit)),
                                  "n": fmt_num(r.get("n")), "skipped": fmt_num(r.get("skipped")),
                                  "reasons": ", ".join(f"{k}: {fmt_num(v)}" for k, v in reasons.items()),
                                  "note": note, "unit": unit})
@@ -73,13 +74,13 @@ def eval_tables(run_dir: Path) -> list[dict]:
                     continue
                 if not isinstance(v, (int, float)) or isinstance(v, bool):
                     out_rows.append({"metric": k, "value": str(v)[:200], "chance": "", "unit": "", "ci": "",
-                                     "above": False, "below": False, "verdict": ""})
+                                     "above": False, "below": False, "verdict": "", "diff": ""})
                     continue
                 c = res.get(chance_of[k]) if k in chance_of else None
                 unit = ""  # metrics.json carries no units: numbers as logged (results.parquet has them)
                 # no item count here, so no interval: no verdict either (value > chance is not evidence)
                 out_rows.append({"metric": k, "value": fmt_value(v, unit), "chance": fmt_value(c, unit) if c is not None else
-                                 ("n/a" if unit else ""), "unit": unit, "ci": "", "above": False, "below": False, "verdict": ""})
+                                 ("n/a" if unit else ""), "unit": unit, "ci": "", "above": False, "below": False, "verdict": "", "diff": ""})
             tables.append({"tag": d.name, "source": "metrics.json", "rows": out_rows, "kind": "metrics"})
     return tables
 

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from train.eval.harness import fmt_num, fmt_value
+from train.eval.harness import diff_fmt, fmt_num, fmt_value
 
 
 def _latest_results(path: Path) -> list[Path]:
@@ -69,9 +69,10 @@ def _run_label(res_path: Path, rows: list[dict]) -> str:
 
 def compare(paths: Sequence[str | Path]) -> str:
     """One Markdown table: a row per (benchmark, subset, metric), a column per run holding
-    ``value [ci_low, ci_high] (n=N; verdict)`` (the 95% interval; results written before intervals
-    existed show the value alone; the verdict against chance and the strongest no-learning baseline the
-    run reports beside the row, :mod:`pipeline.report.significance`), chance beside. A run whose results
+    ``value [ci_low, ci_high] (n=N; verdict; diff [lo, hi] vs baseline)`` (the 95% interval; results
+    written before intervals existed show the value alone; the verdict, and the paired difference from
+    the strongest no-learning baseline the run reports beside the row with its 95% interval,
+    :mod:`pipeline.report.significance`), chance beside. A run whose results
     cannot be read is named and skipped."""
     from pipeline.io.run_files import CorruptRunFile, read_parquet_file, skipped_line
 
@@ -100,7 +101,7 @@ def compare(paths: Sequence[str | Path]) -> str:
         if n_of[lab] > 1:
             seen[lab] += 1
             labels[i] = f"{lab} #{seen[lab]}"
-    from pipeline.report.significance import verdicts
+    from pipeline.report.significance import diff_text, verdicts
 
     keys: list[tuple] = []
     cell: dict[tuple, dict[int, dict]] = {}
@@ -126,7 +127,8 @@ def compare(paths: Sequence[str | Path]) -> str:
         for j in range(len(runs)):
             r = rs.get(j)
             vals.append("-" if r is None else f"{fmt_value(r, unit)}{suffix} (n={int(r['n']):,}"
-                        + (f"; {r['verdict']})" if r.get("verdict") else ")"))
+                        + (f"; {r['verdict']}" if r.get("verdict") else "")
+                        + (f"; {d}" if (d := diff_text(r, diff_fmt(unit))) else "") + ")")
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {chance} | " + " | ".join(vals) + " |")
     src = "\n".join(f"- {lab}: {f}" for lab, (_, f, _) in zip(labels, runs))
     return "\n".join(lines) + "\n\n" + src + (f"\n\n{skipped_line(corrupt)}" if corrupt else "")

@@ -18,8 +18,10 @@ evaluations, :meth:`train.loop.Job.job_metrics`):
    :meth:`Job.retrieval_scores` for the [I, T] matrices and computes R@K both ways with their exact
    chance levels;
 4. writes ``<run_dir>/eval/<step>/results.parquet`` (job, variant, checkpoint, step, benchmark,
-   subset, metric, value, n, chance, ci_low, ci_high, skipped, skip_reasons, unit, note) and
-   ``results.md``; a row whose scorer gave no interval gets NaN and a note saying so.
+   subset, metric, value, n, chance, ci_low, ci_high, skipped, skip_reasons, unit, note, baseline_for,
+   and diff_vs, diff, diff_low, diff_high: each result row against its strongest baseline row,
+   :mod:`train.eval.paired`) and ``results.md``; a row whose scorer gave no interval gets NaN and a
+   note saying so.
 
 ``train compare RUN_DIR...`` (:func:`compare`) puts the latest results of several runs side by side.
 """
@@ -438,6 +440,9 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
                                            manifest.eval.pairs_chunk, log)
             except (NoScorableItems, FileNotFoundError, ValueError) as e:
                 errors.append(str(e).splitlines()[0] if str(e) else f"{spec.name}: {type(e).__name__}")
+    from train.eval.paired import pair_rows
+
+    pair_rows(rows)  # each result row against its strongest baseline, on the same resampled images
     jname, variant = _job_label(job)
     table = []
     for r in rows:
@@ -455,11 +460,13 @@ def write_results(table: list[dict], out_dir: Path, errors: Sequence[str] = ()) 
 
     from pipeline.io.atomic import write_parquet_atomic
 
-    cols = {c: [r.get(c, "" if c == "baseline_for" else None) for r in table] for c in RESULT_COLUMNS}
+    text = ("baseline_for", "diff_vs")
+    cols = {c: [r.get(c, "" if c in text else None) for r in table] for c in RESULT_COLUMNS}
     types = {"job": pa.string(), "variant": pa.string(), "checkpoint": pa.string(), "step": pa.int64(),
              "benchmark": pa.string(), "subset": pa.string(), "metric": pa.string(), "value": pa.float64(),
              "n": pa.int64(), "chance": pa.float64(), "ci_low": pa.float64(), "ci_high": pa.float64(), "skipped": pa.int64(), "skip_reasons": pa.string(),
-             "unit": pa.string(), "note": pa.string(), "baseline_for": pa.string()}
+             "unit": pa.string(), "note": pa.string(), "baseline_for": pa.string(), "diff_vs": pa.string(),
+             "diff": pa.float64(), "diff_low": pa.float64(), "diff_high": pa.float64()}
     t = pa.table({c: pa.array(cols[c], type=types[c]) for c in RESULT_COLUMNS})
     write_parquet_atomic(t, out_dir / "results.parquet")
     md = markdown_table(table)
@@ -497,18 +504,25 @@ def fmt_value(r: dict, unit: str) -> str:
     return f"{fmt_num(r['value'], unit)}{ci}"
 
 
-def markdown_table(table: list[dict]) -> str:
-    """The results as Markdown, each row with its verdict against chance and the strongest no-learning
-    baseline reported beside it (:mod:`pipeline.report.significance`)."""
-    from pipeline.report.significance import verdicts
+def diff_fmt(unit: str):
+    """A signed number in the row's unit (a paired difference)."""
+    return lambda v: ("+" if v > 0 else "") + fmt_num(v, unit)
 
-    head = ("| benchmark | subset | metric | value [95% CI] | chance | n | skipped | verdict |\n"
-            "|---|---|---|---:|---:|---:|---:|---|")
+
+def markdown_table(table: list[dict]) -> str:
+    """The results as Markdown, each row with its verdict and, where a no-learning baseline is reported
+    beside it, the paired difference from the strongest one and its 95% interval
+    (:mod:`pipeline.report.significance`)."""
+    from pipeline.report.significance import diff_text, verdicts
+
+    head = ("| benchmark | subset | metric | value [95% CI] | chance | n | skipped | verdict | diff vs baseline [95% CI] |\n"
+            "|---|---|---|---:|---:|---:|---:|---|---|")
     lines = [head]
     for r, v in zip(table, verdicts(table)):
         unit = r.get("unit") or ""
         suffix = " %" if unit == "%" else ""
         chance = fmt_num(r["chance"], unit)
         lines.append(f"| {r['benchmark']} | {r['subset']} | {r['metric']} | {fmt_value(r, unit)}{suffix} | "
-                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} | {v or '-'} |")
+                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} | {v or '-'} | "
+                     f"{diff_text(r, diff_fmt(unit)) or '-'} |")
     return "\n".join(lines)

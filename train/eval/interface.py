@@ -49,7 +49,10 @@ import numpy as np
 
 # results.parquet columns, in order (DESIGN.md, Evaluation)
 RESULT_COLUMNS = ("job", "variant", "checkpoint", "step", "benchmark", "subset", "metric", "value", "n", "chance",
-                  "ci_low", "ci_high", "skipped", "skip_reasons", "unit", "note", "baseline_for")
+                  "ci_low", "ci_high", "skipped", "skip_reasons", "unit", "note", "baseline_for",
+                  "diff_vs", "diff", "diff_low", "diff_high")
+# the paired columns (older results.parquet files lack them: readers take them as absent, no verdict)
+PAIRED_COLUMNS = ("diff_vs", "diff", "diff_low", "diff_high")
 
 
 @dataclass
@@ -74,9 +77,17 @@ class Row:
     ci_high: float = float("nan")
     # set on a no-learning baseline's row (a frozen score, a prior, one group, a random assignment, the
     # untrained model): "<subset>/<metric>" of the result row in the same benchmark it is the baseline of.
-    # Verdicts (pipeline.report.significance) call a result "above" only when its interval clears its
-    # strongest baseline as well as chance; the baseline row itself is labelled a baseline, no verdict.
+    # Verdicts (pipeline.report.significance) call a result "above" only when the interval of its paired
+    # difference from its strongest baseline lies above 0 and its own interval above chance; the
+    # baseline row itself is labelled a baseline, no verdict. The harness pairs them (train.eval.paired).
     baseline_for: str = ""
+    # the paired difference against the strongest baseline naming this row (``diff_vs``: its metric label):
+    # result - baseline and its 95% interval over the same resampled images (intervals.paired_difference),
+    # in the row's unit; NaN and a "no paired interval: <why>" note where it cannot be computed
+    diff_vs: str = ""
+    diff: float = float("nan")
+    diff_low: float = float("nan")
+    diff_high: float = float("nan")
     # the per-item estimate behind ``value`` (not a column): a macro average over rows combines them
     est: Any = field(default=None, repr=False, compare=False)
 
@@ -97,7 +108,9 @@ class Row:
                 "n": int(self.n), "chance": None if self.chance is None else float(self.chance),
                 "ci_low": float(self.ci_low), "ci_high": float(self.ci_high),
                 "skipped": int(self.skipped), "skip_reasons": json.dumps(self.skip_reasons, sort_keys=True),
-                "unit": self.unit, "note": self.note, "baseline_for": self.baseline_for}
+                "unit": self.unit, "note": self.note, "baseline_for": self.baseline_for,
+                "diff_vs": self.diff_vs, "diff": float(self.diff), "diff_low": float(self.diff_low),
+                "diff_high": float(self.diff_high)}
 
 
 @dataclass
