@@ -10,15 +10,18 @@
 3. one table, printed and written to ``<output>/testbed.md``: job, benchmark/metric, value, 95% interval,
    chance, the control's value and interval, steps and wall time of the run, and a verdict per row:
 
-   * a row the testbed's features make learnable (``LEARNABLE`` below): ``learned`` when the interval's
-     lower bound is above chance *and* above the strongest no-learning baseline the job reports beside
-     the row (a frozen score, a prior, one group, the untrained model: ``baseline_for`` in results.parquet,
-     :mod:`pipeline.report.significance`), and the control ``at chance`` when its interval's lower bound
-     is not above chance (one-sided: a control that learns nothing may land a little below chance), or
-     ``at its no-learning baseline`` when it is not above that baseline (a frozen score the model adds to,
-     which a control keeps: concept-ot's g on the pixels testbed);
+   * a row the testbed's features make learnable (``LEARNABLE`` below): ``learned`` when its paired verdict
+     is ``above`` (:mod:`pipeline.report.significance`): with a no-learning baseline reported beside the row
+     (a frozen score, a prior, one group, the untrained model: ``baseline_for`` in results.parquet), the 95%
+     interval of (row - strongest baseline) over the same resampled images lies above 0 and the row's own
+     interval above chance; without one, its interval lies above chance. The columns ``diff vs base`` and
+     ``diff 95%`` show that difference;
+   * every control row (:mod:`train.eval.controls`): an exact one-sided test that it is not above chance
+     (Clopper-Pearson on its effective n), or, for a job that declares that its score includes a frozen
+     term (concept-ot's g), that it is not above that term (its paired difference from it); Holm over the
+     table's control rows;
    * a row that must stay at chance (word order: the scene-oracle's features carry none): ``at chance``
-     when its interval's lower bound is not above chance, in the trained run and in the control.
+     when its interval's lower bound is not above chance, and its control not above chance by the test.
    * a row a prior scores without the images (c3's ``type2_as_trained``: C' drawn as training draws it):
      ``prior`` when its lower bound is above chance in the trained run and in the control alike.
 
@@ -47,6 +50,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,8 +60,8 @@ BIN = Path(sys.executable).parent
 
 JOBS = ["concept-ot", "c3", "infoground", "visual-tokens", "text-groups", "relation-head"]
 
-# (benchmark, subset, metric) -> expectation: "learn" (ci_low above chance and above the strongest no-learning
-# baseline reported beside the row), "chance" (not above chance), "prior" or "measured" (shown, no learning
+# (benchmark, subset, metric) -> expectation: "learn" (the paired verdict "above": above chance and, where a
+# no-learning baseline is reported beside the row, above it on the same images), "chance" (not above chance), "prior" or "measured" (shown, no learning
 # verdict; its control must still be at chance; an optional sixth element says why); an optional fifth element is the
 # row's minimum n (default MIN_N). A subset or metric of None matches any. Every pattern must match a row.
 # Rows not named here are shown only with --all-rows.
@@ -158,15 +162,42 @@ def _above(r: dict | None, x) -> bool:
     return bool(r) and x is not None and r.get("ci_low") is not None and r["ci_low"] > x
 
 
-def _control(c: dict | None, chance, bar) -> tuple[bool, str]:
-    """(ok, verdict text) of a control row: it must not rise above what needs no learning, i.e. its lower bound is
-    not above chance, or not above the strongest no-learning baseline the job reports beside the row (``bar``:
-    a frozen score the job's model adds to, which a control that learns nothing keeps: concept-ot's g)."""
-    if _in(c, chance):
-        return True, ", control at chance"
-    if bar is not None and _in(c, bar[1]):
-        return True, f", control at its no-learning baseline ({bar[0]} {bar[1]:.4g})"
-    return False, ", CONTROL OFF CHANCE"
+def _diff(r: dict | None) -> tuple[str, str]:
+    """(the baseline the row's paired difference is against, ``diff [lo, hi]``) or ("-", "-")."""
+    if not r or not r.get("diff_vs"):
+        return "-", "-"
+    lo, hi = r.get("diff_low"), r.get("diff_high")
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return r["diff_vs"], f"{_num(r.get('diff'))} (no paired interval)"
+    return r["diff_vs"], f"{r['diff']:+.3g} [{lo:+.3g}, {hi:+.3g}]"
+
+
+def _learned(r: dict) -> tuple[bool, str]:
+    """(ok, verdict text) of a learnable row: its paired verdict (train.summary.result_rows)."""
+    v, bar = r.get("verdict") or "", r.get("bar")
+    if v == "above":
+        return True, "learned"
+    if bar is not None and not v:
+        return False, f"NO PAIRED INTERVAL vs {bar[0]}"
+    if v == "below" and bar is not None:
+        return False, f"BELOW BASELINE {bar[0]}"
+    return False, f"NOT LEARNED ({v or 'no interval'})"
+
+
+def settle_controls(rows: list[dict]) -> list[dict]:
+    """Each row's ``verdict`` and ``ok`` from its own part and its control's test, Holm over ``rows`` (a
+    table's rows: one job's, or the whole table's); rows without a control test keep their own part."""
+    from train.eval.controls import judge
+
+    tests = [r.get("ctest") for r in rows]
+    judge(tests)
+    for r, t in zip(rows, tests):
+        r["verdict"], r["ok"] = r["own_verdict"], r["own_ok"]
+        if t is not None:
+            bad = t.above or t.p is None
+            r["verdict"] += ", " + (t.text.replace("control", "CONTROL", 1) if bad else t.text)
+            r["ok"] = r["ok"] and not bad
+    return rows
 
 
 def _steps(run_dir: Path) -> int | None:
@@ -178,7 +209,7 @@ def _steps(run_dir: Path) -> int | None:
 
 def _failure(job: str, what: str, verdict: str) -> dict:
     return {"job": job, "row": what, "value": None, "ci": "-", "chance": None, "n": None, "control": None,
-            "control_ci": "-", "verdict": verdict, "ok": False}
+            "control_ci": "-", "diff_vs": "-", "diff": "-", "own_verdict": verdict, "own_ok": False}
 
 
 def benchmark_errors(run: Path) -> list[str]:
@@ -198,11 +229,13 @@ def benchmark_errors(run: Path) -> list[str]:
 
 
 def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[dict]:
+    from train.eval.controls import control_test, includes_frozen
     from train.summary import result_rows
 
     got = [r for r in result_rows(run) if isinstance(r.get("value"), (int, float))]
     ctl = {(r["benchmark"], r.get("subset") or "", r["metric"]): r for r in (result_rows(control) if control else [])}
     pats = LEARNABLE.get(job, [])
+    frozen = includes_frozen(job)
     out = [_failure(job, f"benchmark not scored: {e}", "BENCHMARK FAILED") for e in benchmark_errors(run)]
     for pat in pats:
         if not any(_matches(r, pat) for r in got):
@@ -215,38 +248,33 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
         expect = pat[3] if pat else "-"
         chance = r.get("chance")
         min_n = (pat[4] if pat and len(pat) > 4 else MIN_N) if pat else 0
+        # the control must not be above what needs no learning (train.eval.controls; Holm in settle_controls)
+        ctest = control_test(c or {}, frozen) if control is not None and expect in ("learn", "chance", "measured") \
+            else None
         if pat and (r.get("n") or 0) < min_n:
             ok, verdict = False, f"TOO FEW ITEMS (n {r.get('n')} < {min_n})"
         elif expect == "learn":
-            bar = r.get("bar")
-            above_bar = bar is None or _above(r, bar[1])
-            ok = _above(r, chance) and above_bar
-            verdict = ("learned" if ok else "NOT LEARNED" if above_bar else f"NOT ABOVE BASELINE {bar[0]} ({bar[1]:.4g})")
-            verdict += (f" (bar: {bar[0]} {bar[1]:.4g})" if ok and bar is not None else "")
-            cok, ctext = _control(c, chance, bar)
-            verdict += "" if control is None else ctext
-            ok = ok and (control is None or cok)
+            ok, verdict = _learned(r)
         elif expect == "prior":  # a row a prior without the images scores: above chance, the control too
             ok = _above(r, chance) and (control is None or _above(c, chance))
             verdict = "prior: above chance, the control too" if ok else "PRIOR NOT ABOVE CHANCE"
         elif expect == "chance":
-            ok = _in(r, chance) and (control is None or _in(c, chance))
+            ok = _in(r, chance)
             verdict = "at chance" if ok else "OFF CHANCE"
         elif expect == "measured":  # shown with what it is, no learning verdict (a sixth element: why)
             why = pat[5] if len(pat) > 5 else ""
             verdict = ("measured: " + ("above chance" if _above(r, chance) else "not above chance")
                        + (f" ({why})" if why else ""))
-            cok, ctext = _control(c, chance, r.get("bar"))
-            verdict += "" if control is None else ctext
-            ok = control is None or cok
+            ok = True
         else:
             ok, verdict = True, ""
+        vs, diff = _diff(r)
         out.append({"job": job, "row": "/".join(x for x in (r["benchmark"], r.get("subset") or "", r["metric"]) if x),
                     "key": (r["benchmark"], r.get("subset") or "", r["metric"]),
                     "value": r["value"], "ci": _interval(r), "chance": chance, "n": r.get("n"),
                     "control": None if c is None else c["value"], "control_ci": _interval(c),
-                    "verdict": verdict, "ok": ok})
-    return out
+                    "diff_vs": vs, "diff": diff, "own_verdict": verdict, "own_ok": ok, "ctest": ctest})
+    return settle_controls(out)
 
 
 def main(argv=None) -> int:
@@ -296,19 +324,21 @@ def main(argv=None) -> int:
             lines.append(f"encoders: {t_encoders:.0f} s elapsed (`pipeline run ingest` {t_ingest:.0f} s, "
                          + ", ".join(f"`train run {j}` {w:.0f} s" for j, _, w, _, _ in enc_runs) + ")")
         lines += [f"stages: {t_stages:.0f} s (`pipeline run all --manifest {args.manifest}`)", ""]
-    lines += ["| job | metric | value | 95% interval | chance | n | control | control 95% | oracle testbed | verdict | steps | wall s |",
-              "|---|---|---:|---|---:|---:|---:|---|---:|---|---:|---:|"]
+    lines += ["| job | metric | value | 95% interval | chance | n | diff vs base | diff 95% | control | control 95% | "
+              "oracle testbed | verdict | steps | wall s |",
+              "|---|---|---:|---|---:|---:|---|---|---:|---|---:|---|---:|---:|"]
     ok_all = True
+    table: list[str | tuple[dict, Callable[[dict], str]]] = []  # a line, or a row and how to print it once judged
     for job, res, wall, err, log in enc_runs:  # each encoder's own held-out quality (no control run)
         if err or not res:
-            lines.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | | FAILED | | {wall:.0f} |")
+            table.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | | | | FAILED | | {wall:.0f} |")
             ok_all = False
             continue
         run = Path(res["run_dir"])
         for r in job_rows(job, run, None, args.all_rows):
-            ok_all &= r["ok"]
-            lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
-                         f"- | - | - | {r['verdict']} | {_num(_steps(run))} | {_wall(wall, log)} |")
+            table.append((r, lambda r, job=job, run=run, wall=wall, log=log: (
+                f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
+                f"{r['diff_vs']} | {r['diff']} | - | - | - | {r['verdict']} | {_num(_steps(run))} | {_wall(wall, log)} |")))
     runs = {}  # job -> (future of the run, future of its control or None), all submitted at once
     for job in args.jobs:
         key = job.replace("-", "_")
@@ -320,7 +350,7 @@ def main(argv=None) -> int:
     for job, (fut, cfut) in runs.items():
         res, wall, err, log = fut.result()
         if err or not res:
-            lines.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | | FAILED | | {wall:.0f} |")
+            table.append(f"| {job} | run failed: {err or 'no result line'} | | | | | | | | | | FAILED | | {wall:.0f} |")
             ok_all = False
             continue
         oracle = oracle_rows(job, compare, args.sets)
@@ -328,18 +358,23 @@ def main(argv=None) -> int:
         if cfut is not None:
             cres, _, cerr, _ = cfut.result()
             if cerr or not cres:
-                lines.append(f"| {job} | control failed: {cerr or 'no result line'} | | | | | | | | FAILED | | |")
+                table.append(f"| {job} | control failed: {cerr or 'no result line'} | | | | | | | | | | FAILED | | |")
                 ok_all = False
             else:
                 control = Path(cres["run_dir"])
         run = Path(res["run_dir"])
         steps = _steps(run)
         for r in job_rows(job, run, control, args.all_rows):
-            ok_all &= r["ok"]
-            lines.append(f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
-                         f"{_num(r['control'])} | {r['control_ci']} | {_num(oracle.get(oracle_key(r.get('key'))))} | {r['verdict']} | "
-                         f"{_num(steps)} | {_wall(wall, log)} |")
+            table.append((r, lambda r, job=job, oracle=oracle, steps=steps, wall=wall, log=log: (
+                f"| {job} | {r['row']} | {_num(r['value'])} | {r['ci']} | {_num(r['chance'])} | {_num(r['n'])} | "
+                f"{r['diff_vs']} | {r['diff']} | {_num(r['control'])} | {r['control_ci']} | "
+                f"{_num(oracle.get(oracle_key(r.get('key'))))} | {r['verdict']} | {_num(steps)} | {_wall(wall, log)} |")))
     pool.shutdown()
+    settle_controls([x[0] for x in table if isinstance(x, tuple)])  # Holm over the whole table's control rows
+    for x in table:
+        if isinstance(x, tuple):
+            ok_all &= x[0]["ok"]
+        lines.append(x[1](x[0]) if isinstance(x, tuple) else x)
     t_all = time.perf_counter() - t_start
     lines.append("")
     lines.append("table of earlier runs (--table-only): nothing was trained" if args.table_only

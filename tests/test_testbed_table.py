@@ -1,7 +1,7 @@
-"""benchmarks/testbed.py's verdicts from a run's and its control's results.parquet: a learnable row (above
-chance and above the strongest no-learning baseline), a word-order row that must stay at chance, c3's
-concept-prior row (above chance in the control too), and the failures: a missing row, a benchmark that
-could not be scored, too few items."""
+"""benchmarks/testbed.py's verdicts from a run's and its control's results.parquet: a learnable row (the paired
+verdict: above chance and, on the same images, above the strongest no-learning baseline), a word-order row that
+must stay at chance, c3's concept-prior row (above chance in the control too), the controls' exact test with
+Holm over the table, and the failures: a missing row, a benchmark that could not be scored, too few items."""
 
 from __future__ import annotations
 
@@ -24,9 +24,13 @@ def _testbed():
 def _run(root: Path, name: str, rows: list[tuple], errors: list[str] | None = None) -> Path:
     run = root / name
     (run / "eval" / "final").mkdir(parents=True)
-    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n", "baseline_for"]
-    pq.write_table(pa.Table.from_pylist([dict(zip(cols, (*r, "") if len(r) == 8 else r)) for r in rows]),
-                   run / "eval" / "final" / "results.parquet")
+    cols = ["benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n", "baseline_for", "diff_vs",
+            "diff", "diff_low", "diff_high"]
+    nan = float("nan")
+    full = [(*r, "") if len(r) == 8 else r for r in rows]
+    full = [(*r, "", nan, nan, nan) if len(r) == 9 else r for r in full]
+    pq.write_table(pa.Table.from_pylist([{**dict(zip(cols, r)), "unit": "fraction" if r[0] == "c3_mcp" else "%"}
+                                         for r in full]), run / "eval" / "final" / "results.parquet")
     if errors:
         import json
 
@@ -45,14 +49,14 @@ def test_verdicts_learn_prior_and_a_failing_control(tmp_path):
     ctl = _run(tmp_path, "ctl", [("c3_mcp", "type1", "auc", 0.50, 0.5, 0.499, 0.502, 1989),
                                  ("c3_mcp", "type2_as_trained", "auc", 0.79, 0.5, 0.77, 0.80, 2000), *C3_CTL])
     got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", run, ctl, False)}
-    assert got["c3_mcp/type1/auc"] == ("learned, control at chance", True)
+    assert got["c3_mcp/type1/auc"] == ("learned, control not above chance (one-sided p 0.5, Holm)", True)
     assert got["c3_mcp/type2_as_trained/auc"] == ("prior: above chance, the control too", True)
     assert len(got) == 5 and all(ok for _, ok in got.values())
     # a control that learnt the learnable row fails it; a prior the control lacks fails the prior row
     bad = _run(tmp_path, "bad", [("c3_mcp", "type1", "auc", 0.56, 0.5, 0.55, 0.57, 1989),
                                  ("c3_mcp", "type2_as_trained", "auc", 0.50, 0.5, 0.49, 0.51, 2000), *C3_CTL])
     got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", run, bad, False)}
-    assert got["c3_mcp/type1/auc"] == ("learned, CONTROL OFF CHANCE", False)
+    assert got["c3_mcp/type1/auc"] == ("learned, CONTROL ABOVE chance (one-sided p 8.4e-32, Holm)", False)
     assert got["c3_mcp/type2_as_trained/auc"] == ("PRIOR NOT ABOVE CHANCE", False)
     # word order must stay at chance, in the run and the control
     wo = _run(tmp_path, "wo", [("vg-relation", "all", "macro_accuracy", 58.0, 50.0, 55.0, 61.0, 1147)])
@@ -60,18 +64,30 @@ def test_verdicts_learn_prior_and_a_failing_control(tmp_path):
     assert got["vg-relation/all/macro_accuracy"] == ("OFF CHANCE", False)
 
 
-def test_learned_means_above_the_strongest_baseline_not_only_chance(tmp_path):
-    """c3's frozen global-cosine AUC is reported beside each MCP AUC: a trained AUC whose interval is
-    above chance but not above that frozen score is not 'learned' (issue 37: type2_random 0.593 vs 0.641)."""
+def test_learned_means_above_the_strongest_baseline_on_the_same_images(tmp_path):
+    """c3's frozen global-cosine AUC is reported beside each MCP AUC: a trained AUC is 'learned' only when its
+    paired difference from that frozen score lies above 0 (issue 47: type2_random 0.593 vs 0.641 is below it;
+    a difference inside its own noise is not resolved; without a paired interval there is no verdict)."""
     tb = _testbed()
-    rows = [("c3_mcp", "type1", "auc", 0.70, 0.5, 0.66, 0.74, 900),
+    rows = [("c3_mcp", "type1", "auc", 0.70, 0.5, 0.66, 0.74, 900, "", "auc_global_cosine", 0.10, 0.06, 0.14),
             ("c3_mcp", "type1", "auc_global_cosine", 0.60, 0.5, 0.57, 0.63, 900, "type1/auc"),
-            ("c3_mcp", "type2_random", "auc", 0.593, 0.5, 0.57, 0.61, 900),
+            ("c3_mcp", "type2_random", "auc", 0.593, 0.5, 0.57, 0.61, 900, "", "auc_global_cosine", -0.048, -0.07, -0.03),
             ("c3_mcp", "type2_random", "auc_global_cosine", 0.641, 0.5, 0.62, 0.66, 900, "type2_random/auc"),
-            *C3_OTHER[1:], ("c3_mcp", "type2_as_trained", "auc", 0.82, 0.5, 0.80, 0.83, 2000)]
-    got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", _run(tmp_path, "r", rows), None, False)}
-    assert got["c3_mcp/type1/auc"] == ("learned (bar: auc_global_cosine 0.6)", True)
-    assert got["c3_mcp/type2_random/auc"] == ("NOT ABOVE BASELINE auc_global_cosine (0.641)", False)
+            ("c3_mcp", "type2_hard", "auc", 0.601, 0.5, 0.58, 0.62, 900, "", "auc_global_cosine", 0.0007, -0.001, 0.0024),
+            ("c3_mcp", "type2_hard", "auc_global_cosine", 0.6003, 0.5, 0.58, 0.62, 900, "type2_hard/auc"),
+            ("c3_mcp", "type2_binding", "auc", 0.65, 0.5, 0.62, 0.68, 900, "", "auc_global_cosine", 0.1, float("nan"),
+             float("nan")),
+            ("c3_mcp", "type2_binding", "auc_global_cosine", 0.55, 0.5, 0.52, 0.58, 900, "type2_binding/auc"),
+            ("c3_mcp", "type2_as_trained", "auc", 0.82, 0.5, 0.80, 0.83, 2000)]
+    out = tb.job_rows("c3", _run(tmp_path, "r", rows), None, False)
+    got = {r["row"]: (r["verdict"], r["ok"]) for r in out}
+    assert got["c3_mcp/type1/auc"] == ("learned", True)
+    assert got["c3_mcp/type2_random/auc"] == ("BELOW BASELINE auc_global_cosine", False)
+    assert got["c3_mcp/type2_hard/auc"] == ("NOT LEARNED (not resolved)", False)  # "learnt by 0.0007": noise
+    assert got["c3_mcp/type2_binding/auc"] == ("NO PAIRED INTERVAL vs auc_global_cosine", False)
+    shown = {r["row"]: (r["diff_vs"], r["diff"]) for r in out}
+    assert shown["c3_mcp/type1/auc"] == ("auc_global_cosine", "+0.1 [+0.06, +0.14]")
+    assert shown["c3_mcp/type2_binding/auc"] == ("auc_global_cosine", "0.1 (no paired interval)")
 
 
 def test_missing_rows_failed_benchmarks_and_too_few_items_fail(tmp_path):
@@ -113,20 +129,48 @@ def test_a_job_without_an_image_text_scorer_is_not_a_failed_benchmark(tmp_path):
     assert all(r["ok"] for r in tb.job_rows("relation-head", run, None, False))
 
 
-def test_a_control_may_keep_the_frozen_score_but_not_rise_above_it(tmp_path):
-    """A control learns nothing, so it sits at what needs no learning: chance, or the frozen score the job's model
-    adds to (concept-ot's g, reported as its no-learning baseline). Above both, it fails."""
+def test_a_control_is_tested_against_the_frozen_term_only_where_the_job_declares_one(tmp_path):
+    """A control learns nothing, so it sits at what needs no learning: chance, or, for a job whose score includes a
+    frozen term (concept-ot's g, SCORE_INCLUDES_FROZEN), that term. c3 declares none: a control above chance but at
+    its frozen score fails (issue 47: its type-1 control passed with a lower bound above 0.5)."""
     tb = _testbed()
-    rows = [("c3_mcp", "type1", "auc", 0.70, 0.5, 0.66, 0.74, 900),
+    rows = [("c3_mcp", "type1", "auc", 0.70, 0.5, 0.66, 0.74, 900, "", "auc_global_cosine", 0.10, 0.06, 0.14),
             ("c3_mcp", "type1", "auc_global_cosine", 0.60, 0.5, 0.57, 0.63, 900, "type1/auc"),
             *C3_OTHER, ("c3_mcp", "type2_as_trained", "auc", 0.82, 0.5, 0.80, 0.83, 2000)]
     run = _run(tmp_path, "r", rows)
-    at_frozen = _run(tmp_path, "c1", [("c3_mcp", "type1", "auc", 0.58, 0.5, 0.55, 0.61, 900), *C3_CTL,
+    at_frozen = _run(tmp_path, "c1", [("c3_mcp", "type1", "auc", 0.58, 0.5, 0.55, 0.61, 900, "", "auc_global_cosine",
+                                       -0.02, -0.05, 0.01), *C3_CTL,
                                       ("c3_mcp", "type2_as_trained", "auc", 0.8, 0.5, 0.78, 0.82, 2000)])
     got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", run, at_frozen, False)}
-    assert got["c3_mcp/type1/auc"] == ("learned (bar: auc_global_cosine 0.6), control at its no-learning baseline "
-                                       "(auc_global_cosine 0.6)", True)
-    above = _run(tmp_path, "c2", [("c3_mcp", "type1", "auc", 0.66, 0.5, 0.63, 0.69, 900), *C3_CTL,
-                                  ("c3_mcp", "type2_as_trained", "auc", 0.8, 0.5, 0.78, 0.82, 2000)])
-    got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("c3", run, above, False)}
-    assert got["c3_mcp/type1/auc"] == ("learned (bar: auc_global_cosine 0.6), CONTROL OFF CHANCE", False)
+    assert got["c3_mcp/type1/auc"] == ("learned, CONTROL ABOVE chance (one-sided p 1.5e-07, Holm)", False)
+    # concept-ot: its control keeps g; tested on its paired difference from g
+    co = [("sugarcrepe", "swap_att", "accuracy", 70.0, 50.0, 66.0, 74.0, 600, "", "accuracy[frozen]", 8.0, 4.0, 12.0),
+          ("sugarcrepe", "swap_att", "accuracy[frozen]", 62.0, 50.0, 58.0, 66.0, 600, "swap_att/accuracy")]
+    ctl = [("sugarcrepe", "swap_att", "accuracy", 62.5, 50.0, 58.5, 66.5, 600, "", "accuracy[frozen]", 0.5, -1.5, 2.5)]
+    got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("concept-ot", _run(tmp_path, "co", co),
+                                                                    _run(tmp_path, "coc", ctl), False)}
+    assert got["sugarcrepe/swap_att/accuracy"] == (
+        "learned, control not above accuracy[frozen] (one-sided p 0.31, Holm)", True)
+    up = [(*ctl[0][:10], 4.0, 2.0, 6.0)]
+    got = {r["row"]: (r["verdict"], r["ok"]) for r in tb.job_rows("concept-ot", _run(tmp_path, "co2", co),
+                                                                    _run(tmp_path, "coc2", up), False)}
+    assert got["sugarcrepe/swap_att/accuracy"][0].startswith("learned, CONTROL ABOVE accuracy[frozen] (one-sided p ")
+
+
+def test_holm_runs_over_the_whole_tables_control_rows(tmp_path):
+    """Two controls each a little above chance (one-sided p 0.015): each alone is called above (p < 0.025); in one
+    table together Holm calls neither (the smaller is held against 0.025 / 2)."""
+    tb = _testbed()
+    run = _run(tmp_path, "r", [("relation-head", "held_out", f"recall@{k}", 60.0, 10.0, 50.0, 70.0, 280)
+                               for k in (1, 3, 5)])
+    ctl = _run(tmp_path, "c", [("relation-head", "held_out", "recall@1", 12.9, 10.0, 10.4, 15.9, 280),
+                               ("relation-head", "held_out", "recall@3", 30.0, 30.0, 25.0, 35.0, 280),
+                               ("relation-head", "held_out", "recall@5", 50.0, 50.0, 45.0, 55.0, 280)])
+    r1 = next(r for r in tb.job_rows("relation-head", run, ctl, False) if r["row"].endswith("recall@1"))
+    assert 0.0125 < r1["ctest"].p < 0.025
+    alone = tb.settle_controls([r1])[0]
+    assert not alone["ok"] and "CONTROL ABOVE chance (one-sided p 0.015, Holm)" in alone["verdict"]
+    r1b = next(r for r in tb.job_rows("relation-head", run, ctl, False) if r["row"].endswith("recall@1"))
+    both = tb.settle_controls([r1, r1b])
+    assert all(r["ok"] for r in both) and both[0]["verdict"] == "learned, control not above chance (one-sided p " \
+        "0.015, Holm)", [r["verdict"] for r in both]

@@ -51,20 +51,45 @@ def _run_dir_of(res_path: Path) -> Path:
     return res_path.parent
 
 
-def _run_label(res_path: Path, rows: list[dict]) -> str:
-    job = rows[0]["job"] if rows else "?"
-    variant = rows[0]["variant"] if rows else "?"
-    seed = None
+def _run_config(res_path: Path) -> dict:
+    """The run's training options (the nearest config.json above its results), {} when none is readable."""
     for d in [res_path.parent, *res_path.parents]:
         cfg = d / "config.json"
         if cfg.is_file():
             try:
-                seed = json.loads(cfg.read_text()).get("seed")
+                got = json.loads(cfg.read_text())
             except ValueError:
-                pass
-            break
-    label = f"{job}/{variant}"
+                return {}
+            return got if isinstance(got, dict) else {}
+    return {}
+
+
+def _run_label(res_path: Path, rows: list[dict]) -> str:
+    job = rows[0]["job"] if rows else "?"
+    variant = rows[0]["variant"] if rows else "?"
+    cfg = _run_config(res_path)
+    seed, control = cfg.get("seed"), cfg.get("control")
+    label = f"{job}/{variant}" + (f" control={control}" if control not in (None, "none") else "")
     return label + (f" s{seed}" if seed is not None else "")
+
+
+def _control_tests(runs: list[tuple]) -> None:
+    """A control run's (config.json ``control`` other than none) result rows with a chance level: the
+    controls' exact one-sided test (:mod:`train.eval.controls`), Holm over every control row of the table;
+    each row's ``control`` text set."""
+    from pipeline.report.significance import baseline_target
+    from train.eval.controls import control_test, includes_frozen, judge
+
+    pending = []
+    for _, files, rows in runs:
+        if _run_config(Path(files.split(", ")[-1])).get("control") in (None, "none"):
+            continue
+        for r in rows:
+            if not baseline_target(r) and r.get("chance") is not None:
+                pending.append((r, control_test(r, includes_frozen(str(r.get("job"))))))
+    judge([t for _, t in pending])
+    for r, t in pending:
+        r["control"] = t.text.replace("control", "CONTROL", 1) if t.above or t.p is None else t.text
 
 
 def compare(paths: Sequence[str | Path]) -> str:
@@ -72,7 +97,8 @@ def compare(paths: Sequence[str | Path]) -> str:
     ``value [ci_low, ci_high] (n=N; verdict; diff [lo, hi] vs baseline)`` (the 95% interval; results
     written before intervals existed show the value alone; the verdict, and the paired difference from
     the strongest no-learning baseline the run reports beside the row with its 95% interval,
-    :mod:`pipeline.report.significance`), chance beside. A run whose results
+    :mod:`pipeline.report.significance`; in a control run, the controls' test: ``control not above chance
+    (one-sided p, Holm)`` over every control row of the table, :mod:`train.eval.controls`), chance beside. A run whose results
     cannot be read is named and skipped."""
     from pipeline.io.run_files import CorruptRunFile, read_parquet_file, skipped_line
 
@@ -103,6 +129,7 @@ def compare(paths: Sequence[str | Path]) -> str:
             labels[i] = f"{lab} #{seen[lab]}"
     from pipeline.report.significance import diff_text, verdicts
 
+    _control_tests(runs)
     keys: list[tuple] = []
     cell: dict[tuple, dict[int, dict]] = {}
     for j, (_, _, rows) in enumerate(runs):
@@ -128,7 +155,8 @@ def compare(paths: Sequence[str | Path]) -> str:
             r = rs.get(j)
             vals.append("-" if r is None else f"{fmt_value(r, unit)}{suffix} (n={int(r['n']):,}"
                         + (f"; {r['verdict']}" if r.get("verdict") else "")
-                        + (f"; {d}" if (d := diff_text(r, diff_fmt(unit))) else "") + ")")
+                        + (f"; {d}" if (d := diff_text(r, diff_fmt(unit))) else "")
+                        + (f"; {r['control']}" if r.get("control") else "") + ")")
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {chance} | " + " | ".join(vals) + " |")
     src = "\n".join(f"- {lab}: {f}" for lab, (_, f, _) in zip(labels, runs))
     return "\n".join(lines) + "\n\n" + src + (f"\n\n{skipped_line(corrupt)}" if corrupt else "")

@@ -82,6 +82,9 @@ READS = ["clip_tokens", "samples", "index"]  # `index` only with hard_negatives:
 # the closing tables' headline (train/summary.py): the first (benchmark, subset, metric) found, None any;
 # SugarCrepe overall is judged against the frozen global score alone (what training adds)
 HEADLINE = [("sugarcrepe", "all", "accuracy"), ("retrieval", "rerank", "i2t_R@1")]
+# its score is the frozen global cosine g plus a trained term: a control (shuffled pairings) keeps g, so its
+# rows are tested against g, not chance (train/eval/controls.py)
+SCORE_INCLUDES_FROZEN = True
 
 Variant = Literal["conceptot", "dense-uot", "balanced-ot", "filip", "text-attn", "global-patch", "global-only"]
 
