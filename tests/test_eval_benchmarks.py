@@ -532,3 +532,28 @@ def test_vl_checklist_data_file_and_image_map_as_lfs_pointers(tmp_path):
         (tmp_path / name).write_text(LFS)
         with pytest.raises(ValueError, match=rf"image_map .*{name}: a Git LFS pointer"):
             read_image_map(tmp_path / name)
+
+
+def test_winoground_chance_is_computed_for_the_items_scored():
+    """A random score per distinct (image, caption) pair, simulated: its mean text / image / group score is the
+    rows' chance, 25 / 25 / 16.67 % on items of four distinct pairs and 0 on an item whose two images are one
+    (the generated file can hold one; its pairs tie, and a tie is wrong)."""
+    from train.eval.benchmarks.winoground import score
+    from train.eval.interface import Item, Pair
+
+    def item(i0, i1, c0, c1):
+        return Item([Pair(i0, c0), Pair(i1, c0), Pair(i0, c1), Pair(i1, c1)], subset="Object")
+
+    items = [item("a", "b", "x y", "y x"), item("c", "d", "x z", "z x"), item("e", "e", "u v", "v u")]
+    rows = {r.metric: r for r in score("wg", items, [np.zeros(4)] * 3) if r.subset == "all"}
+    rng = np.random.default_rng(0)
+    sims = []
+    for _ in range(4000):
+        draws: dict = {}
+        sc = [np.array([draws.setdefault((p.image, p.text), rng.random()) for p in it.pairs]) for it in items]
+        got = {r.metric: r.value for r in score("wg", items, sc) if r.subset == "all"}
+        sims.append([got["text_score"], got["image_score"], got["group_score"]])
+    sim = np.mean(sims, axis=0)
+    want = [2 / 3 * 25.0, 2 / 3 * 25.0, 2 / 3 * 100 / 6]
+    assert [rows[m].chance for m in ("text_score", "image_score", "group_score")] == pytest.approx(want)
+    assert sim == pytest.approx(want, abs=1.2)  # 4,000 simulated scorers: standard error about 0.25

@@ -227,3 +227,42 @@ def test_a_baseline_reported_beside_a_row_without_paired_columns_gives_no_verdic
     assert verdicts(rows) == [None, "baseline"]
     assert diff_text({**ROW, "diff_vs": "acc[frozen]", "diff": 2.0, "diff_low": 0.5, "diff_high": 3.5}) == \
         "+2 [+0.5, +3.5] vs acc[frozen]"
+
+
+def _weighted_auc(pos, neg, w):
+    gt = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
+    return float((w[:, None] * w[None, :] * gt).sum() / w.sum() ** 2)
+
+
+def test_two_way_auc_bootstrap_and_its_paired_difference_match_a_loop():
+    """c3's AUC: each triplet clustered by its anchor image and by its negative's image, the two ways drawn
+    independently (the item weighted by the product of its two images' counts); a baseline AUC over the same
+    triplets paired with it under the same draws."""
+    r = np.random.default_rng(4)
+    n = 24
+    a_img, n_img = r.integers(0, 7, n), r.integers(0, 5, n)
+    pos, neg = r.normal(1, 1, n), r.normal(0, 1, n)
+    bpos, bneg = pos + r.normal(0, 1, n), neg + r.normal(0, 1, n)
+    est = iv.auc_estimate(pos, neg, a_img, n_img)
+    base = iv.auc_estimate(bpos, bneg, a_img, n_img)
+    got = iv.boot(est, resamples=150, seed=9)
+    rng = np.random.default_rng(9)
+    rng2 = np.random.default_rng(rng.integers(2**63))
+    want, diffs = [], []
+    u1, i1 = np.unique(a_img, return_inverse=True)
+    u2, i2 = np.unique(n_img, return_inverse=True)
+    for _ in range(150):
+        k1 = np.bincount(rng.integers(0, u1.size, u1.size), minlength=u1.size)
+        k2 = np.bincount(rng2.integers(0, u2.size, u2.size), minlength=u2.size)
+        w = (k1[i1] * k2[i2]).astype(float)
+        want.append(_weighted_auc(pos, neg, w) if w.sum() else np.nan)
+        diffs.append(want[-1] - _weighted_auc(bpos, bneg, w) if w.sum() else np.nan)
+    np.testing.assert_allclose(got, want)
+    d, lo, hi = iv.paired_difference(est, base, resamples=150, seed=9)
+    diffs = np.asarray(diffs)
+    p_lo, p_hi = np.percentile(diffs[np.isfinite(diffs)], [2.5, 97.5])
+    w = iv.small_cluster_widening(5)  # the fewer images of the two ways
+    assert d == pytest.approx(iv.auc(pos, neg) - iv.auc(bpos, bneg))
+    assert (lo, hi) == pytest.approx((d - w * (d - p_lo), d + w * (p_hi - d)))
+    with pytest.raises(ValueError, match=r"^paired_difference: only one of the two is clustered by a second image"):
+        iv.paired_difference(est, iv.auc_estimate(bpos, bneg, a_img))

@@ -148,14 +148,3 @@ def export_folder(dest: Path, model, *savers, provenance: dict | None = None) ->
             shutil.rmtree(tmp, ignore_errors=True)
     return True
 
-
-def cluster_ratio_interval(hits_per_group: np.ndarray, n_per_group: np.ndarray, scale: float = 100.0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of a pooled proportion sum(hits) / sum(n), resampling groups
-    (images): the interval clustered by image that a per-token or per-caption rate needs."""
-    from train.eval.intervals import bootstrap_indices, percentile_interval
-
-    h, n = np.asarray(hits_per_group, np.float64), np.asarray(n_per_group, np.float64)
-    if h.size == 0:
-        return float("nan"), float("nan")
-    stats = np.concatenate([h[idx].sum(1) / np.maximum(n[idx].sum(1), 1) for idx in bootstrap_indices(h.size)])
-    return percentile_interval(stats, scale)

@@ -97,16 +97,23 @@ def _factorize(a: np.ndarray) -> tuple[np.ndarray, int]:
 class Estimate:
     """A metric as a weighted mean ``sum(w * y)`` of per-item values, with what its interval needs:
     ``group`` the finest groups it averages over (a macro's groups; one group for a plain mean) and
-    ``cluster`` each item's image (the unit resampled). ``binary``: the items are 0/1 outcomes."""
+    ``cluster`` each item's image (the unit resampled). ``binary``: the items are 0/1 outcomes.
+    An AUC (:func:`auc_estimate`) holds each item's positive score in ``y`` and its negative in
+    ``neg``. ``cluster2``: a second image per item, resampled independently of the first (two-way
+    clustering: an item shares its anchor image with some items and its negative's image with others)."""
 
     y: np.ndarray
     w: np.ndarray
     group: np.ndarray
     cluster: np.ndarray
     binary: bool
+    neg: np.ndarray | None = None
+    cluster2: np.ndarray | None = None
 
     @property
     def value(self) -> float:
+        if self.neg is not None:
+            return auc(self.y, self.neg)
         return float(np.sum(self.w * self.y)) if self.y.size else float("nan")
 
     @property
@@ -128,10 +135,24 @@ def mean(values, clusters=None) -> Estimate:
     return Estimate(y, np.full(n, 1.0 / max(n, 1)), np.zeros(n, np.int64), _labels(clusters, n), False)
 
 
+def auc_estimate(pos, neg, clusters=None, clusters2=None) -> Estimate:
+    """The AUC P(pos > neg) (ties one half) over items that each hold one positive ``pos[i]`` and one
+    negative ``neg[i]`` score; ``clusters``: each item's (anchor) image, ``clusters2``: its negative's
+    image where that is another (two-way clustering, :class:`Estimate`)."""
+    y, ng = np.asarray(pos, np.float64).reshape(-1), np.asarray(neg, np.float64).reshape(-1)
+    n = y.size
+    if ng.size != n:
+        raise ValueError(f"intervals: {n} positive and {ng.size} negative scores (one of each per item)")
+    return Estimate(y, np.full(n, 1.0 / max(n, 1)), np.zeros(n, np.int64), _labels(clusters, n), False, ng,
+                    None if clusters2 is None else _labels(clusters2, n))
+
+
 def macro(parts: Sequence[Estimate]) -> Estimate:
     """The unweighted mean of several estimates (a macro average over groups, or over macros): their
     items with weights divided by their number, their groups kept apart, their images shared."""
     parts = [p for p in parts if p.n]
+    if any(p.neg is not None or p.cluster2 is not None for p in parts):
+        raise ValueError("intervals: a macro averages means and proportions, not AUCs or two-way clustered estimates")
     if not parts:
         return proportion(np.zeros(0))
     k = len(parts)
@@ -151,20 +172,27 @@ def _t975(df: int) -> float:
 
 
 def clustered_variance(est: Estimate) -> tuple[float, int]:
-    """(the image-clustered sandwich variance of ``est.value``, the number of images): the squared
-    sums over images of the items' weighted residuals. Residuals are taken within each group (a group of n_g >= 2 items scaled by sqrt(n_g / (n_g - 1)), so that small
-    groups do not hide their variance; a one-item group against the pooled mean), summed per image."""
+    """(the image-clustered sandwich variance of ``est.value``, the number of images C): the squared sums
+    over images of the items' weighted residuals, times C / (C - 1) (the small-cluster correction the
+    bootstrap path applies too, :func:`small_cluster_widening`; for independent items C = n, the usual
+    n / (n - 1)). A macro's residuals are taken within each group instead (a group of n_g >= 2 items
+    scaled by sqrt(n_g / (n_g - 1)), so that small groups do not hide their variance; a one-item group
+    against the pooled mean), that scaling its correction."""
     y, w = est.y, est.w
     gi, ng = _factorize(est.group)
     ci, nc = _factorize(est.cluster)
-    size = np.bincount(gi, minlength=ng).astype(np.float64)
-    m = np.bincount(gi, weights=y, minlength=ng) / np.maximum(size, 1)
-    s = size[gi]
-    r = np.where(s > 1, (y - m[gi]) * np.sqrt(s / np.maximum(s - 1, 1)), y - y.mean())
-    u = np.bincount(ci, weights=w * r, minlength=nc)
     if nc < 2:
         return float("nan"), nc
-    return float(np.sum(u * u)), nc
+    if ng > 1:
+        size = np.bincount(gi, minlength=ng).astype(np.float64)
+        m = np.bincount(gi, weights=y, minlength=ng) / np.maximum(size, 1)
+        s = size[gi]
+        r = np.where(s > 1, (y - m[gi]) * np.sqrt(s / np.maximum(s - 1, 1)), y - y.mean())
+    else:
+        r = y - float(np.sum(w * y)) / float(np.sum(w))
+    u = np.bincount(ci, weights=w * r, minlength=nc)
+    # one group: C / (C - 1), as the bootstrap path; a macro's groups carry their own (n_g / (n_g - 1)) scaling
+    return float(np.sum(u * u)) * (nc / (nc - 1) if ng == 1 else 1.0), nc
 
 
 def _minority_images(est: Estimate) -> int:
@@ -188,8 +216,8 @@ def binary_interval(est: Estimate, scale: float = 100.0) -> tuple[float, float]:
         n_eff = min(kish, float(nc))  # no spread across images to measure: every image one observation
     elif (clustered or np.unique(est.group).size > 1) and 0.0 < v < 1.0 and np.isfinite(var) and var > 0:
         n_eff = min(kish, v * (1 - v) / var)
-    if clustered and nc >= 2 and n_eff < kish:  # the images inflate the variance: their few degrees of freedom
-        n_eff *= (Z95 / _t975(nc - 1)) ** 2
+    if clustered and nc >= 2 and n_eff < kish:  # the images' variance decides: C - 1 degrees of freedom, t as the
+        n_eff *= (Z95 / _t975(nc - 1)) ** 2     # bootstrap path (small_cluster_widening); else the binomial's n
     return wilson_n(v, n_eff, scale)
 
 
@@ -233,13 +261,56 @@ def small_cluster_widening(nc: int) -> float:
     return float(np.sqrt(nc / (nc - 1)) * _t975(nc - 1) / Z95) if nc > 1 else 1.0
 
 
-def mean_boot(est: Estimate, resamples: int = RESAMPLES, seed=SEED) -> np.ndarray:
-    """Cluster-bootstrap distribution of ``est.value`` (images resampled, the weighted mean recomputed)."""
+def _ways(est: Estimate) -> list[tuple[np.ndarray, int]]:
+    """The item -> image codes of each way the estimate is clustered (one, or two: :class:`Estimate`)."""
+    ways = [_factorize(est.cluster)]
+    if est.cluster2 is not None:
+        ways.append(_factorize(est.cluster2))
+    return ways
+
+
+def n_clusters(est: Estimate) -> int:
+    """The images the interval's degrees of freedom come from: the fewer of the two ways' images."""
+    return min(nc for _, nc in _ways(est))
+
+
+def item_weights(est: Estimate, resamples: int = RESAMPLES, seed=SEED):
+    """Yield ``[b, items]`` blocks: each item's bootstrap weight, its image drawn that often; with two
+    ways, the product of the two ways' counts, each way's images drawn independently (Owen's
+    pigeonhole bootstrap: an item moves with its anchor image and with its negative's image)."""
+    rng = np.random.default_rng(seed)
+    ways = _ways(est)
+    gens = [cluster_counts(ci, nc, resamples, rng if k == 0 else np.random.default_rng(rng.integers(2**63)))
+            for k, (ci, nc) in enumerate(ways)]
+    for blocks in zip(*gens):
+        out = blocks[0]
+        for b in blocks[1:]:
+            out = out * b
+        yield out
+
+
+def _stat(est: Estimate, k: np.ndarray) -> np.ndarray:
+    """``est.value`` recomputed under item weights ``k`` [b, items]: the weighted mean, or the weighted AUC."""
+    if est.neg is None:
+        return (k * (est.w * est.y)).sum(1) / (k * est.w).sum(1)
+    order = np.argsort(est.neg, kind="stable")
+    sneg = est.neg[order]
+    lo, hi = np.searchsorted(sneg, est.y, "left"), np.searchsorted(sneg, est.y, "right")  # negatives below / tied
+    cum = np.concatenate([np.zeros((k.shape[0], 1)), np.cumsum(k[:, order], axis=1)], axis=1)
+    below = cum[:, lo] + 0.5 * (cum[:, hi] - cum[:, lo])  # weighted negatives under each positive
+    tot = k.sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (k * below).sum(1) / (tot * tot)
+
+
+def boot(est: Estimate, resamples: int = RESAMPLES, seed=SEED) -> np.ndarray:
+    """Cluster-bootstrap distribution of ``est.value`` (its images resampled, the statistic recomputed)."""
     if est.n == 0:
         return np.empty(0)
-    ci, nc = _factorize(est.cluster)
-    out = [(k * (est.w * est.y)).sum(1) / (k * est.w).sum(1) for k in cluster_counts(ci, nc, resamples, seed)]
-    return np.concatenate(out)
+    return np.concatenate([_stat(est, k) for k in item_weights(est, resamples, seed)])
+
+
+mean_boot = boot  # the name the callers of the mean's bootstrap know
 
 
 def mean_interval(values, scale: float = 1.0, resamples: int = RESAMPLES, seed=SEED,
@@ -248,17 +319,56 @@ def mean_interval(values, scale: float = 1.0, resamples: int = RESAMPLES, seed=S
     return interval(mean(values, clusters), scale, resamples, seed)
 
 
+def auc_wilson(est: Estimate, scale: float = 1.0, resamples: int = RESAMPLES, seed=SEED) -> tuple[float, float]:
+    """An AUC's interval: Wilson on its effective number of pairs A (1 - A) / var, var the cluster
+    bootstrap's variance times C / (C - 1), shrunk by (z / t_{C-1})^2: the Wilson-on-effective-n of a
+    proportion (an AUC is the share of (positive, negative) pairs ordered right), which stays inside
+    [0, 1] and keeps its width near AUC 1 where a percentile interval collapses."""
+    a = est.value
+    nc = n_clusters(est)
+    if not np.isfinite(a) or nc < 2:
+        return NAN2
+    b = boot(est, resamples, seed)
+    b = b[np.isfinite(b)]
+    var = float(np.var(b)) * nc / (nc - 1) if b.size > 1 else 0.0
+    pairs = float(est.n) * est.n
+    n_eff = min(pairs, a * (1 - a) / var) if var > 0 and 0.0 < a < 1.0 else float(nc)  # no spread: an image each
+    return wilson_n(a, n_eff * (Z95 / _t975(nc - 1)) ** 2, scale)
+
+
 def interval(est: Estimate, scale: float = 1.0, resamples: int = RESAMPLES, seed=SEED) -> tuple[float, float]:
     """The 95% interval of any :class:`Estimate`, by its kind (module doc)."""
     if est.n == 0:
         return NAN2
-    if est.binary:
+    if est.neg is not None:
+        return auc_wilson(est, scale, resamples, seed)
+    if est.binary and est.cluster2 is None:
         return binary_interval(est, scale)
-    _, nc = _factorize(est.cluster)
-    lo, hi = percentile_interval(mean_boot(est, resamples, seed), 1.0, est.value, small_cluster_widening(nc))
+    lo, hi = percentile_interval(boot(est, resamples, seed), 1.0, est.value, small_cluster_widening(n_clusters(est)))
     # the widening never takes the interval past the values themselves (a recall of 100% stays <= 100)
     lo, hi = max(lo, float(est.y.min())), min(hi, float(est.y.max()))
     return scale * lo, scale * hi
+
+
+def _same_items(result: Estimate, baseline: Estimate) -> None:
+    if result.n != baseline.n:
+        raise ValueError(f"paired_difference: {result.n} result items against {baseline.n} baseline items")
+    if result.n == 0:
+        raise ValueError("paired_difference: no items")
+    if (result.neg is None) != (baseline.neg is None):
+        raise ValueError("paired_difference: an AUC against a mean: not the same kind of estimate")
+    for way, (a, b) in (("image", (result.cluster, baseline.cluster)), ("second image", (result.cluster2, baseline.cluster2))):
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            raise ValueError(f"paired_difference: only one of the two is clustered by a {way} per item")
+        ca, cb = np.asarray([str(c) for c in a]), np.asarray([str(c) for c in b])
+        if not np.array_equal(ca, cb):
+            k = int(np.argmax(ca != cb))
+            raise ValueError(f"paired_difference: item {k}'s {way} differs ({str(ca[k])!r} in the result, "
+                             f"{str(cb[k])!r} in the baseline): the two are not over the same items in the same order")
+    if not np.allclose(result.w, baseline.w):
+        raise ValueError("paired_difference: the items' weights differ (another macro grouping): not the same estimate")
 
 
 def paired_difference(result: Estimate, baseline: Estimate, scale: float = 1.0, resamples: int = RESAMPLES,
@@ -266,25 +376,14 @@ def paired_difference(result: Estimate, baseline: Estimate, scale: float = 1.0, 
     """(result - baseline, and its 95% interval), times ``scale``: both estimates on the same items in
     the same order, their images resampled together (the result's clustering: the same bootstrap
     draw for both), the percentile interval of the difference widened as :func:`interval` widens a
-    mean's. Raises ValueError (one line) when the two are not over the same items and images."""
-    if result.n != baseline.n:
-        raise ValueError(f"paired_difference: {result.n} result items against {baseline.n} baseline items")
-    if result.n == 0:
-        raise ValueError("paired_difference: no items")
-    ca, cb = np.asarray([str(c) for c in result.cluster]), np.asarray([str(c) for c in baseline.cluster])
-    if not np.array_equal(ca, cb):
-        k = int(np.argmax(ca != cb))
-        raise ValueError(f"paired_difference: item {k}'s image differs ({str(ca[k])!r} in the result, {str(cb[k])!r} "
-                         "in the baseline): the two are not over the same items in the same order")
-    if not np.allclose(result.w, baseline.w):
-        raise ValueError("paired_difference: the items' weights differ (another macro grouping): not the same estimate")
-    ci, nc = _factorize(result.cluster)
+    mean's (:func:`small_cluster_widening`). Raises ValueError (one line) when the two are not over
+    the same items and images."""
+    _same_items(result, baseline)
     d = result.value - baseline.value
+    nc = n_clusters(result)
     if nc < 2:
         return scale * d, float("nan"), float("nan")
-    w = result.w
-    out = [(k * (w * result.y)).sum(1) / (k * w).sum(1) - (k * (w * baseline.y)).sum(1) / (k * w).sum(1)
-           for k in cluster_counts(ci, nc, resamples, seed)]
+    out = [_stat(result, k) - _stat(baseline, k) for k in item_weights(result, resamples, seed)]
     lo, hi = percentile_interval(np.concatenate(out), 1.0, d, small_cluster_widening(nc))
     return scale * d, scale * lo, scale * hi
 
@@ -311,26 +410,13 @@ def auc_boot(pos, neg, resamples: int = RESAMPLES, seed=SEED, clusters=None) -> 
     """Cluster-bootstrap distribution of the AUC P(pos > neg) (ties one half) over items that each
     hold one positive ``pos[i]`` and one negative ``neg[i]`` score, resampled by their image
     (``clusters[i]``; None: every item its own)."""
-    pos, neg = np.asarray(pos, np.float64), np.asarray(neg, np.float64)
-    n = pos.size
-    if n == 0 or neg.size != n:
+    if np.asarray(pos).size == 0 or np.asarray(neg).size != np.asarray(pos).size:
         return np.empty(0)
-    ci, nc = _factorize(_labels(clusters, n))
-    order = np.argsort(neg, kind="stable")
-    lo = np.searchsorted(neg[order], pos, "left")  # negatives strictly below each positive
-    hi = np.searchsorted(neg[order], pos, "right")  # ... plus the ties
-    out = []
-    for c in cluster_counts(ci, nc, resamples, seed):
-        cum = np.concatenate([np.zeros((c.shape[0], 1)), np.cumsum(c[:, order], axis=1)], axis=1)
-        below = cum[:, lo] + 0.5 * (cum[:, hi] - cum[:, lo])  # weighted negatives under each positive
-        tot = c.sum(1)
-        out.append((c * below).sum(1) / (tot * tot))
-    return np.concatenate(out)
+    return boot(auc_estimate(pos, neg, clusters), resamples, seed)
 
 
-def auc_interval(pos, neg, resamples: int = RESAMPLES, seed=SEED, clusters=None) -> tuple[float, float]:
-    """95% cluster-bootstrap interval of the AUC of paired (positive, negative) items, a fraction."""
-    n = np.asarray(pos).size
-    _, nc = _factorize(_labels(clusters, n)) if n else (None, 0)
-    lo, hi = percentile_interval(auc_boot(pos, neg, resamples, seed, clusters), 1.0, auc(pos, neg), small_cluster_widening(nc))
-    return max(lo, 0.0), min(hi, 1.0)
+def auc_interval(pos, neg, resamples: int = RESAMPLES, seed=SEED, clusters=None, clusters2=None) -> tuple[float, float]:
+    """95% interval of the AUC of paired (positive, negative) items, a fraction (:func:`auc_wilson`)."""
+    if np.asarray(pos).size == 0:
+        return NAN2
+    return auc_wilson(auc_estimate(pos, neg, clusters, clusters2), 1.0, resamples, seed)

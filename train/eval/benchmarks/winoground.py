@@ -13,6 +13,11 @@ stems, e.g. ``ex_0_img_0`` for ``images/ex_0_img_0.png``). Pairs per item, in th
 * image score: s(c0, i0) > s(c0, i1) and s(c1, i1) > s(c1, i0)  (chance 25 %)
 * group score: both (chance 16.67 %: 4 of the 24 orderings of four distinct scores)
 
+The chance of a row is computed for the items it scores (:func:`item_chance`): the expected score of a
+scorer that gives every distinct (image, caption) pair an independent random score. An item whose four
+pairs are distinct has the published 25 / 25 / 16.67 %; one whose two images or two captions are the
+same (a generated file can hold such pairs) has tied pairs, which strict scoring counts as wrong: 0.
+
 Rows: the three scores for ``all`` and per ``collapsed_tag`` (Object / Relation / Both).
 """
 
@@ -77,15 +82,25 @@ def item_scores(s) -> tuple[bool, bool, bool]:
     return text, image, text and image
 
 
+def item_chance(item) -> tuple[float, float, float]:
+    """(text, image, group) chance in % of one item: a random score per distinct (image, caption) pair."""
+    (i0, c0), (i1, _), _, _ = ((p.image, p.text) for p in item.pairs)
+    c1 = item.pairs[2].text
+    if i0 == i1 or c0 == c1:  # two of the four pairs are one pair: its scores tie, and a tie is wrong
+        return 0.0, 0.0, 0.0
+    return CHANCE["text"], CHANCE["image"], CHANCE["group"]
+
+
 def score(name: str, items, scores) -> list[Row]:
     if len(items) != len(scores):
         raise ValueError(f"score: {len(items)} items but {len(scores)} score arrays")
     res = np.array([item_scores(s) for s in scores], dtype=bool).reshape(-1, 3)
     tags = np.array([it.subset for it in items])
+    chance = np.array([item_chance(it) for it in items], dtype=np.float64).reshape(-1, 3)
     out = []
     for subset in ["all"] + sorted(set(tags.tolist())):
         sel = np.ones(len(items), bool) if subset == "all" else tags == subset
         for j, metric in enumerate(("text", "image", "group")):
             out.append(Row(name, subset, f"{metric}_score", 100.0 * float(res[sel, j].mean()), int(sel.sum()),
-                           CHANCE[metric]).with_ci(wilson_of(res[sel, j])))
+                           float(chance[sel, j].mean())).with_ci(wilson_of(res[sel, j])))
     return out

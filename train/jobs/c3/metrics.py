@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from pipeline.loaders.concept_tokens import ConceptTokens
 from train.eval.interface import Row
-from train.eval.intervals import auc, auc_interval, mean_interval
+from train.eval.intervals import auc_estimate, interval, mean_interval
 from train.jobs.c3.model import conditioned_sim, encode_batch, fuse_pairs
 
 EVAL_TYPES = ("type1", "type2_random", "type2_hard", "type2_binding", "type2_as_trained")
@@ -229,15 +229,19 @@ class HeldOut:
                 else:  # concept-matched: positive d's image pair with this positive's concept
                     sn, bn = self.triplet_scores(model, E["ai"][neg[v]], E["aj"][neg[v]], E["c"][v])
                 sk = {"no_negative_found": skipped} if skipped else {}
-                # intervals: a cluster bootstrap over the triplets' anchor images (triplets reuse images),
-                # each triplet resampled with its negative
+                # intervals (train.eval.intervals): triplets reuse images, and the AUC compares every positive with
+                # every negative, so a triplet is clustered two ways: by its anchor image and by its negative's own
+                # image (type 1: the non-member image; concept-matched type 2: the donor positive's anchor), each
+                # way resampled independently; type2_as_trained's negative is the positive's own image pair
                 img = E["ai"][v]
+                img2 = None if name == "type2_as_trained" else (neg[v] if name == "type1" else E["ai"][neg[v]])
                 note = note_src + ("; " + AS_TRAINED_NOTE if name == "type2_as_trained" else "")
-                rows.append(Row("c3_mcp", name, "auc", auc(sp[v], sn), n, 0.5, skipped, sk, "fraction", note)
-                            .with_ci(auc_interval(sp[v], sn, clusters=img)))
-                rows.append(Row("c3_mcp", name, "auc_global_cosine", auc(bp[v], bn), n, 0.5, skipped, sk, "fraction",
-                                "frozen CLIP: cos(e_i, t_C) + cos(e_j, t_C)", baseline_for=f"{name}/auc")
-                            .with_ci(auc_interval(bp[v], bn, clusters=img)))
+                est, fest = auc_estimate(sp[v], sn, img, img2), auc_estimate(bp[v], bn, img, img2)
+                rows.append(Row("c3_mcp", name, "auc", est.value, n, 0.5, skipped, sk, "fraction", note, est=est)
+                            .with_ci(interval(est)))
+                rows.append(Row("c3_mcp", name, "auc_global_cosine", fest.value, n, 0.5, skipped, sk, "fraction",
+                                "frozen CLIP: cos(e_i, t_C) + cos(e_j, t_C)", baseline_for=f"{name}/auc", est=fest)
+                            .with_ci(interval(fest)))
                 if self.cfg.objectives != "mcc":
                     acc = 50.0 * (float((sp[v] > 0).mean()) + float((sn <= 0).mean()))
                     per = 0.5 * ((sp[v] > 0).astype(np.float64) + (sn <= 0))  # per triplet: its mean of the two

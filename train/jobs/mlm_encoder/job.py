@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.encoders import cluster_ratio_interval, export_dir, export_folder, load_corpus
+from train.encoders import export_dir, export_folder, load_corpus
 from train.eval.interface import NoScorableItems, Row
+from train.eval.intervals import interval, proportion
 from train.job import Job
 
 BENCH = "mlm-encoder"
@@ -158,23 +159,21 @@ class MlmEncoderJob(Job):
         hits, prior, img = self.masked_hits(model)
         if not len(hits):
             raise NoScorableItems(f"{BENCH}: no held-out token to score")
-        groups = np.unique(img)
-        gi = np.searchsorted(groups, img)
-        n = np.bincount(gi, minlength=len(groups))
-        return {"hits": hits, "prior": prior, "n": n, "h": np.bincount(gi, weights=hits, minlength=len(groups)),
-                "p": np.bincount(gi, weights=prior, minlength=len(groups)), "images": len(groups)}
+        return {"hits": hits, "prior": prior, "img": img, "images": int(np.unique(img).size)}
 
     def job_metrics(self, model, out_dir) -> list:
         r = self._rates(model)
         word = self.tokenizer.convert_ids_to_tokens(self.prior_token)
+        # every masked position a 0/1 item, clustered by its caption's image (train.eval.intervals)
+        hits, prior = proportion(r["hits"], r["img"]), proportion(r["prior"], r["img"])
         return [
             Row(BENCH, "held_out", "masked_token_acc", 100.0 * r["hits"].mean(), len(r["hits"]), 100.0 * r["prior"].mean(),
                 note=f"{len(r['hits'])} masked positions in {len(self.eval_seqs)} held-out captions of {r['images']} images; "
-                f"chance: the unigram prior (always '{word}'); interval: bootstrap over images")
-            .with_ci(cluster_ratio_interval(r["h"], r["n"])),
+                f"chance: the unigram prior (always '{word}'); interval: Wilson on the positions' effective n over images",
+                est=hits).with_ci(interval(hits, 100.0)),
             Row(BENCH, "held_out", "unigram_prior_acc", 100.0 * r["prior"].mean(), len(r["hits"]), None, unit="%",
-                note="the prior's own accuracy on the same positions, with its interval")
-            .with_ci(cluster_ratio_interval(r["p"], r["n"])),
+                note="the prior's own accuracy on the same positions, with its interval", est=prior)
+            .with_ci(interval(prior, 100.0)),
         ]
 
     def evaluate(self, model, out_dir):
