@@ -30,7 +30,7 @@ import numpy as np
 
 from train.eval.benchmarks._common import BenchmarkError, Rows, not_lfs_pointer, text_field
 from train.eval.interface import BenchData, Item, Pair, Row
-from train.eval.intervals import wilson_of
+from train.eval.intervals import interval, proportion
 
 CHANCE = {"text": 25.0, "image": 25.0, "group": 100.0 / 6.0}
 
@@ -101,6 +101,7 @@ def score(name: str, items, scores) -> list[Row]:
     for subset in ["all"] + sorted(set(tags.tolist())):
         sel = np.ones(len(items), bool) if subset == "all" else tags == subset
         for j, metric in enumerate(("text", "image", "group")):
-            out.append(Row(name, subset, f"{metric}_score", 100.0 * float(res[sel, j].mean()), int(sel.sum()),
-                           float(chance[sel, j].mean())).with_ci(wilson_of(res[sel, j])))
+            est = proportion(res[sel, j])  # per item (a frozen baseline's rows pair with these, train.eval.paired)
+            out.append(Row(name, subset, f"{metric}_score", 100.0 * est.value, int(sel.sum()),
+                           float(chance[sel, j].mean()), est=est).with_ci(interval(est, 100.0)))
     return out
