@@ -14,6 +14,15 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# ``log.info(msg, extra=LOG_FILE_ONLY)``: a line for the run's log file, not the terminal (``-v`` shows it
+# there too; pipeline.cli.setup_logging filters it): what the terminal already shows in another form
+LOG_FILE_ONLY = {"file_only": True}
+
+
+def terminal_filter(verbose: bool):
+    """The filter of a terminal log handler: drops :data:`LOG_FILE_ONLY` records unless ``verbose``."""
+    return lambda record: verbose or not getattr(record, "file_only", False)
+
 
 def progress(items: Iterable[T], desc: str, *, total: int | None = None, unit: str = "it", every: float = 5.0,
              stream=None) -> Iterator[T]:

@@ -41,6 +41,7 @@ from pipeline.io.artifacts import (
 )
 from pipeline.crashes import REASON as WORKER_CRASHED
 from pipeline.counts import unit_rows
+from pipeline.progress import LOG_FILE_ONLY
 from pipeline.crashes import SampleSplit
 from pipeline.errors import RayStartError, StageError, describe_exception, model_key  # noqa: F401 (the stages' API)
 from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
@@ -441,5 +442,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     summary["units_run"] = ctx.units_run
     ctx.summaries[name] = summary
-    log.info("stage %s: done in %.1fs %s", name, summary["seconds"], {k: v for k, v in summary.items() if k != "seconds"})
+    # the log file's line; the terminal gets the summary once, from the command (`<stage>: {...}`)
+    log.info("stage %s: done in %.1fs %s", name, summary["seconds"], {k: v for k, v in summary.items() if k != "seconds"},
+             extra=LOG_FILE_ONLY)
     return summary
