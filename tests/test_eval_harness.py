@@ -299,6 +299,37 @@ def test_foreign_dataset_images_and_boxes_outside_their_image_are_counted(tmp_pa
         H.evaluate_benchmark(job, None, spec, tmp_path / "samples", set(), log=lambda s: None)
 
 
+def test_compare_filters_by_benchmark_subset_and_items(tmp_path):
+    """`train compare --bench NAME --subset NAME --min-n N`: the demo's concept-ot table had 270 rows and
+    no filter; the filters keep the rows asked for, and a filter that keeps none says what there is."""
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    def row(bench, subset, n, value=60.0):
+        return {"job": "j", "variant": "v", "checkpoint": "c", "step": 9, "benchmark": bench, "subset": subset,
+                "metric": "acc", "value": value, "n": n, "chance": 50.0, "skipped": 0, "skip_reasons": "{}",
+                "unit": "%", "note": ""}
+
+    run = tmp_path / "run"
+    H.write_results([row("sugarcrepe", "all", 758), row("sugarcrepe", "swap_att", 40), row("sugarcrepe", "add", 8),
+                     row("valse", "all", 812), row("valse", "counting", 180)], run / "eval" / "final")
+    body = lambda txt: [x.split(" | ")[0:2] for x in txt.split("\n\n")[0].splitlines()[2:]]  # noqa: E731
+    assert len(body(C.compare([run]))) == 5
+    assert body(C.compare([run], bench=["sugarcrepe"])) == [["| sugarcrepe", "all"], ["| sugarcrepe", "swap_att"],
+                                                             ["| sugarcrepe", "add"]]
+    assert body(C.compare([run], subset=["all"])) == [["| sugarcrepe", "all"], ["| valse", "all"]]
+    assert body(C.compare([run], bench=["sugarcrepe"], min_n=10)) == [["| sugarcrepe", "all"], ["| sugarcrepe", "swap_att"]]
+    r = CliRunner().invoke(app, ["compare", str(run), "--bench", "valse", "--subset", "counting", "--min-n", "100"])
+    assert r.exit_code == 0 and body(r.output) == [["| valse", "counting"]], r.output
+    r = CliRunner().invoke(app, ["compare", str(run), "--bench", "valse", "--subset", "swap_att"])
+    assert r.exit_code == 2 and r.output.strip() == ("error: no result row matches --bench valse --subset swap_att; "
+                                                     "the runs' benchmarks: sugarcrepe, valse; subsets of valse: all, "
+                                                     "counting"), r.output
+    r = CliRunner().invoke(app, ["compare", str(run), "--over-seeds", "--min-n", "5"])
+    assert r.exit_code == 2 and "not --paper or --over-seeds" in r.output
+
+
 def test_image_splits_scores_held_out_items_only(tmp_path, monkeypatch):
     """eval.benchmarks[].image_splits: items whose image is a sample of another split are skipped and
     counted (no samples artifact here: the hash split, 18 -> val, 19 -> test, else train)."""

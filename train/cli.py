@@ -3,7 +3,7 @@
     train run <job> --manifest M [--set train.<job>.key=value ...] [--fresh] [--workers N]
     train sweep <job> --manifest M --grid GRID.yaml --seeds K [--max-concurrent M]
     train eval <job> --checkpoint C|RUN_DIR --manifest M [--bench NAME ...]
-    train compare RUN_DIR [RUN_DIR ...] [--over-seeds | --paper PAPER]
+    train compare RUN_DIR [RUN_DIR ...] [--bench NAME] [--subset NAME] [--min-n N] [--over-seeds | --paper PAPER]
     train list [JOB]
 """
 
@@ -345,16 +345,24 @@ def compare(
     paper: Annotated[Optional[str], typer.Option("--paper", help="the paper's ablation table (train/papers/<paper>"
                                                  ".yaml): run folders grouped by its rows, published numbers beside, "
                                                  "ordering against the paper's")] = None,
+    bench: Annotated[Optional[list[str]], typer.Option("--bench", help="only this benchmark's rows (repeatable)")] = None,
+    subset: Annotated[Optional[list[str]], typer.Option("--subset", help="only rows of this subset, e.g. all "
+                                                        "(repeatable)")] = None,
+    min_n: Annotated[int, typer.Option("--min-n", min=0, help="only rows scored on at least N items")] = 0,
 ) -> None:
-    """One table across runs (jobs, variants, seeds), chance level beside each metric. With
-    --paper: the paper's ablation table on the runs (train/paper_tables.py)."""
+    """One table across runs (jobs, variants, seeds), chance level beside each metric; --bench,
+    --subset and --min-n keep a part of it. With --paper: the paper's ablation table on the runs
+    (train/paper_tables.py)."""
     from pipeline.io.run_files import CorruptRunFile
     from train.eval.compare import compare as _compare
     from train.paper_tables import PaperTableError, compare_paper
     from train.seeds_table import seeds_table
 
     try:
-        typer.echo(compare_paper(paper, runs) if paper else seeds_table(runs) if over_seeds else _compare(runs))
+        if (bench or subset or min_n) and (paper or over_seeds):
+            _fail("--bench, --subset and --min-n filter the table of runs side by side, not --paper or --over-seeds")
+        typer.echo(compare_paper(paper, runs) if paper else seeds_table(runs) if over_seeds else
+                   _compare(runs, bench or (), subset or (), min_n))
     except (FileNotFoundError, PaperTableError, CorruptRunFile) as e:  # CorruptRunFile: every run was skipped
         _fail(str(e))
 
