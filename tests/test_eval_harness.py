@@ -299,6 +299,34 @@ def test_foreign_dataset_images_and_boxes_outside_their_image_are_counted(tmp_pa
         H.evaluate_benchmark(job, None, spec, tmp_path / "samples", set(), log=lambda s: None)
 
 
+def test_harness_prints_one_line_for_its_benchmarks(tmp_path, monkeypatch):
+    """The terminal gets one line per evaluation (the demo printed ~60 "N of M items scored" lines per
+    `train run all`); the line per benchmark is in benchmarks.log beside the results, and with -v on the
+    terminal too."""
+    monkeypatch.setitem(H.BUILTIN, "toy", _toy_reader)
+    table = {(1, "a red cube"): 0.9, (1, "a cube red"): 0.1, (2, "a blue ball"): 0.2, (2, "a red ball"): 0.7,
+             (3, "x"): 0.5, (3, "y"): 0.5}
+    m = _manifest(tmp_path, [("toy", "toy", None), ("toy2", "toy", None)])
+    out = tmp_path / "run" / "eval" / "final"
+    said: list[str] = []
+    rows, errors = H.run_harness(FakeJob(table, scorable={1, 2, 3}), torch.nn.Linear(1, 1), m, out, log=said.append)
+    assert errors == [] and len(said) == 1, said
+    assert said[0] == (f"benchmarks: 2 of 2 scored, 6 items (6 skipped: malformed: no caption 4, skipped_no_image: "
+                       f"not in the job's artifacts 2); {len(rows)} rows: {out / 'results.md'} (each benchmark: "
+                       "benchmarks.log there)")
+    per = (out / "benchmarks.log").read_text().splitlines()
+    assert [x.rsplit(" in ", 1)[0] for x in per] == [
+        f"  {b}: 3 of 4 items scored, 3 skipped (malformed: no caption 2, skipped_no_image: not in the job's "
+        "artifacts 1)" for b in ("toy", "toy2")], per
+    H.set_verbose(True)  # `train run -v`
+    try:
+        said.clear()
+        H.run_harness(FakeJob(table, scorable={1, 2, 3}), torch.nn.Linear(1, 1), m, out, log=said.append)
+    finally:
+        H.set_verbose(False)
+    assert len(said) == 3 and said[:2] == (out / "benchmarks.log").read_text().splitlines(), said
+
+
 def test_compare_filters_by_benchmark_subset_and_items(tmp_path):
     """`train compare --bench NAME --subset NAME --min-n N`: the demo's concept-ot table had 270 rows and
     no filter; the filters keep the rows asked for, and a filter that keeps none says what there is."""

@@ -23,6 +23,16 @@ def test_not_a_terminal_gives_plain_lines_at_most_every_few_seconds():
     assert [ln.split(",")[0] for ln in out.getvalue().splitlines()] == ["search: 1 it", "search: 2 it", "search: 3 it"]
 
 
+def test_leave_false_leaves_nothing_once_done():
+    """The harness's benchmarks loop prints its own summary line: its progress leaves no last line."""
+    out = io.StringIO()
+    assert list(progress(range(5), "benchmarks", unit="bench", stream=out, leave=False)) == [0, 1, 2, 3, 4]
+    assert out.getvalue() == ""
+    out = io.StringIO()
+    list(progress(range(3), "benchmarks", unit="bench", stream=out, leave=False, every=0.0))  # a long loop: its lines
+    assert [ln.split(",")[0] for ln in out.getvalue().splitlines()] == ["benchmarks: 1/3 bench", "benchmarks: 2/3 bench"]
+
+
 def test_a_terminal_gets_a_tqdm_bar():
     out = _Tty()
     assert list(progress([1, 2, 3], "benchmarks", unit="bench", stream=out)) == [1, 2, 3]
