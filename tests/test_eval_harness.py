@@ -327,6 +327,31 @@ def test_harness_prints_one_line_for_its_benchmarks(tmp_path, monkeypatch):
     assert len(said) == 3 and said[:2] == (out / "benchmarks.log").read_text().splitlines(), said
 
 
+def test_a_row_below_chance_says_why_beside_its_verdict(tmp_path, monkeypatch):
+    """A scorer that ties every item lands below chance under strict scoring (infoground on the demo's
+    VG-Relation: "462 of 462 items tied"): results.md, `train compare` and `train run`'s tables give
+    that reason beside the verdict, not a bare "below"."""
+    from train.eval.benchmarks._common import correct_vector, item_images, pooled_row, tied_at_top
+    from train.summary import runs_table
+
+    def reader(spec, samples_dir):
+        items = [Item([Pair(f"sample_id:{s}", "a"), Pair(f"sample_id:{s}", "b")]) for s in range(1, 13)]
+        return BenchData(spec.name, items, total=12, score=lambda its, sc: [pooled_row(
+            "tied", "all", correct_vector(its, sc), 0.5, images=item_images(its), ties=tied_at_top(sc))])
+
+    monkeypatch.setitem(H.BUILTIN, "tied", reader)
+    m = _manifest(tmp_path, [("tied", "tied", None)])
+    run = tmp_path / "run"
+    rows, _ = H.run_harness(FakeJob({}, scorable=set(range(1, 13))), torch.nn.Linear(1, 1), m, run / "eval" / "final",
+                            job_metrics=False, log=lambda s: None)  # every pair scores 0.0: 12 ties, 0 % against 50 %
+    assert rows[0]["note"] == "12 of 12 items tied at the top (scored wrong, as the original)"
+    md = (run / "eval" / "final" / "results.md").read_text()
+    assert "| tied | all | accuracy | 0.0 [0.0, 24.2] % | 50.0 % | 12 | 0 | below: 12 of 12 items tied |" in md, md
+    assert "(n=12; below: 12 of 12 items tied) |" in C.compare([run])
+    table = runs_table([("fake", run, {}, 3.0)], [])
+    assert "below: 12 of 12 items tied" in table.splitlines()[1], table
+
+
 def test_compare_filters_by_benchmark_subset_and_items(tmp_path):
     """`train compare --bench NAME --subset NAME --min-n N`: the demo's concept-ot table had 270 rows and
     no filter; the filters keep the rows asked for, and a filter that keeps none says what there is."""

@@ -78,12 +78,12 @@ def result_rows(run_dir: Path) -> list[dict]:
     """The run's final ``results.parquet`` rows (the harness's and the job's own, with interval and n),
     each with its ``verdict`` against chance and the strongest no-learning baseline reported beside it
     (:func:`pipeline.report.significance.verdicts`) and that ``bar``: [] when the run has none."""
-    from pipeline.report.significance import judged
+    from pipeline.report.significance import judged, with_reason
     from train.seeds_table import final_rows
 
     rows = [r for r in final_rows(Path(run_dir)) if r.get("benchmark") != "evaluate"]
     for r, (v, bar) in zip(rows, judged(rows)):
-        r["verdict"], r["bar"] = v or "", bar
+        r["verdict"], r["bar"] = with_reason(v, r) or "", bar  # a degenerate row's reason beside it
     return rows
 
 

@@ -22,6 +22,7 @@ group, a random assignment, the untrained model. Such a row names the result it 
 from __future__ import annotations
 
 import math
+import re
 
 Z95 = 1.959963984540054
 
@@ -126,3 +127,14 @@ def judged(rows: list[dict]) -> list[tuple[str | None, tuple[str, float] | None]
 def verdicts(rows: list[dict]) -> list[str | None]:
     """:func:`verdict` of every row of one evaluation, each against the baselines reported beside it."""
     return [v for v, _ in judged(rows)]
+
+
+_TIED = re.compile(r"(\d[\d,]*) of (\d[\d,]*) items tied")
+
+
+def with_reason(v: str | None, row: dict) -> str | None:
+    """The verdict with the reason of a degenerate row beside it: ``below: 462 of 462 items tied`` where a
+    row is below chance and its note counts ties (a strict scorer scores a tie wrong: a model blind to what
+    the negatives change ties everywhere and lands under chance, down to 0 %). Other verdicts unchanged."""
+    m = _TIED.search(str(row.get("note") or "")) if v == "below" else None
+    return f"below: {m[1]} of {m[2]} items tied" if m and m[1] != "0" else v

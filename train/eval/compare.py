@@ -108,13 +108,13 @@ def compare(paths: Sequence[str | Path], bench: Sequence[str] = (), subset: Sequ
         if n_of[lab] > 1:
             seen[lab] += 1
             labels[i] = f"{lab} #{seen[lab]}"
-    from pipeline.report.significance import verdicts
+    from pipeline.report.significance import verdicts, with_reason
 
     keys: list[tuple] = []
     cell: dict[tuple, dict[int, dict]] = {}
     for j, (_, _, rows) in enumerate(runs):
         for r, v in zip(rows, verdicts(rows)):  # verdicts over the whole evaluation (baselines), then the filter
-            r["verdict"] = v
+            r["verdict"] = with_reason(v, r)  # "below: 462 of 462 items tied"
             if not keep_row(r, bench, subset, min_n):
                 continue
             k = (r["benchmark"], r["subset"], r["metric"])

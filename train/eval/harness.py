@@ -549,7 +549,7 @@ def fmt_value(r: dict, unit: str) -> str:
 def markdown_table(table: list[dict]) -> str:
     """The results as Markdown, each row with its verdict against chance and the strongest no-learning
     baseline reported beside it (:mod:`pipeline.report.significance`)."""
-    from pipeline.report.significance import verdicts
+    from pipeline.report.significance import verdicts, with_reason
 
     head = ("| benchmark | subset | metric | value [95% CI] | chance | n | skipped | verdict |\n"
             "|---|---|---|---:|---:|---:|---:|---|")
@@ -559,5 +559,5 @@ def markdown_table(table: list[dict]) -> str:
         suffix = " %" if unit == "%" else ""
         chance = fmt_num(r["chance"], unit)
         lines.append(f"| {r['benchmark']} | {r['subset']} | {r['metric']} | {fmt_value(r, unit)}{suffix} | "
-                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} | {v or '-'} |")
+                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} | {with_reason(v, r) or '-'} |")
     return "\n".join(lines)
