@@ -264,10 +264,21 @@ def test_every_job_package_has_its_two_files():
         assert (pkg / "__init__.py").is_file() and (pkg / "job.py").is_file(), pkg
 
 
+def _demo_docs():
+    """benchmarks/demo_docs.py as a module (the script that writes the docs' demo table and figure)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_docs", REPO / "benchmarks" / "demo_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_report_figure_comes_from_a_demo_run():
-    """docs/report.png is the screenshot docs/make_report_png.py took of a demo run's report: its
-    sidecar names the demo manifest and the command, the runs the page held, and the figure's sha256
-    (a figure replaced without its sidecar, or taken from another run, fails here)."""
+    """docs/report.png is the screenshot benchmarks/demo_docs.py took of a demo run's report: its sidecar
+    names the demo manifest and the command, the runs the page held, the figure's sha256 (a figure
+    replaced without its sidecar, or taken from another run, fails here) and that run's closing table,
+    which is docs/performance.md's demo table (the figure and the table come from one run)."""
     import hashlib
     import json
 
@@ -283,6 +294,45 @@ def test_report_figure_comes_from_a_demo_run():
     assert "demo" in side["page"]["title"] and side["page"]["size"][1] > 1000, side["page"]
     for page in ("README.md", "docs/report.md"):
         assert "report.png" in (REPO / page).read_text(), page
+    table = _demo_docs().docs_table()
+    assert side["table"] == table.splitlines(), "docs/report.png.json and docs/performance.md: two runs' tables"
+    assert [x.split()[0] for x in side["table"][1:]] == sorted(side["runs"]), side["table"]
+    # the run folders the figure's run trained in are the ones `train run` uses with the demo manifest
+    runs = {j: str(Path("runs/demo") / r) for j, r in side["runs"].items()}
+    assert set(runs.values()) <= _demo_run_folders(), runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_demo_docs_match_a_demo_run(tmp_path):
+    """docs/performance.md's demo table is what benchmarks/demo_docs.py makes of a demo run, to the digit,
+    and (headless Chromium where there is one, the report browser test's driver) the figure it takes of
+    that run's report has the docs figure's provenance: the same table, the demo manifest, the demo's
+    images. The run: $VLPIPE_DEMO_OUTPUT (README command 1's output, made by this checkout), else README
+    command 1's two commands here (the full demo: its numbers are seeded, a smaller one's are not these)."""
+    import json
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    out = Path(os.environ["VLPIPE_DEMO_OUTPUT"]) if os.environ.get("VLPIPE_DEMO_OUTPUT") else tmp_path / "demo"
+    if not os.environ.get("VLPIPE_DEMO_OUTPUT"):
+        for tool in ("pipeline", "train"):
+            r = subprocess.run([str(Path(sys.prefix) / "bin" / tool), "run", "all", "--manifest", DEMO, "--set",
+                                f"output={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
+            assert r.returncode == 0, (tool, r.stdout[-2000:], r.stderr[-3000:])
+    script = [sys.executable, str(REPO / "benchmarks" / "demo_docs.py"), "--output", str(out)]
+    r = subprocess.run([*script, "--check"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    from tests.test_report import _driver
+
+    _driver().quit()  # skips here without headless Chromium
+    png = tmp_path / "report.png"
+    r = subprocess.run([*script, "--png", "--png-out", str(png)], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    side, docs = json.loads(Path(f"{png}.json").read_text()), json.loads((REPO / "docs" / "report.png.json").read_text())
+    for k in ("table", "manifest", "images", "runs", "job_table"):
+        assert side[k] == docs[k], (k, side[k], docs[k])
+    assert side["page"]["title"] == docs["page"]["title"] and png.stat().st_size > 50_000
 
 
 # --------------------------------------------------------------------------- every run folder a page names
