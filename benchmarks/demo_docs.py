@@ -78,10 +78,10 @@ def _commit() -> str:
     return f"{head}{' + uncommitted changes' if dirty else ''}" if head else "unknown"
 
 
-def write_table(table: str) -> None:
+def write_table(table: str, commit: str | None = None) -> None:
     text = PERFORMANCE.read_text()
     docs_table(text)
-    new = TABLE_BLOCK.sub(lambda m: f"<!-- demo-table: benchmarks/demo_docs.py --table, run at {_commit()} -->\n"
+    new = TABLE_BLOCK.sub(lambda m: f"<!-- demo-table: benchmarks/demo_docs.py --table, run at {commit or _commit()} -->\n"
                           f"```text\n{table}{m[3]}", text, count=1)
     PERFORMANCE.write_text(new)
 
@@ -143,7 +143,7 @@ def shoot(report: Path, job: str, out: Path, width: int = 1400, top: int = 1250,
 
 
 def write_png(output: Path, manifest: str, table: str, runs: list, out: Path, job: str = "concept-ot",
-              command: str = COMMAND) -> dict:
+              command: str = COMMAND, commit: str | None = None) -> dict:
     """docs/report.png of ``output``'s report and its sidecar (``out``.json): what made it, and the
     closing table of the same run."""
     shown = shoot(output / "report" / "index.html", job, out)
@@ -151,7 +151,7 @@ def write_png(output: Path, manifest: str, table: str, runs: list, out: Path, jo
     side = {
         "figure": out.name, "sha256": hashlib.sha256(out.read_bytes()).hexdigest(),
         "report": str(output / "report" / "index.html"), "manifest": manifest, "command": command,
-        "commit": _commit(), "job_table": job, "images": samples["tables"]["samples"]["rows"],
+        "commit": commit or _commit(), "job_table": job, "images": samples["tables"]["samples"]["rows"],
         "runs": {j: str(Path(r).relative_to(output)) for j, r, _ in runs}, "table": table.splitlines(),
         "page": shown, "made": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -181,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         diff = check_table(table)
         print("\n".join(diff) if diff else f"docs/performance.md's demo table is {output}'s")
         return 1 if diff else 0
+    commit = _commit()  # before this writes anything
     if a.table:
-        write_table(table)
+        write_table(table, commit)
         print(f"{PERFORMANCE}: the demo table of {output}:\n{table}")
     if a.png:
-        side = write_png(output, a.manifest, table, runs, a.png_out)
+        side = write_png(output, a.manifest, table, runs, a.png_out, commit=commit)
         print(f"{a.png_out}: {side['page']['size'][0]}x{side['page']['size'][1]}, sidecar {a.png_out}.json")
     if not (a.table or a.png):
         print(table, end="")
