@@ -29,6 +29,9 @@ def setup_logging(output: Path | None = None, name: str = "pipeline", verbose: b
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(fmt)
+    from pipeline.progress import terminal_filter
+
+    handler.addFilter(terminal_filter(verbose))  # the log file's own lines (a stage's summary): with -v only
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     for noisy in ("ray", "urllib3", "filelock", "httpx", "transformers", "PIL", "faiss", "matplotlib"):
@@ -57,7 +60,8 @@ def run(
     set_: SetOpt = None,
     force: Annotated[bool, typer.Option("--force", help="redo shards that are already complete")] = False,
     limit: Annotated[Optional[int], typer.Option("--limit", help="ingest at most N samples")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug lines and the log file's detail lines "
+                                          "on the terminal too; tracebacks of failures")] = False,
     report: Annotated[bool, typer.Option("--report/--no-report", help="`all`: write the HTML run report at the end")] = True,
 ) -> None:
     """Run one stage (or `all`) of a manifest; complete shards are skipped unless --force."""

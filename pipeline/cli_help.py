@@ -1,7 +1,7 @@
 """What the `pipeline` and `train` commands share in their help and their errors: plain help text
 wrapped at word boundaries to the terminal (100 columns when not a terminal, and at most 100), a
-"did you mean" for a mistyped stage or job name, and a manifest section's options listed one line
-each with their defaults (`train list <job>`)."""
+"did you mean" for a mistyped stage or job name, and a manifest section's options listed with
+their defaults and whole descriptions (`train list <job>`)."""
 
 from __future__ import annotations
 
@@ -71,27 +71,33 @@ COMMON = {
 }
 
 
-def _one_line(text: str, width: int) -> str:
-    """``text`` on one line, at most ``width`` columns, cut at a word with an ellipsis."""
-    text = " ".join((text or "").split())
-    if len(text) <= width:
-        return text
-    cut = text[: width - 1]
-    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(",;:") + "…"
+DEFAULT_COLUMN = 16  # the default column's width; a longer default puts its description on the next line
 
 
 def option_lines(section_cls, width: int | None = None) -> list[str]:
-    """One line per option of a manifest section class: ``name  default  what it does`` (the
-    description cut at a word, with an ellipsis, to fit ``width`` columns)."""
+    """Every option of a manifest section class: ``name  default  what it does``, the description
+    whole, wrapped at words to ``width`` columns under its own column (a default wider than
+    :data:`DEFAULT_COLUMN` is printed whole and its description starts on the next line; on a
+    terminal too narrow for three columns every description goes below its option, indented)."""
+    import textwrap
+
     width = width or help_width()
     rows = [(name, _default(f), f.description or COMMON.get(name, "")) for name, f in section_cls.model_fields.items()]
     w0 = max((len(r[0]) for r in rows), default=0)
-    w1 = min(max((len(r[1]) for r in rows), default=0), 16)
+    w1 = min(max((len(r[1]) for r in rows), default=0), DEFAULT_COLUMN)
+    indent = " " * (2 + w0 + 2 + w1 + 2)
+    stacked = width - len(indent) < 30  # a narrow terminal: each description on the lines below its option
+    if stacked:
+        indent = " " * 6
+    room = width - len(indent)
     out = []
     for name, default, desc in rows:
-        default = _one_line(default, w1) if len(default) > w1 else default
-        room = width - (2 + w0 + 2 + w1 + 2)
-        out.append(f"  {name:{w0}s}  {default:{w1}s}  {_one_line(desc, max(room, 10))}".rstrip())
+        text = textwrap.wrap(" ".join(desc.split()), room, break_on_hyphens=False, break_long_words=False)
+        if stacked or len(default) > w1:
+            out.append(f"  {name:{w0}s}  {default}")
+        else:
+            out.append(f"  {name:{w0}s}  {default:{w1}s}  {text.pop(0) if text else ''}".rstrip())
+        out += [indent + line for line in text]
     return out
 
 

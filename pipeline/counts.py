@@ -23,6 +23,13 @@ COUNTED: dict[str, tuple[str, str]] = {
 }
 
 
+# (stage, table) -> what one row of a table other than the counted one is, for a unit of another phase
+# of the stage (build-index: a unit searches either the images or the captions)
+OTHER_UNITS: dict[tuple[str, str], str] = {
+    ("build-index", "caption_negatives"): "captions",
+}
+
+
 def counted_table(stage: str, tables: dict) -> tuple[str | None, str]:
     """(table, unit) of a stage's artifact whose manifest lists ``tables``: the table of
     :data:`COUNTED`, else (a stage not listed) the first table, counted as ``rows``."""
@@ -43,7 +50,8 @@ def unit_rows(stage: str, result: dict) -> tuple[int, str]:
     """(rows, unit) that one finished unit of ``stage`` wrote, for its progress line: the rows of
     the counted table (``stats.table_rows``, which every unit's commit records; else the result's
     ``files``): ``(150, "images")``; a unit of another phase of the stage, which writes other
-    tables (encode-concepts' membership), counts its first table by name (``(10274, "membership
+    tables (encode-concepts' membership), counts its first table by what its rows are
+    (:data:`OTHER_UNITS`: build-index's ``(2994, "captions")``), else by name (``(10274, "membership
     rows")``); a result with neither, its ``stats.rows``."""
     table, unit = COUNTED.get(stage, (None, "rows"))
     if result.get("failed"):
@@ -59,7 +67,7 @@ def unit_rows(stage: str, result: dict) -> tuple[int, str]:
         return int(stats.get("rows", 0)), "rows"
     if table not in by_table:
         table = next(iter(by_table))
-        unit = f"{table} rows"
+        unit = OTHER_UNITS.get((stage, table), f"{table} rows")
     return int(by_table[table]), unit
 
 

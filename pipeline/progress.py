@@ -14,17 +14,28 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# ``log.info(msg, extra=LOG_FILE_ONLY)``: a line for the run's log file, not the terminal (``-v`` shows it
+# there too; pipeline.cli.setup_logging filters it): what the terminal already shows in another form
+LOG_FILE_ONLY = {"file_only": True}
+
+
+def terminal_filter(verbose: bool):
+    """The filter of a terminal log handler: drops :data:`LOG_FILE_ONLY` records unless ``verbose``."""
+    return lambda record: verbose or not getattr(record, "file_only", False)
+
 
 def progress(items: Iterable[T], desc: str, *, total: int | None = None, unit: str = "it", every: float = 5.0,
-             stream=None) -> Iterator[T]:
-    """Yield ``items``, showing how many are done (``total``: defaults to ``len(items)``)."""
+             stream=None, leave: bool = True) -> Iterator[T]:
+    """Yield ``items``, showing how many are done (``total``: defaults to ``len(items)``).
+    ``leave=False``: nothing stays once done (the bar is cleared; no last line), for a loop whose
+    caller prints its own summary."""
     stream = stream or sys.stderr
     if total is None and hasattr(items, "__len__"):
         total = len(items)  # type: ignore[arg-type]
     if getattr(stream, "isatty", lambda: False)():
         from tqdm import tqdm
 
-        yield from tqdm(items, desc=desc, total=total, unit=unit, file=stream, dynamic_ncols=True)
+        yield from tqdm(items, desc=desc, total=total, unit=unit, file=stream, dynamic_ncols=True, leave=leave)
         return
     from pipeline.stage import format_seconds
 
@@ -34,7 +45,7 @@ def progress(items: Iterable[T], desc: str, *, total: int | None = None, unit: s
         yield x
         done += 1
         now = time.perf_counter()
-        if now - last < every and done != total:
+        if (now - last < every and done != total) or (done == total and not leave):
             continue
         last = now
         rate = done / max(now - t0, 1e-9)

@@ -41,6 +41,7 @@ from pipeline.io.artifacts import (
 )
 from pipeline.crashes import REASON as WORKER_CRASHED
 from pipeline.counts import unit_rows
+from pipeline.progress import LOG_FILE_ONLY
 from pipeline.crashes import SampleSplit
 from pipeline.errors import RayStartError, StageError, describe_exception, model_key  # noqa: F401 (the stages' API)
 from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
@@ -296,20 +297,31 @@ def format_seconds(s: float) -> str:
 
 
 class _Progress:
-    """Units and rows done, rate and ETA, on stderr; a plain line per update when not a terminal."""
+    """Units and rows done, rate and ETA, on stderr; a plain line per update when not a terminal.
+    Rows are counted by what they are (pipeline/counts.py): a stage whose units write different
+    things says each (``599 images + 2,994 captions``), never their sum under one name."""
 
     def __init__(self, desc: str, total_units: int, total_rows: int | None):
         self.desc, self.total_units, self.total_rows = desc, total_units, total_rows
         self.units = self.rows = 0
-        self.unit = "rows"  # what the rows are (pipeline/counts.py: images, concept rows, ...)
+        self.by_unit: dict[str, int] = {}  # rows by what they are (images, concept rows, captions, ...)
         self.t0 = time.perf_counter()
         self.tty = sys.stderr.isatty()
         self._last = 0.0
 
+    @property
+    def unit(self) -> str:
+        """What the rows are: their one unit, or ``rows`` when the units wrote several kinds."""
+        return next(iter(self.by_unit)) if len(self.by_unit) == 1 else "rows"
+
+    def counts(self) -> str:
+        """``150 images``, or ``599 images + 2,994 captions``."""
+        return " + ".join(f"{n:,} {u}" for u, n in self.by_unit.items()) or "0 rows"
+
     def update(self, rows: int, unit: str = "rows") -> None:
         self.units += 1
         self.rows += rows
-        self.unit = unit
+        self.by_unit[unit] = self.by_unit.get(unit, 0) + rows
         now = time.perf_counter()
         if not self.tty and now - self._last < 2.0 and self.units < self.total_units:
             return
@@ -323,7 +335,7 @@ class _Progress:
             eta = by_units
         eta = 0.0 if self.units >= self.total_units else max(0.0, eta)
         msg = (
-            f"{self.desc}: {self.units}/{self.total_units} shards, {self.rows:,} {self.unit}, "
+            f"{self.desc}: {self.units}/{self.total_units} shards, {self.counts()}, "
             f"{rate:,.1f} {self.unit}/s, ETA {format_seconds(eta)}"
         )
         if self.tty:
@@ -430,5 +442,7 @@ def run_stage(name: str, ctx: RunContext) -> dict:
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     summary["units_run"] = ctx.units_run
     ctx.summaries[name] = summary
-    log.info("stage %s: done in %.1fs %s", name, summary["seconds"], {k: v for k, v in summary.items() if k != "seconds"})
+    # the log file's line; the terminal gets the summary once, from the command (`<stage>: {...}`)
+    log.info("stage %s: done in %.1fs %s", name, summary["seconds"], {k: v for k, v in summary.items() if k != "seconds"},
+             extra=LOG_FILE_ONLY)
     return summary

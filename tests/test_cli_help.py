@@ -51,8 +51,9 @@ def test_train_list_job_gives_every_option_with_its_default():
     assert r.exit_code == 0, r.output
     cfg = registry()["relation-head"].Config
     lines = r.output.splitlines()
+    options = [x for x in lines if re.match(r"  \S", x)]  # an option's first line; its description goes on below
     for name, field in cfg.model_fields.items():
-        row = [x for x in lines if x.split()[:1] == [name]]
+        row = [x for x in options if x.split()[:1] == [name]]
         assert len(row) == 1, (name, r.output)
         if not field.is_required() and isinstance(field.default, (int, float)) and not isinstance(field.default, bool):
             assert str(field.default) in row[0], (name, row[0])
@@ -60,17 +61,49 @@ def test_train_list_job_gives_every_option_with_its_default():
     assert re.search(r"^\s+lr\s+0\.003?\s+\S", r.output, re.M) or re.search(r"^\s+lr\s+\S+\s+\S", r.output, re.M)
 
 
-def test_option_lines_cut_at_a_word():
+@pytest.mark.parametrize("columns", ["60", "250"])
+def test_train_list_prints_every_description_whole(columns):
+    """`train list <job>` wraps each option's description at words under its column, never cutting
+    it (it stopped at ~45 characters, at any terminal width): the words of the lines below an option
+    are exactly its description's."""
+    from train.registry import registry
+
+    r = CliRunner().invoke(train_app, ["list", "concept-ot"], env={"COLUMNS": columns})
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output
+    lines = r.output.splitlines()
+    assert all(len(x) <= max(int(columns), 40) for x in lines if not re.match(r"  \S+  \S{17,}$", x)), lines
+    starts = [i for i, x in enumerate(lines) if re.match(r"  \S", x)]
+    cfg = registry()["concept-ot"].Config
+    assert len(starts) == len(cfg.model_fields)
+    from pipeline.cli_help import COMMON, _default
+
+    for (name, field), a, b in zip(cfg.model_fields.items(), starts, [*starts[1:], len(lines)]):
+        first = re.fullmatch(rf"  {name} +{re.escape(_default(field))}(?: +(.*))?", lines[a])
+        assert first, (name, _default(field), lines[a])
+        shown = " ".join([first[1] or "", *(x.strip() for x in lines[a + 1:b])]).split()
+        assert shown == (field.description or COMMON.get(name, "")).split(), (name, lines[a:b])
+    amp = next(i for i in starts if lines[i].split()[0] == "amp")
+    assert lines[amp + 1].startswith(" " * 6) and "autocast" in lines[amp + 1]  # its long description goes on below
+
+
+def test_option_lines_wrap_whole_words():
     from pydantic import BaseModel, Field
 
     class C(BaseModel):
         alpha: int = Field(3, description="word " * 40)
         beta: str = "x"
+        gamma: list = Field(["a" * 10, "b" * 10], description="a long default")
 
     rows = option_lines(C, width=60)
-    assert len(rows) == 2 and all(len(x) <= 60 for x in rows)
-    assert rows[0].endswith("word…") and rows[0].split()[:2] == ["alpha", "3"]
-    assert rows[1].split() == ["beta", "x"]
+    assert all(len(x) <= 60 for x in rows if "aaaa" not in x)
+    assert rows[0].split()[:2] == ["alpha", "3"] and rows[0].endswith("word") and "…" not in "".join(rows)
+    alpha = [rows[0]] + [x for x in rows[1:] if x.startswith(" " * 10) and "word" in x]
+    assert sum(x.count("word") for x in alpha) == 40
+    beta = rows.index(next(x for x in rows if x.split()[:1] == ["beta"]))
+    assert rows[beta].split() == ["beta", "x"]
+    assert rows[beta + 1].split()[:2] == ["gamma", '["aaaaaaaaaa",']  # a default wider than its column, whole
+    assert rows[beta + 2].strip() == "a long default"
 
 
 def test_typos_get_a_suggestion(tmp_path):

@@ -190,3 +190,24 @@ def test_run_tag_names_the_options_that_differ():
     words = long[len("conceptot-"):].rsplit("-", 1)[0]
     assert len(words) <= 48 and long != Config(lr=3e-5, batch_size=32, weight_decay=0.5, warmup_frac=0.3,
                                                 min_lr_frac=0.2, seed=8).run_tag()
+
+
+def test_run_tag_cuts_at_whole_option_words():
+    """A run folder's name keeps whole option words within its 48 characters: the demo's c3 run was
+    `default-batch_size16-d_model64-dropout0-epoch_unit_conce-c2b5e8`."""
+    from pipeline.config import load_manifest
+    from train.config import _fit_words, _option_word
+
+    cfg = load_manifest(REPO / "manifests" / "demo.yaml", []).train.c3
+    assert cfg.run_tag() == "default-batch_size16-d_model64-dropout0-c2b5e8"  # the hash: the same options
+    for job in ("c3", "concept_ot", "infoground", "visual_tokens", "relation_head", "text_groups"):
+        c = getattr(load_manifest(REPO / "manifests" / "demo.yaml", []).train, job)
+        named = {k: getattr(c, k) for k in c.NAMED if k in type(c).model_fields}
+        base = c.default_training_config(named)
+        every = [_option_word(k, v) for k, v in sorted(c.training_config().items()) if k not in named and base.get(k) != v]
+        words = c.run_tag()[len("-".join(map(str, named.values())) or "default") + 1:].rsplit("-", 1)[0]
+        k = next(k for k in range(1, len(every) + 1) if "-".join(every[:k]) == words)  # whole words, in order
+        assert len(words) <= 48 and (k == len(every) or len("-".join(every[:k + 1])) > 48), (job, words, every)
+    assert _fit_words(["a" * 10, "b" * 40], 48) == "a" * 10  # the second would pass 48: left out whole
+    assert _fit_words(["epoch_unit_concept_rows_and_more_words_than_fit_in_48"], 20) == "epoch_unit_concept"
+    assert _fit_words(["x" * 60], 48) == "x" * 48

@@ -264,10 +264,21 @@ def test_every_job_package_has_its_two_files():
         assert (pkg / "__init__.py").is_file() and (pkg / "job.py").is_file(), pkg
 
 
+def _demo_docs():
+    """benchmarks/demo_docs.py as a module (the script that writes the docs' demo table and figure)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_docs", REPO / "benchmarks" / "demo_docs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_report_figure_comes_from_a_demo_run():
-    """docs/report.png is the screenshot docs/make_report_png.py took of a demo run's report: its
-    sidecar names the demo manifest and the command, the runs the page held, and the figure's sha256
-    (a figure replaced without its sidecar, or taken from another run, fails here)."""
+    """docs/report.png is the screenshot benchmarks/demo_docs.py took of a demo run's report: its sidecar
+    names the demo manifest and the command, the runs the page held, the figure's sha256 (a figure
+    replaced without its sidecar, or taken from another run, fails here) and that run's closing table,
+    which is docs/performance.md's demo table (the figure and the table come from one run)."""
     import hashlib
     import json
 
@@ -283,3 +294,157 @@ def test_report_figure_comes_from_a_demo_run():
     assert "demo" in side["page"]["title"] and side["page"]["size"][1] > 1000, side["page"]
     for page in ("README.md", "docs/report.md"):
         assert "report.png" in (REPO / page).read_text(), page
+    table = _demo_docs().docs_table()
+    assert side["table"] == table.splitlines(), "docs/report.png.json and docs/performance.md: two runs' tables"
+    assert [x.split()[0] for x in side["table"][1:]] == sorted(side["runs"]), side["table"]
+    # the run folders the figure's run trained in are the ones `train run` uses with the demo manifest
+    runs = {j: str(Path("runs/demo") / r) for j, r in side["runs"].items()}
+    assert set(runs.values()) <= _demo_run_folders(), runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_demo_docs_match_a_demo_run(tmp_path):
+    """docs/performance.md's demo table is what benchmarks/demo_docs.py makes of a demo run, to the digit,
+    and (headless Chromium where there is one, the report browser test's driver) the figure it takes of
+    that run's report has the docs figure's provenance: the same table, the demo manifest, the demo's
+    images. The run: $VLPIPE_DEMO_OUTPUT (README command 1's output, made by this checkout), else README
+    command 1's two commands here (the full demo: its numbers are seeded, a smaller one's are not these)."""
+    import json
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    out = Path(os.environ["VLPIPE_DEMO_OUTPUT"]) if os.environ.get("VLPIPE_DEMO_OUTPUT") else tmp_path / "demo"
+    if not os.environ.get("VLPIPE_DEMO_OUTPUT"):
+        for tool in ("pipeline", "train"):
+            r = subprocess.run([str(Path(sys.prefix) / "bin" / tool), "run", "all", "--manifest", DEMO, "--set",
+                                f"output={out}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
+            assert r.returncode == 0, (tool, r.stdout[-2000:], r.stderr[-3000:])
+    script = [sys.executable, str(REPO / "benchmarks" / "demo_docs.py"), "--output", str(out)]
+    r = subprocess.run([*script, "--check"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    from tests.test_report import _driver
+
+    _driver().quit()  # skips here without headless Chromium
+    png = tmp_path / "report.png"
+    r = subprocess.run([*script, "--png", "--png-out", str(png)], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    side, docs = json.loads(Path(f"{png}.json").read_text()), json.loads((REPO / "docs" / "report.png.json").read_text())
+    for k in ("table", "manifest", "images", "runs", "job_table"):
+        assert side[k] == docs[k], (k, side[k], docs[k])
+    assert side["page"]["title"] == docs["page"]["title"] and png.stat().st_size > 50_000
+
+
+# --------------------------------------------------------------------------- every run folder a page names
+RUN_FOLDER = re.compile(r"\bruns/([\w.-]+)/train/([\w-]+)/([\w.+-]+)")
+
+
+def _named_run_folders():
+    """(page, output, job, folder name) of every run folder a page names in full (not `grouped-...`,
+    globs or `sweeps`)."""
+    for page in [*PAGES, REPO / "BENCHMARKS.md"]:
+        for out, job, tag in RUN_FOLDER.findall(page.read_text()):
+            if not tag.endswith(("-", ".")) and tag != "sweeps" and job not in ("sweeps",):
+                yield str(page.relative_to(REPO)), out, job, tag.rstrip(".")
+
+
+def _demo_run_folders() -> set[str]:
+    """The run folders the pages' `train run <job> -m manifests/demo.yaml [--set ...]` commands train in,
+    as `train run` names them (train.cli.run_folder): `train run all` trains every job's."""
+    from pipeline.config import load_manifest
+    from train.cli import run_folder
+    from train.registry import feature_jobs
+
+    made = set()
+    for _, argv in demo_commands():
+        if Path(argv[0]).name != "train" or argv[1:2] != ["run"]:
+            continue
+        sets = [argv[i + 1] for i, w in enumerate(argv[:-1]) if w == "--set"]
+        jobs = feature_jobs() if argv[2] == "all" else [argv[2]]
+        for job in jobs:
+            m = load_manifest(REPO / DEMO, sets)
+            made.add(str(run_folder(job, m, getattr(m.train, job.replace("-", "_")))))
+    return made
+
+
+def test_named_demo_run_folders_are_made_by_a_documented_command():
+    """A demo run folder a page names (`runs/demo/train/concept-ot/conceptot-...-d382ab`) is the folder a
+    documented command trains in: docs/training.md named `conceptot-lr3e-5-1a2b3c` and
+    `conceptot-hard_negatives_index-34a1d0`, which no command made."""
+    made = _demo_run_folders()
+    assert "runs/demo/train/concept-ot/conceptot-batch_size32-d_c32-lr0.01-max_steps300-rank16-d382ab" in made, made
+    named = [(p, f"runs/{o}/train/{j}/{t}") for p, o, j, t in _named_run_folders() if o == "demo"]
+    assert len(named) >= 6, named
+    for page, folder in named:
+        assert folder in made, f"{page}: {folder} is made by no documented demo command ({sorted(made)})"
+
+
+def test_named_run_folders_keep_whole_option_words():
+    """Every run folder a page names (the testbed's too) is `<variant>-<whole option words>-<hash>`: no
+    word cut as the old 48-character rule cut them (`max_s`, `epochs-`, `epoch_unit_conce`)."""
+    from train.registry import registry
+
+    reg = registry()
+    seen = 0
+    for page, _, job, tag in _named_run_folders():
+        if job not in reg or not re.search(r"-[0-9a-f]{6}$", tag):
+            continue
+        fields = reg[job].Config.model_fields
+        import typing
+
+        named = sorted((str(v) for v in typing.get_args(fields["variant"].annotation)) if "variant" in fields
+                       else ["default"], key=len, reverse=True)  # a variant may hold a '-': dense-uot
+        head = next((v for v in named if tag.startswith(v + "-")), tag.split("-", 1)[0])
+        words = tag[len(head) + 1:-7].split("-")
+        for i, w in enumerate(words):
+            if w.isdigit() and i and words[i - 1][-1:] == "e":  # lr3e-5
+                continue
+            ok = [k for k in fields if w.startswith(k) and (len(w) > len(k) or fields[k].annotation is bool)]
+            ok += [k for k in fields if w == f"no_{k}"]
+            assert ok, f"{page}: {tag}: {w!r} is not a whole option word of {job}"
+        seen += 1
+    assert seen >= 8, seen
+
+
+# --------------------------------------------------------------------------- papers cited, not pathed
+def test_pages_cite_papers_by_title_and_id_not_by_a_path_outside_the_repository():
+    """A reader of the repository has no `../shared`: the five papers are cited by title with their arXiv
+    id (or OpenReview id where the paper has no arXiv version), never by a file of the shared folder."""
+    shared_files = ("c3_song2024", "conceptot_kumar", "infoground_gupta2020", "visual-tokens_kalibhat",
+                    "text-groups_behjati")
+    for page in [*PAGES, REPO / "BENCHMARKS.md"]:
+        text = page.read_text()
+        assert "../shared" not in text and "shared papers folder" not in text, f"{page.relative_to(REPO)}: ../shared"
+        for f in shared_files:
+            assert f not in text, f"{page.relative_to(REPO)}: cites {f}..., a file outside the repository"
+    ids = {"concept-ot": "OpenReview EU0tuTbrKn", "c3": "OpenReview vM1xZ9kDUj", "infoground": "arXiv:2006.09920",
+           "visual-tokens": "arXiv:2405.16401", "text-groups": "arXiv:2511.11262"}
+    arch = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    for paper, ident in ids.items():
+        source = next(x for x in (REPO / "docs" / "papers" / f"{paper}.md").read_text().splitlines()
+                      if x.startswith("Source: "))
+        assert re.search(r'"[A-Z][^"]{20,}"', source) and ident in source, (paper, source)  # the title, the id
+        assert ident in arch, (paper, ident)
+
+
+def test_readme_says_what_train_compare_prints():
+    """The tour's `train compare` comment names the columns the command prints (it said "value,
+    chance, n, skipped": compare has no skipped column)."""
+    import pyarrow  # noqa: F401
+
+    from train.eval import compare as C
+    from train.eval.harness import write_results
+
+    line = next(x for x in (REPO / "README.md").read_text().splitlines()
+                if x.startswith(".venv/bin/train compare runs/demo/train/concept-ot/*  "))
+    assert line.split("# ", 1)[1] == "its table: chance, value [95% interval] (n=N; verdict)", line
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        write_results([{"job": "j", "variant": "v", "checkpoint": "c", "step": 9, "benchmark": "b", "subset": "all",
+                        "metric": "acc", "value": 70.0, "n": 200, "chance": 50.0, "ci_low": 63.3, "ci_high": 75.9,
+                        "skipped": 4, "skip_reasons": "{}", "unit": "%", "note": ""}], Path(d) / "eval" / "final")
+        txt = C.compare([Path(d)])
+    head, _, row = txt.splitlines()[:3]
+    assert head.startswith("| benchmark | subset | metric | chance | ") and "skipped" not in head
+    assert row == "| b | all | acc | 50.0 % | 70.0 [63.3, 75.9] % (n=200; above) |", row

@@ -275,6 +275,12 @@ def test_winoground_three_scores_hand_computed(tmp_path):
     # a model that scores everything equal gets nothing (strict)
     r0 = rows_by(data.score(data.items, [S(1, 1, 1, 1)] * 3))
     assert r0[("all", "text_score")].value == 0.0
+    # the ties are counted in each row's note (the reason it lands below chance), per score's comparisons
+    assert r0[("all", "text_score")].note == "3 of 3 items tied in a comparison (scored wrong, as the original)"
+    assert r[("all", "text_score")].note == "" and r[("all", "text_score")].tied == (0, 3)
+    r1 = rows_by(data.score(data.items, [S(0.9, 0.9, 0.2, 0.8), S(0.9, 0.1, 0.5, 0.4), S(0.3, 0.6, 0.2, 0.5)]))
+    assert (r1[("all", "text_score")].tied, r1[("all", "image_score")].tied, r1[("all", "group_score")].tied) == \
+        ((0, 3), (1, 3), (1, 3))  # c0i0 == c0i1: a tie of the image score (and so the group's), not the text's
 
 
 def test_winoground_group_chance_is_exact():
@@ -322,6 +328,11 @@ def test_valse_validated_items_pieces_and_phenomena(tmp_path):
     assert r[("existence", "accuracy")].value == 0.0
     assert r[("all", "macro_accuracy")].value == pytest.approx(50.0)  # (50 + 100 + 0) / 3 pieces
     assert r[("all", "accuracy")].value == pytest.approx(50.0) and r[("all", "accuracy")].n == 4
+    # the tie: in its piece's, its phenomenon's and the overall rows' notes (macro rows add up their rows')
+    tie = "1 of {} items tied at the top (scored wrong, as the original)"
+    assert r[("existence/existence", "accuracy")].note == tie.format(1)
+    assert r[("existence", "accuracy")].note.endswith(tie.format(1)) and r[("all", "accuracy")].note.endswith(tie.format(4))
+    assert r[("all", "macro_accuracy")].note.endswith(tie.format(4)) and "tied" not in r[("counting", "accuracy")].note
     assert read_benchmark(spec("valse", d, subsets=["existence"])).items[0].key == "existence/existence_0"
 
 

@@ -300,6 +300,90 @@ def test_foreign_dataset_images_and_boxes_outside_their_image_are_counted(tmp_pa
         H.evaluate_benchmark(job, None, spec, tmp_path / "samples", set(), log=lambda s: None)
 
 
+def test_harness_prints_one_line_for_its_benchmarks(tmp_path, monkeypatch):
+    """The terminal gets one line per evaluation (the demo printed ~60 "N of M items scored" lines per
+    `train run all`); the line per benchmark is in benchmarks.log beside the results, and with -v on the
+    terminal too."""
+    monkeypatch.setitem(H.BUILTIN, "toy", _toy_reader)
+    table = {(1, "a red cube"): 0.9, (1, "a cube red"): 0.1, (2, "a blue ball"): 0.2, (2, "a red ball"): 0.7,
+             (3, "x"): 0.5, (3, "y"): 0.5}
+    m = _manifest(tmp_path, [("toy", "toy", None), ("toy2", "toy", None)])
+    out = tmp_path / "run" / "eval" / "final"
+    said: list[str] = []
+    rows, errors = H.run_harness(FakeJob(table, scorable={1, 2, 3}), torch.nn.Linear(1, 1), m, out, log=said.append)
+    assert errors == [] and len(said) == 1, said
+    assert said[0] == (f"benchmarks: 2 of 2 scored, 6 items (6 skipped: malformed: no caption 4, skipped_no_image: "
+                       f"not in the job's artifacts 2); {len(rows)} rows: {out / 'results.md'} (each benchmark: "
+                       "benchmarks.log there)")
+    per = (out / "benchmarks.log").read_text().splitlines()
+    assert [x.rsplit(" in ", 1)[0] for x in per] == [
+        f"  {b}: 3 of 4 items scored, 3 skipped (malformed: no caption 2, skipped_no_image: not in the job's "
+        "artifacts 1)" for b in ("toy", "toy2")], per
+    H.set_verbose(True)  # `train run -v`
+    try:
+        said.clear()
+        H.run_harness(FakeJob(table, scorable={1, 2, 3}), torch.nn.Linear(1, 1), m, out, log=said.append)
+    finally:
+        H.set_verbose(False)
+    assert len(said) == 3 and said[:2] == (out / "benchmarks.log").read_text().splitlines(), said
+
+
+def test_a_row_below_chance_says_why_beside_its_verdict(tmp_path, monkeypatch):
+    """A scorer that ties every item lands below chance under strict scoring (infoground on the demo's
+    VG-Relation: "462 of 462 items tied"): results.md, `train compare` and `train run`'s tables give
+    that reason beside the verdict, not a bare "below"."""
+    from train.eval.benchmarks._common import correct_vector, item_images, pooled_row, tied_at_top
+    from train.summary import runs_table
+
+    def reader(spec, samples_dir):
+        items = [Item([Pair(f"sample_id:{s}", "a"), Pair(f"sample_id:{s}", "b")]) for s in range(1, 13)]
+        return BenchData(spec.name, items, total=12, score=lambda its, sc: [pooled_row(
+            "tied", "all", correct_vector(its, sc), 0.5, images=item_images(its), ties=tied_at_top(sc))])
+
+    monkeypatch.setitem(H.BUILTIN, "tied", reader)
+    m = _manifest(tmp_path, [("tied", "tied", None)])
+    run = tmp_path / "run"
+    rows, _ = H.run_harness(FakeJob({}, scorable=set(range(1, 13))), torch.nn.Linear(1, 1), m, run / "eval" / "final",
+                            job_metrics=False, log=lambda s: None)  # every pair scores 0.0: 12 ties, 0 % against 50 %
+    assert rows[0]["note"] == "12 of 12 items tied at the top (scored wrong, as the original)"
+    md = (run / "eval" / "final" / "results.md").read_text()
+    assert "| tied | all | accuracy | 0.0 [0.0, 24.2] % | 50.0 % | 12 | 0 | below: 12 of 12 items tied |" in md, md
+    assert "(n=12; below: 12 of 12 items tied) |" in C.compare([run])
+    table = runs_table([("fake", run, {}, 3.0)], [])
+    assert "below: 12 of 12 items tied" in table.splitlines()[1], table
+
+
+def test_compare_filters_by_benchmark_subset_and_items(tmp_path):
+    """`train compare --bench NAME --subset NAME --min-n N`: the demo's concept-ot table had 270 rows and
+    no filter; the filters keep the rows asked for, and a filter that keeps none says what there is."""
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    def row(bench, subset, n, value=60.0):
+        return {"job": "j", "variant": "v", "checkpoint": "c", "step": 9, "benchmark": bench, "subset": subset,
+                "metric": "acc", "value": value, "n": n, "chance": 50.0, "skipped": 0, "skip_reasons": "{}",
+                "unit": "%", "note": ""}
+
+    run = tmp_path / "run"
+    H.write_results([row("sugarcrepe", "all", 758), row("sugarcrepe", "swap_att", 40), row("sugarcrepe", "add", 8),
+                     row("valse", "all", 812), row("valse", "counting", 180)], run / "eval" / "final")
+    body = lambda txt: [x.split(" | ")[0:2] for x in txt.split("\n\n")[0].splitlines()[2:]]  # noqa: E731
+    assert len(body(C.compare([run]))) == 5
+    assert body(C.compare([run], bench=["sugarcrepe"])) == [["| sugarcrepe", "all"], ["| sugarcrepe", "swap_att"],
+                                                             ["| sugarcrepe", "add"]]
+    assert body(C.compare([run], subset=["all"])) == [["| sugarcrepe", "all"], ["| valse", "all"]]
+    assert body(C.compare([run], bench=["sugarcrepe"], min_n=10)) == [["| sugarcrepe", "all"], ["| sugarcrepe", "swap_att"]]
+    r = CliRunner().invoke(app, ["compare", str(run), "--bench", "valse", "--subset", "counting", "--min-n", "100"])
+    assert r.exit_code == 0 and body(r.output) == [["| valse", "counting"]], r.output
+    r = CliRunner().invoke(app, ["compare", str(run), "--bench", "valse", "--subset", "swap_att"])
+    assert r.exit_code == 2 and r.output.strip() == ("error: no result row matches --bench valse --subset swap_att; "
+                                                     "the runs' benchmarks: sugarcrepe, valse; subsets of valse: all, "
+                                                     "counting"), r.output
+    r = CliRunner().invoke(app, ["compare", str(run), "--over-seeds", "--min-n", "5"])
+    assert r.exit_code == 2 and "not --paper or --over-seeds" in r.output
+
+
 def test_image_splits_scores_held_out_items_only(tmp_path, monkeypatch):
     """eval.benchmarks[].image_splits: items whose image is a sample of another split are skipped and
     counted (no samples artifact here: the hash split, 18 -> val, 19 -> test, else train)."""

@@ -127,6 +127,15 @@ def test_demo_ingest_via_cli(tmp_path):
     assert n == 63  # 64 generated, one deliberately corrupt
     assert {"unreadable_image", "empty_caption"} <= reasons
     assert {"instances", "relations", "phrases"} <= set(art.tables())
+    # the stage's summary once on the terminal (stdout, JSON); its log line only in the run's log file
+    assert [ln for ln in out.stdout.splitlines() if ln.strip()] == [next(ln for ln in out.stdout.splitlines()
+                                                                        if ln.startswith("ingest: {"))], out.stdout
+    assert json.loads(out.stdout.strip().split(": ", 1)[1])["samples"] == 63
+    assert "stage ingest: done in" not in out.stderr, out.stderr[-2000:]
+    assert "stage ingest: done in" in (tmp_path / "demo" / "_logs" / "run-ingest.log").read_text()
+    again = subprocess.run(cmd + ["-v"], capture_output=True, text=True, env=env, timeout=300)  # nothing to do
+    assert again.returncode == 0 and "stage ingest: done in" in again.stderr, again.stderr[-2000:]  # -v: shown
+    assert len([ln for ln in again.stdout.splitlines() if ln.startswith("ingest: {")]) == 1
     shown = subprocess.run([sys.executable, "-m", "pipeline.cli", "inspect", str(tmp_path / "demo" / "samples")],
                            capture_output=True, text=True, env=env, timeout=120)
     assert shown.returncode == 0 and "table samples: 63 rows" in shown.stdout

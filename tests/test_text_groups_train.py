@@ -208,6 +208,37 @@ def test_clustering_baselines_use_trained_vanilla_run(groups, tmp_path):
     assert {"tIoU[spectral]", "tIoU[meanshift]"} <= {r.metric for r in rows}
 
 
+def test_vanilla_run_auto_is_the_folder_the_vanilla_variant_trains_in(groups, tmp_path, capsys):
+    """docs/jobs/text-groups.md: "run the vanilla variant first": `vanilla_run: auto` (the default) is the
+    folder `train run text-groups --set train.text_groups.variant=vanilla` writes with the same manifest
+    and options, so the grouped run finds it (the demo had `vanilla_run: null`, and the old default path
+    was not where the vanilla run writes); before it exists, and with null, the skip says why."""
+    from train.cli import run_folder
+    from train.jobs.text_groups import Config
+    from train.loop import train
+
+    _data(groups, tmp_path / "d")
+    opts = dict(SMALL, batch_size=8, max_steps=2, discovery_splits=["val", "test"], baselines=True, figures=0,
+                vanilla_run="auto")
+    grp = _job(tmp_path / "d", tmp_path / "grp", **opts)
+    van = grp.vanilla_dir()
+    assert van == run_folder("text-groups", grp.manifest, Config(**{**opts, "variant": "vanilla"}))  # what `train run` uses
+    assert van.parent == tmp_path / "d" / "train" / "text-groups" and van.name.startswith("vanilla-")
+    capsys.readouterr()
+    rows = grp.job_metrics(grp.build_model().eval(), tmp_path / "ev")
+    assert not any("kmeans" in r.metric for r in rows)
+    assert (f"clustering baselines skipped: no trained vanilla run in {van} (`train run text-groups --set "
+            "train.text_groups.variant=vanilla` with the same manifest and options trains it)") in capsys.readouterr().err
+    train(_job(tmp_path / "d", van, **dict(opts, variant="vanilla")), resume=False, progress=False)
+    grp = _job(tmp_path / "d", tmp_path / "grp", **opts)
+    km = [r for r in grp.job_metrics(grp.build_model().eval(), tmp_path / "ev") if r.metric == "tIoU[kmeans]"]
+    assert km and str(van / "checkpoints" / "final.pt") in km[0].note
+    off = _job(tmp_path / "d", tmp_path / "off", **dict(opts, vanilla_run=None))
+    off.job_metrics(off.build_model().eval(), tmp_path / "ev2")
+    err = capsys.readouterr().err
+    assert "clustering baselines skipped: vanilla_run is null" in err and "None" not in err
+
+
 def test_grouping_options_reach_the_model(groups, tmp_path):
     """The diagnostic options of the grouping (README, text-groups) are built into the job's model."""
     _data(groups, tmp_path / "d")

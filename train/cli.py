@@ -3,7 +3,7 @@
     train run <job> --manifest M [--set train.<job>.key=value ...] [--fresh] [--workers N]
     train sweep <job> --manifest M --grid GRID.yaml --seeds K [--max-concurrent M]
     train eval <job> --checkpoint C|RUN_DIR --manifest M [--bench NAME ...]
-    train compare RUN_DIR [RUN_DIR ...] [--over-seeds | --paper PAPER]
+    train compare RUN_DIR [RUN_DIR ...] [--bench NAME] [--subset NAME] [--min-n N] [--over-seeds | --paper PAPER]
     train list [JOB]
 """
 
@@ -132,13 +132,18 @@ def run(
                                                              "(default train.<job>.gpus_per_worker)")] = None,
     max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1, help="stop after N optimizer steps "
                                                      "(sets train.<job>.max_steps; with `all`, for every job)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="a line per benchmark of the final evaluation "
+                                          "(items scored, skipped and why; always in eval/final/benchmarks.log)")] = False,
 ) -> None:
     """Train a job on the manifest's artifacts (resumes from the run's last checkpoint when it has
     the same training configuration; another configuration's checkpoint is refused). With
     --workers N (N > 1): data-parallel on Ray Train (train/distributed.py). The job's own options
     (train.<job>.<option>, set with --set) and their defaults: train list <job>."""
+    from train.eval.harness import set_verbose
+
+    set_verbose(verbose)
     if job == "all":
-        return _run_all(manifest, list(set_ or []), fresh, progress, max_steps)
+        return _run_all(manifest, list(set_ or []), fresh, progress, max_steps, verbose)
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.io.lock import FolderBusy
     from pipeline.io.artifacts import CorruptArtifact
@@ -176,7 +181,8 @@ def run(
     return j.run_dir, res
 
 
-def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, max_steps: int | None) -> None:
+def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, max_steps: int | None,
+             verbose: bool = False) -> None:
     """``train run all``: every registered job on the manifest's artifacts, one after another (a job
     that fails or whose artifacts are missing is reported in one line and the others go on), then
     the run report rebuilt with the runs in it. Exit 2 when any job did not train."""
@@ -197,7 +203,7 @@ def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, 
         t0 = time.perf_counter()
         try:
             run_dir, res = run(name, manifest, overrides, fresh=fresh, progress=progress, json_out=False, workers=None,
-                               gpus_per_worker=None, max_steps=max_steps)
+                               gpus_per_worker=None, max_steps=max_steps, verbose=verbose)
             done.append((name, run_dir, res, time.perf_counter() - t0))
         except typer.Exit as e:  # build_job / train already printed the one-line error
             if e.exit_code:
@@ -283,11 +289,15 @@ def eval_(
                                                 "<run_dir>/eval/step<N>)")] = None,
     job_eval: Annotated[bool, typer.Option("--job-eval/--no-job-eval", help="also run the job's own evaluate() "
                                            "(its metrics.json, heatmaps)")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="a line per benchmark (items scored, skipped and "
+                                          "why; always in <out>/benchmarks.log)")] = False,
 ) -> None:
     """Score a checkpoint on every benchmark of the manifest's eval.benchmarks and the job's own
     evaluations: one table (metric, value, chance, n, skipped) in <out>/results.parquet and .md."""
-    from train.eval.harness import markdown_table, run_harness
+    from train.eval.harness import markdown_table, run_harness, set_verbose
     from train.loop import load_model_for_eval
+
+    set_verbose(verbose)
 
     if checkpoint is None:  # the run `train run <job>` trains with this manifest and these --set options
         checkpoint = Path(build_job(job, manifest, set_)[3].run_dir)
@@ -345,16 +355,24 @@ def compare(
     paper: Annotated[Optional[str], typer.Option("--paper", help="the paper's ablation table (train/papers/<paper>"
                                                  ".yaml): run folders grouped by its rows, published numbers beside, "
                                                  "ordering against the paper's")] = None,
+    bench: Annotated[Optional[list[str]], typer.Option("--bench", help="only this benchmark's rows (repeatable)")] = None,
+    subset: Annotated[Optional[list[str]], typer.Option("--subset", help="only rows of this subset, e.g. all "
+                                                        "(repeatable)")] = None,
+    min_n: Annotated[int, typer.Option("--min-n", min=0, help="only rows scored on at least N items")] = 0,
 ) -> None:
-    """One table across runs (jobs, variants, seeds), chance level beside each metric. With
-    --paper: the paper's ablation table on the runs (train/paper_tables.py)."""
+    """One table across runs (jobs, variants, seeds), chance level beside each metric; --bench,
+    --subset and --min-n keep a part of it. With --paper: the paper's ablation table on the runs
+    (train/paper_tables.py)."""
     from pipeline.io.run_files import CorruptRunFile
     from train.eval.compare import compare as _compare
     from train.paper_tables import PaperTableError, compare_paper
     from train.seeds_table import seeds_table
 
     try:
-        typer.echo(compare_paper(paper, runs) if paper else seeds_table(runs) if over_seeds else _compare(runs))
+        if (bench or subset or min_n) and (paper or over_seeds):
+            _fail("--bench, --subset and --min-n filter the table of runs side by side, not --paper or --over-seeds")
+        typer.echo(compare_paper(paper, runs) if paper else seeds_table(runs) if over_seeds else
+                   _compare(runs, bench or (), subset or (), min_n))
     except (FileNotFoundError, PaperTableError, CorruptRunFile) as e:  # CorruptRunFile: every run was skipped
         _fail(str(e))
 

@@ -90,8 +90,8 @@ class TrainerConfig(Section):
     def run_tag(self) -> str:
         """The default run folder's name: the ``variant`` (``default`` for jobs without one) when
         every training option is at the job's default (for that variant), else the variant followed
-        by the options that differ, readable (``dense-uot-lr1e-4``; at most 48 characters of them),
-        and a 6-hex-digit hash of those options as a suffix (``dense-uot-lr1e-4-1a2b3c``). So one
+        by the options that differ, readable (``dense-uot-lr1e-4``; as many whole option words as
+        fit in 48 characters, never a word cut), and a 6-hex-digit hash of those options as a suffix (``dense-uot-lr1e-4-1a2b3c``). So one
         folder holds one configuration and its name says which; :func:`train.loop.train` still
         refuses to resume a checkpoint of another configuration (e.g. after a default changed)."""
         named = {k: getattr(self, k) for k in self.NAMED if k in type(self).model_fields}
@@ -102,10 +102,23 @@ class TrainerConfig(Section):
         if not diff:
             return name
         h = hashlib.sha1(json.dumps(diff, sort_keys=True).encode()).hexdigest()[:6]
-        words = "-".join(_option_word(k, v) for k, v in sorted(diff.items()))
-        if len(words) > 48:
-            words = words[:48].rstrip("-_.")
-        return f"{name}-{words}-{h}"
+        return f"{name}-{_fit_words([_option_word(k, v) for k, v in sorted(diff.items())], 48)}-{h}"
+
+
+def _fit_words(words: list[str], width: int) -> str:
+    """The first ``words`` joined by ``-`` that fit in ``width`` characters, each whole
+    (``epoch_unit_concept_rows``, never ``epoch_unit_conce``); a first word longer than ``width``
+    alone is cut after its last ``_`` that fits (its key's words), else at ``width``."""
+    out = ""
+    for w in words:
+        joined = f"{out}-{w}" if out else w
+        if len(joined) > width:
+            break
+        out = joined
+    if not out and words:
+        head = words[0][:width]
+        out = head[: head.rfind("_")] if "_" in head[1:] else head
+    return out
 
 
 def _option_word(key: str, value: Any) -> str:

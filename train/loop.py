@@ -538,9 +538,8 @@ def final_benchmarks(job: Job, model: torch.nn.Module, out_dir: Path, checkpoint
         print(f"benchmarks: not scored ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
               file=sys.stderr)
         return
-    for e in errors:
+    for e in errors:  # (run_harness printed the one line of what was scored, and where)
         print(f"benchmarks: {e}", file=sys.stderr)
-    print(f"benchmarks: {len(table)} result rows in {out_dir / 'results.parquet'}", file=sys.stderr)
 
 
 def load_model_for_eval(job: Job, checkpoint: str | Path):

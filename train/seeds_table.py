@@ -33,14 +33,14 @@ def _options(run: Path) -> dict:
 
 
 def final_rows(run: Path) -> list[dict]:
-    """The run's final evaluation as rows {benchmark, subset, metric, value, chance, ci_low, ci_high, n}
-    ([] when none):
+    """The run's final evaluation as rows {benchmark, subset, metric, value, chance, ci_low, ci_high, n,
+    unit, baseline_for, note} ([] when none):
     the harness table's, then the job's evaluate() metrics."""
     rows = []
     table = run / "eval" / "final" / "results.parquet"
     if table.is_file():
         rows += [{k: r.get(k) for k in ("benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n",
-                                        "unit", "baseline_for", "diff_vs", "diff", "diff_low", "diff_high")}
+                                        "unit", "baseline_for", "diff_vs", "diff", "diff_low", "diff_high", "note")}
                  for r in read_parquet_file(table).to_pylist()]
     metrics = run / "eval" / "final" / "metrics.json"
     if metrics.is_file():

@@ -79,12 +79,12 @@ def result_rows(run_dir: Path) -> list[dict]:
     each with its ``verdict`` (:func:`pipeline.report.significance.verdicts`: the paired difference from
     the strongest no-learning baseline reported beside it, else chance), that ``bar`` and ``diff_text``
     (the difference and its 95% interval): [] when the run has none."""
-    from pipeline.report.significance import diff_text, judged
+    from pipeline.report.significance import diff_text, judged, with_reason
     from train.seeds_table import final_rows
 
     rows = [r for r in final_rows(Path(run_dir)) if r.get("benchmark") != "evaluate"]
     for r, (v, bar) in zip(rows, judged(rows)):
-        r["verdict"], r["bar"] = v or "", bar
+        r["verdict"], r["bar"] = with_reason(v, r) or "", bar  # a degenerate row's reason beside it
         r["diff_text"] = diff_text(r, lambda x: ("+" if x > 0 else "") + fmt_num(x)).replace(f" vs {r.get('diff_vs')}", "")
     return rows
 

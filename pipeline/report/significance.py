@@ -28,6 +28,7 @@ baseline) and ``diff_low`` / ``diff_high`` (its 95 % interval). The verdicts (:f
 from __future__ import annotations
 
 import math
+import re
 
 # strict scoring: a tie between the right and the wrong option counts as wrong, so a scorer that
 # cannot tell the options apart (random or untrained features, identical texts) lands under chance
@@ -136,3 +137,14 @@ def judged(rows: list[dict]) -> list[tuple[str | None, tuple[str, float] | None]
 def verdicts(rows: list[dict]) -> list[str | None]:
     """:func:`verdict` of every row of one evaluation, each against the baselines reported beside it."""
     return [v for v, _ in judged(rows)]
+
+
+_TIED = re.compile(r"(\d[\d,]*) of (\d[\d,]*) items tied")
+
+
+def with_reason(v: str | None, row: dict) -> str | None:
+    """The verdict with the reason of a degenerate row beside it: ``below: 462 of 462 items tied`` where a
+    row is below chance and its note counts ties (a strict scorer scores a tie wrong: a model blind to what
+    the negatives change ties everywhere and lands under chance, down to 0 %). Other verdicts unchanged."""
+    m = _TIED.search(str(row.get("note") or "")) if v == "below" else None
+    return f"below: {m[1]} of {m[2]} items tied" if m and m[1] != "0" else v

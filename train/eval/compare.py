@@ -92,14 +92,22 @@ def _control_tests(runs: list[tuple]) -> None:
         r["control"] = t.text.replace("control", "CONTROL", 1) if t.above or t.p is None else t.text
 
 
-def compare(paths: Sequence[str | Path]) -> str:
+def keep_row(r: dict, bench: Sequence[str] = (), subset: Sequence[str] = (), min_n: int = 0) -> bool:
+    """``train compare``'s filters: the row's benchmark among ``bench`` and its subset among ``subset``
+    (each: any when empty), at least ``min_n`` items scored."""
+    return ((not bench or r.get("benchmark") in bench) and (not subset or (r.get("subset") or "") in subset)
+            and int(r.get("n") or 0) >= min_n)
+
+
+def compare(paths: Sequence[str | Path], bench: Sequence[str] = (), subset: Sequence[str] = (), min_n: int = 0) -> str:
     """One Markdown table: a row per (benchmark, subset, metric), a column per run holding
     ``value [ci_low, ci_high] (n=N; verdict; diff [lo, hi] vs baseline)`` (the 95% interval; results
     written before intervals existed show the value alone; the verdict, and the paired difference from
     the strongest no-learning baseline the run reports beside the row with its 95% interval,
     :mod:`pipeline.report.significance`; in a control run, the controls' test: ``control not above chance
     (one-sided p, Holm)`` over every control row of the table, :mod:`train.eval.controls`), chance beside. A run whose results
-    cannot be read is named and skipped."""
+    cannot be read is named and skipped. ``bench``, ``subset``, ``min_n``: only the rows
+    :func:`keep_row` keeps (a filter that keeps none is an error naming what there is)."""
     from pipeline.io.run_files import CorruptRunFile, read_parquet_file, skipped_line
 
     runs, corrupt = [], []
@@ -127,19 +135,29 @@ def compare(paths: Sequence[str | Path]) -> str:
         if n_of[lab] > 1:
             seen[lab] += 1
             labels[i] = f"{lab} #{seen[lab]}"
-    from pipeline.report.significance import diff_text, verdicts
+    from pipeline.report.significance import diff_text, verdicts, with_reason
 
     _control_tests(runs)
     keys: list[tuple] = []
     cell: dict[tuple, dict[int, dict]] = {}
     for j, (_, _, rows) in enumerate(runs):
-        for r, v in zip(rows, verdicts(rows)):
-            r["verdict"] = v
+        for r, v in zip(rows, verdicts(rows)):  # verdicts over the whole evaluation (baselines), then the filter
+            r["verdict"] = with_reason(v, r)  # "below: 462 of 462 items tied"
+            if not keep_row(r, bench, subset, min_n):
+                continue
             k = (r["benchmark"], r["subset"], r["metric"])
             if k not in cell:
                 keys.append(k)
                 cell[k] = {}
             cell[k][j] = r
+    if not keys and (bench or subset or min_n):
+        every = [r for _, _, rows in runs for r in rows]
+        subsets = sorted({r["subset"] for r in every if r["benchmark"] in bench})
+        raise FileNotFoundError(
+            "no result row matches" + "".join(f" {o} {', '.join(map(str, v))}" for o, v in
+                                              (("--bench", bench), ("--subset", subset)) if v)
+            + (f" --min-n {min_n}" if min_n else "") + f"; the runs' benchmarks: {', '.join(sorted({r['benchmark'] for r in every}))}"
+            + (f"; subsets of {', '.join(bench)}: {', '.join(subsets)}" if subsets else ""))
     head = "| benchmark | subset | metric | chance | " + " | ".join(labels) + " |"
     sep = "|---|---|---|---:|" + "---:|" * len(labels)
     lines = [head, sep]

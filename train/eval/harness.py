@@ -208,10 +208,44 @@ IMAGE_SOURCES = {
 }
 
 
+class Tally:
+    """What an evaluation scored, over its benchmarks: the one line the terminal gets (the line per
+    benchmark goes to ``benchmarks.log`` beside the results, and to the terminal with ``-v``)."""
+
+    def __init__(self):
+        self.benchmarks = self.scored = self.total = 0
+        self.skips: Counter = Counter()
+
+    def add(self, scored: int, total: int, skips: Counter) -> None:
+        self.benchmarks += 1
+        self.scored, self.total = self.scored + scored, self.total + total
+        self.skips += skips
+
+    def line(self, configured: int, rows: int, out_dir: Path) -> str:
+        """``benchmarks: 10 of 10 scored, 4,248 items (10,816 skipped: ...); 158 rows: <out>/results.md
+        (each benchmark: benchmarks.log there)``."""
+        skipped = sum(self.skips.values())
+        why = ", ".join(f"{k} {v:,}" for k, v in _fmt_skips(self.skips).items())
+        return (f"benchmarks: {self.benchmarks} of {configured} scored, {self.scored:,} items"
+                + (f" ({skipped:,} skipped: {why})" if skipped else "")
+                + f"; {rows} rows: {Path(out_dir) / 'results.md'} (each benchmark: {BENCH_LOG} there)")
+
+
+BENCH_LOG = "benchmarks.log"  # an evaluation's line per benchmark (items scored, skipped and why), beside its results
+VERBOSE = False  # `train run -v` / `train eval -v`: the line per benchmark on the terminal too (set_verbose)
+
+
+def set_verbose(on: bool) -> None:
+    global VERBOSE
+    VERBOSE = bool(on)
+
+
 def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], pairs_chunk: int = 2048,
-                       log: Callable[[str], None] = print, data: BenchData | None = None) -> list[Row]:
+                       log: Callable[[str], None] = print, data: BenchData | None = None,
+                       tally: Tally | None = None) -> list[Row]:
     """Rows of one benchmark (raises NoScorableItems when nothing can be scored). ``data``: the
-    benchmark already read (a job's own evaluation reads its folders itself, train/eval/in_job.py)."""
+    benchmark already read (a job's own evaluation reads its folders itself, train/eval/in_job.py).
+    ``log`` gets the benchmark's line (items scored, skipped and why, seconds); ``tally`` adds them up."""
     if data is None and spec.format in BUILTIN:
         data = BUILTIN[spec.format](spec, samples_dir)
     elif data is None:
@@ -306,7 +340,9 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
         if getattr(job, "crop_note", "") and any(p.box is not None for it in keep[:50] for p in it.pairs):
             r.note = (r.note + "; " if r.note else "") + job.crop_note
     log(f"  {spec.name}: {len(keep):,} of {total:,} items scored, {n_skipped:,} skipped "
-        f"({', '.join(f'{k} {v}' for k, v in _fmt_skips(all_skips).items()) or 'none'}) in {time.perf_counter() - t0:.1f}s")
+        f"({', '.join(f'{k} {v:,}' for k, v in _fmt_skips(all_skips).items()) or 'none'}) in {time.perf_counter() - t0:.1f}s")
+    if tally is not None:
+        tally.add(len(keep), total, all_skips)
     return rows
 
 
@@ -398,10 +434,19 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
                 log: Callable[[str], None] | None = None) -> tuple[list[dict], list[str]]:
     """Evaluate ``model`` on every configured benchmark (``only``: these names) plus the job's own
     metrics; write results.parquet and results.md into ``out_dir``. Returns (rows, errors): a
-    benchmark that fails (zero scorable items, unreadable files) gives one error line and no row."""
+    benchmark that fails (zero scorable items, unreadable files) gives one error line and no row.
+    ``log`` (default: stderr) gets one line for all the benchmarks (:class:`Tally`); the line per
+    benchmark goes to ``out_dir/benchmarks.log``, and to ``log`` too when :data:`VERBOSE`."""
     import torch
 
     log = log or (lambda m: print(m, file=sys.stderr))
+    details: list[str] = []
+
+    def detail(line: str) -> None:
+        details.append(line)
+        if VERBOSE:
+            log(line)
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = list(manifest.eval.benchmarks)
@@ -421,6 +466,7 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
     samples_dir = resolve_under(manifest.output, manifest.eval.samples_artifact)
     rows: list[Row] = []
     errors: list[str] = []
+    tally = Tally()
     model.eval()
     with torch.no_grad():
         if job_metrics:
@@ -434,12 +480,13 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
             except NotImplementedError as e:
                 errors.append(f"{e}: benchmarks {', '.join(s.name for s in specs)} not scored")
                 specs = []
-        for spec in progress(specs, "benchmarks", unit="benchmark"):
+        for spec in progress(specs, "benchmarks", unit="benchmark", every=30.0, leave=False):
             try:
                 rows += evaluate_benchmark(job, model, expand_spec(spec, manifest.output), samples_dir, scorable,
-                                           manifest.eval.pairs_chunk, log)
+                                           manifest.eval.pairs_chunk, detail, tally=tally)
             except (NoScorableItems, FileNotFoundError, ValueError) as e:
                 errors.append(str(e).splitlines()[0] if str(e) else f"{spec.name}: {type(e).__name__}")
+                detail(f"  {errors[-1]}")
     from train.eval.paired import pair_rows
 
     pair_rows(rows)  # each result row against its strongest baseline, on the same resampled images
@@ -452,6 +499,8 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
         table.append({"job": jname, "variant": variant, "checkpoint": str(checkpoint),
                       "step": -1 if step is None else int(step), **d})
     write_results(table, out_dir, errors)
+    (out_dir / BENCH_LOG).write_text("".join(f"{line}\n" for line in details))
+    log(tally.line(len(specs), len(table), out_dir) if specs else f"results: {len(table)} rows: {out_dir / 'results.md'}")
     return table, errors
 
 
@@ -513,7 +562,7 @@ def markdown_table(table: list[dict]) -> str:
     """The results as Markdown, each row with its verdict and, where a no-learning baseline is reported
     beside it, the paired difference from the strongest one and its 95% interval
     (:mod:`pipeline.report.significance`)."""
-    from pipeline.report.significance import diff_text, verdicts
+    from pipeline.report.significance import diff_text, verdicts, with_reason
 
     head = ("| benchmark | subset | metric | value [95% CI] | chance | n | skipped | verdict | diff vs baseline [95% CI] |\n"
             "|---|---|---|---:|---:|---:|---:|---|---|")
@@ -523,6 +572,6 @@ def markdown_table(table: list[dict]) -> str:
         suffix = " %" if unit == "%" else ""
         chance = fmt_num(r["chance"], unit)
         lines.append(f"| {r['benchmark']} | {r['subset']} | {r['metric']} | {fmt_value(r, unit)}{suffix} | "
-                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} | {v or '-'} | "
+                     f"{chance}{suffix if chance != '-' else ''} | {int(r['n']):,} | {int(r['skipped']):,} | {with_reason(v, r) or '-'} | "
                      f"{diff_text(r, diff_fmt(unit)) or '-'} |")
     return "\n".join(lines)

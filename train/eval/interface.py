@@ -90,6 +90,9 @@ class Row:
     diff_high: float = float("nan")
     # the per-item estimate behind ``value`` (not a column): a macro average over rows combines them
     est: Any = field(default=None, repr=False, compare=False)
+    # (items tied, items) where the scorer counts ties (not a column: the note says it when any tied; a macro
+    # average over rows adds them up): a strict protocol scores a tie wrong, so a blind scorer lands below chance
+    tied: Any = field(default=None, repr=False, compare=False)
 
     def with_ci(self, interval: tuple[float, float]) -> Row:
         self.ci_low, self.ci_high = float(interval[0]), float(interval[1])

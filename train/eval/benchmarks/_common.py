@@ -122,12 +122,36 @@ def beats(scores: np.ndarray) -> bool:
     return bool(s.shape[0] > 1 and np.all(s[0] > s[1:]))
 
 
+def tied_at_top(scores: Sequence[np.ndarray]) -> np.ndarray:
+    """Per item: the first pair's score equals the best other pair's exactly (scored wrong, :func:`beats`)."""
+    return np.fromiter((len(s) > 1 and float(np.max(np.asarray(s, np.float64)[1:])) == float(s[0]) for s in scores),
+                       dtype=bool, count=len(scores))
+
+
+def tie_text(tied: int, n: int, where: str = "at the top") -> str:
+    """``K of N items tied at the top (scored wrong, as the original)``: the one wording of a row's ties
+    (pipeline.report.significance.below_reason reads it back beside a "below" verdict)."""
+    return f"{tied:,} of {n:,} items tied {where} (scored wrong, as the original)"
+
+
 def tie_note(scores: Sequence[np.ndarray]) -> str:
     """"; K of N items tied at the top (scored wrong, as the original)" when the first pair's score equals
     the best other pair's exactly: a model blind to what the negatives change (word order) ties on every
     item, and a strict protocol then lands far below chance; the note says why."""
-    tied = sum(1 for s in scores if len(s) > 1 and float(np.max(np.asarray(s, np.float64)[1:])) == float(s[0]))
-    return f"; {tied} of {len(scores)} items tied at the top (scored wrong, as the original)" if tied else ""
+    tied = int(tied_at_top(scores).sum())
+    return f"; {tie_text(tied, len(scores))}" if tied else ""
+
+
+def with_ties(row: Row, tied: np.ndarray | tuple[int, int] | None, where: str = "at the top") -> Row:
+    """``row`` with its items' ties (a bool per item, or (tied, items)) recorded: ``row.tied``, and in its
+    note when any tied."""
+    if tied is None:
+        return row
+    k, n = (int(tied[0]), int(tied[1])) if isinstance(tied, tuple) else (int(np.sum(tied)), int(np.size(tied)))
+    row.tied = (k, n)
+    if k:
+        row.note = "; ".join(x for x in (row.note, tie_text(k, n, where)) if x)
+    return row
 
 
 def correct_vector(items: Sequence[Item], scores: Sequence[np.ndarray], fn: Callable = beats) -> np.ndarray:
@@ -147,10 +171,11 @@ def item_images(items: Sequence[Item]) -> list[str]:
 
 def group_rows(name: str, groups: Sequence[str], correct: np.ndarray, chance: np.ndarray | float,
                metric: str = "accuracy", order: Sequence[str] | None = None, note: str = "",
-               images: Sequence | None = None) -> list[Row]:
+               images: Sequence | None = None, ties: np.ndarray | None = None) -> list[Row]:
     """One accuracy row per group (pooled over its items), in ``order`` (default sorted), each with
     its interval (:mod:`train.eval.intervals`: Wilson, on the effective n where ``images`` repeat)
-    and its per-item estimate (for macro averages over groups)."""
+    and its per-item estimate (for macro averages over groups); ``ties`` (a bool per item): each
+    row's ties (:func:`with_ties`)."""
     by: dict[str, list[int]] = defaultdict(list)
     for k, g in enumerate(groups):
         by[g].append(k)
@@ -162,17 +187,18 @@ def group_rows(name: str, groups: Sequence[str], correct: np.ndarray, chance: np
         if not idx:
             continue
         est = proportion(correct[idx], img[idx])
-        out.append(Row(name, g, metric, 100.0 * float(correct[idx].mean()), len(idx), 100.0 * float(ch[idx].mean()),
-                       note=note, est=est).with_ci(interval(est, 100.0)))
+        row = Row(name, g, metric, 100.0 * float(correct[idx].mean()), len(idx), 100.0 * float(ch[idx].mean()),
+                  note=note, est=est).with_ci(interval(est, 100.0))
+        out.append(with_ties(row, None if ties is None else np.asarray(ties)[idx]))
     return out
 
 
 def pooled_row(name: str, subset: str, correct: np.ndarray, chance: np.ndarray | float, metric: str = "accuracy",
-               note: str = "", images: Sequence | None = None) -> Row:
+               note: str = "", images: Sequence | None = None, ties: np.ndarray | None = None) -> Row:
     ch = np.broadcast_to(np.asarray(chance, dtype=np.float64), correct.shape)
     est = proportion(correct, None if images is None else np.asarray(images, dtype=object))
-    return Row(name, subset, metric, 100.0 * float(correct.mean()), int(correct.size), 100.0 * float(ch.mean()),
-               note=note, est=est).with_ci(interval(est, 100.0))
+    return with_ties(Row(name, subset, metric, 100.0 * float(correct.mean()), int(correct.size), 100.0 * float(ch.mean()),
+                         note=note, est=est).with_ci(interval(est, 100.0)), ties)
 
 
 def macro_row(name: str, subset: str, rows: Sequence[Row], metric: str = "macro_accuracy", note: str = "") -> Row | None:
@@ -184,6 +210,8 @@ def macro_row(name: str, subset: str, rows: Sequence[Row], metric: str = "macro_
     chances = [r.chance for r in rows]
     chance = None if any(c is None for c in chances) else float(np.mean(chances))
     row = Row(name, subset, metric, float(np.mean([r.value for r in rows])), int(sum(r.n for r in rows)), chance, note=note)
+    if all(r.tied is not None for r in rows):  # the ties of the items under it
+        with_ties(row, (sum(r.tied[0] for r in rows), sum(r.tied[1] for r in rows)))
     if any(r.est is None for r in rows):
         return row.no_interval("a row it averages has no per-item estimate")
     row.est = macro([r.est for r in rows])

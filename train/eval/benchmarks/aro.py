@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, item_images, karpathy_split_images,
-                                           load_json, macro_row, missing, pooled_row, tie_note)
+                                           load_json, macro_row, missing, pooled_row, tie_note, tied_at_top)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 NOUN_TAGS = {"NN", "NNS", "NNP", "NNPS"}
@@ -120,14 +120,14 @@ def score_vg(name: str, items, scores, min_count: int = 1, label: str = "relatio
     correct = correct_vector(items, scores)
     groups = [it.subset for it in items]
     img = item_images(items)
-    per = group_rows(name, groups, correct, 0.5, images=img)
+    ties = tied_at_top(scores)  # each row's ties in its note (a model blind to word order ties everywhere)
+    per = group_rows(name, groups, correct, 0.5, images=img, ties=ties)
     kept = [r for r in per if r.n >= min_count]
     out = list(per)
-    ties = tie_note(scores)
-    m = macro_row(name, "all", kept, note=f"mean over {len(kept)} of {len(per)} {label} with >= {min_count} items{ties}")
+    m = macro_row(name, "all", kept, note=f"mean over {len(kept)} of {len(per)} {label} with >= {min_count} items")
     if m is not None:
         out.append(m)
-    out.append(pooled_row(name, "all", correct, 0.5, note=f"micro: pooled over every item{ties}", images=img))
+    out.append(pooled_row(name, "all", correct, 0.5, note="micro: pooled over every item", images=img, ties=ties))
     return out
 
 

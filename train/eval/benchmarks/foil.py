@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from train.eval.benchmarks._common import BenchmarkError, Rows, correct_vector, group_rows, item_images, load_json, pooled_row
+from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, item_images, load_json, pooled_row,
+                                           tied_at_top)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 
@@ -71,5 +72,6 @@ def score(name: str, items, scores) -> list[Row]:
     correct = correct_vector(items, scores)
     subsets = [it.subset for it in items]
     img = item_images(items)
-    rows = [r for r in group_rows(name, subsets, correct, 0.5, images=img) if r.subset != "all"]
-    return rows + [pooled_row(name, "all", correct, 0.5, images=img)]
+    ties = tied_at_top(scores)
+    rows = [r for r in group_rows(name, subsets, correct, 0.5, images=img, ties=ties) if r.subset != "all"]
+    return rows + [pooled_row(name, "all", correct, 0.5, images=img, ties=ties)]

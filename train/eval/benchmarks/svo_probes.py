@@ -14,7 +14,7 @@ import csv
 from pathlib import Path
 
 from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, group_rows, item_images, not_lfs_pointer,
-                                           pooled_row)
+                                           pooled_row, tied_at_top)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 NEG_COLUMNS = {"subj_neg": "subject", "verb_neg": "verb", "obj_neg": "object"}
@@ -64,5 +64,6 @@ def score(name: str, items, scores) -> list[Row]:
     subsets = [it.subset for it in items]
     order = ["subject", "verb", "object"] + sorted(set(subsets) - {"subject", "verb", "object"})
     img = item_images(items)
-    return (group_rows(name, subsets, correct, 0.5, order=order, images=img)
-            + [pooled_row(name, "all", correct, 0.5, images=img)])
+    ties = tied_at_top(scores)
+    return (group_rows(name, subsets, correct, 0.5, order=order, images=img, ties=ties)
+            + [pooled_row(name, "all", correct, 0.5, images=img, ties=ties)])

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, files_in, group_rows, item_images, load_json,
-                                           macro_row, missing, pooled_row)
+                                           macro_row, missing, pooled_row, tied_at_top)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 PHENOMENA = {
@@ -93,7 +93,8 @@ def score(name: str, items, scores) -> list[Row]:
     correct = correct_vector(items, scores)
     subsets = [it.subset for it in items]
     img = item_images(items)
-    pieces = group_rows(name, subsets, correct, 0.5, images=img)
+    ties = tied_at_top(scores)
+    pieces = group_rows(name, subsets, correct, 0.5, images=img, ties=ties)
     out = list(pieces)
     by_ph: dict[str, list[Row]] = {}
     for r in pieces:
@@ -101,5 +102,5 @@ def score(name: str, items, scores) -> list[Row]:
     for ph, rs in sorted(by_ph.items()):
         out.append(macro_row(name, ph, rs, metric="accuracy", note=f"mean over {len(rs)} piece(s)"))
     out.append(macro_row(name, "all", pieces, note=f"mean over {len(pieces)} pieces"))
-    out.append(pooled_row(name, "all", correct, 0.5, note="pooled over every item", images=img))
+    out.append(pooled_row(name, "all", correct, 0.5, note="pooled over every item", images=img, ties=ties))
     return out

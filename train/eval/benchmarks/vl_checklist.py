@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 from train.eval.benchmarks._common import (BenchmarkError, Rows, correct_vector, files_in, group_rows, item_images, load_json,
-                                           macro_row, not_lfs_pointer, pooled_row)
+                                           macro_row, not_lfs_pointer, pooled_row, tied_at_top)
 from train.eval.interface import BenchData, Item, Pair, Row
 
 CATEGORIES = ("Attribute", "Object", "Relation")
@@ -120,7 +120,8 @@ def read(spec) -> BenchData:
 def score(name: str, items, scores) -> list[Row]:
     correct = correct_vector(items, scores)
     img = item_images(items)
-    leaves = group_rows(name, [it.subset for it in items], correct, 0.5, images=img)
+    ties = tied_at_top(scores)
+    leaves = group_rows(name, [it.subset for it in items], correct, 0.5, images=img, ties=ties)
     out = list(leaves)
     by_type: dict[str, list[Row]] = {}
     for r in leaves:
@@ -138,5 +139,5 @@ def score(name: str, items, scores) -> list[Row]:
     out += cats
     if cats:
         out.append(macro_row(name, "all", cats, note="mean of the Attribute / Object / Relation averages present"))
-    out.append(pooled_row(name, "all", correct, 0.5, note="pooled over every item", images=img))
+    out.append(pooled_row(name, "all", correct, 0.5, note="pooled over every item", images=img, ties=ties))
     return out

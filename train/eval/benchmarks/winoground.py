@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.eval.benchmarks._common import BenchmarkError, Rows, not_lfs_pointer, text_field
+from train.eval.benchmarks._common import BenchmarkError, Rows, not_lfs_pointer, text_field, with_ties
 from train.eval.interface import BenchData, Item, Pair, Row
 from train.eval.intervals import interval, proportion
 
@@ -95,6 +95,7 @@ def score(name: str, items, scores) -> list[Row]:
     if len(items) != len(scores):
         raise ValueError(f"score: {len(items)} items but {len(scores)} score arrays")
     res = np.array([item_scores(s) for s in scores], dtype=bool).reshape(-1, 3)
+    tied = np.array([item_ties(s) for s in scores], dtype=bool).reshape(-1, 3)
     tags = np.array([it.subset for it in items])
     chance = np.array([item_chance(it) for it in items], dtype=np.float64).reshape(-1, 3)
     out = []
@@ -102,6 +103,15 @@ def score(name: str, items, scores) -> list[Row]:
         sel = np.ones(len(items), bool) if subset == "all" else tags == subset
         for j, metric in enumerate(("text", "image", "group")):
             est = proportion(res[sel, j])  # per item (a frozen baseline's rows pair with these, train.eval.paired)
-            out.append(Row(name, subset, f"{metric}_score", 100.0 * est.value, int(sel.sum()),
-                           float(chance[sel, j].mean()), est=est).with_ci(interval(est, 100.0)))
+            row = Row(name, subset, f"{metric}_score", 100.0 * est.value, int(sel.sum()),
+                      float(chance[sel, j].mean()), est=est).with_ci(interval(est, 100.0))
+            out.append(with_ties(row, tied[sel, j], where="in a comparison"))
     return out
+
+
+def item_ties(s) -> tuple[bool, bool, bool]:
+    """(text, image, group): one of the comparisons the score needs is an exact tie (scored wrong)."""
+    c0_i0, c0_i1, c1_i0, c1_i1 = (float(x) for x in s)
+    text = c0_i0 == c1_i0 or c1_i1 == c0_i1
+    image = c0_i0 == c0_i1 or c1_i1 == c1_i0
+    return text, image, text or image

@@ -113,8 +113,11 @@ class Config(TrainerConfig):
     discovery_artifacts: list[str] = Field([], description="extra samples artifacts with a phrases table (e.g. a "
                                            "Flickr30k Entities ingest), relative to `output` or absolute")
     discovery_max_captions: int = Field(1000, ge=1, description="captions scored per artifact (the first ones by id)")
-    vanilla_run: str | None = Field("train/text-groups/vanilla", description="a trained `vanilla` run (relative to "
-                                    "`output`) whose token features the clustering baselines use")
+    vanilla_run: str | None = Field("auto", description="the trained `vanilla` run whose token features the clustering "
+                                    "baselines use: auto = the run folder `train run text-groups --set "
+                                    "train.text_groups.variant=vanilla` writes with the same manifest and options; "
+                                    "else a run folder (relative to `output`, or absolute); null: no clustering "
+                                    "baselines")
     baselines: bool = True
     figures: int = Field(6, ge=0, description="captions drawn in eval/<tag>/assignments.png")
     eval_chunk: int = Field(256, ge=1)

@@ -259,10 +259,8 @@ class TextGroupsJob(Job):
             return model, "this run"
         if self._vanilla is False:
             self._vanilla = None
-            if self.cfg.vanilla_run:
-                from pipeline.io.storage import local_path
-
-                run = local_path(resolve_artifact(self.manifest, self.cfg.vanilla_run))  # training runs are local
+            run = self.vanilla_dir()
+            if run is not None:
                 ck = run / "checkpoints" / "final.pt"
                 if ck.is_file():
                     st = load_checkpoint(ck)
@@ -280,7 +278,29 @@ class TextGroupsJob(Job):
                             m.set_output_vocab(sd["out_vocab"])
                         m.load_state_dict(sd)
                         self._vanilla = (m.to(self.device).eval(), str(ck))
-        return self._vanilla if self._vanilla else (None, f"no trained vanilla run at {self.cfg.vanilla_run!r}")
+        if self._vanilla:
+            return self._vanilla
+        run = self.vanilla_dir()
+        if run is None:
+            return None, "vanilla_run is null"
+        return None, (f"no trained vanilla run in {run} (`train run text-groups --set train.text_groups.variant=vanilla` "
+                      "with the same manifest and options trains it)")
+
+    def vanilla_dir(self) -> Path | None:
+        """The vanilla run the clustering baselines read (``vanilla_run``): ``auto``, the folder
+        ``train run text-groups`` writes with this run's options and ``variant=vanilla``; a folder
+        (relative to ``output``); None when ``vanilla_run`` is null."""
+        v = self.cfg.vanilla_run
+        if not v:
+            return None
+        if v == "auto":
+            from train.cli import run_folder
+
+            vanilla = type(self.cfg).model_validate({**self.cfg.model_dump(), "variant": "vanilla", "run_dir": None})
+            return Path(run_folder("text-groups", self.manifest, vanilla))
+        from pipeline.io.storage import local_path
+
+        return Path(local_path(resolve_artifact(self.manifest, v)))  # training runs are local
 
     def discovery(self, model, out_dir: Path | None = None) -> list[Row]:
         rows: list[Row] = []
