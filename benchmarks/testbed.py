@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/testbed.py [--manifest manifests/testbed.yaml] [--jobs concept-ot c3 ...]
                                            [--seed 0] [--set key=value ...] [--no-stages] [--no-control] [--fresh]
-                                           [--parallel 2]
+                                           [--parallel 2] [--expectations FILE] [--confirm]
 
 1. ``pipeline run all --manifest M`` (timed; a rerun resumes, so the stages' time is 0 when nothing changed);
 2. per job, the real commands a user types: ``train run <job> --manifest M --json`` and its control,
@@ -10,7 +10,15 @@
 3. one table, printed and written to ``<output>/testbed.md``: job, benchmark/metric, value, 95% interval,
    chance, the control's value and interval, steps and wall time of the run, and a verdict per row:
 
-   * a row the testbed's features make learnable (``LEARNABLE`` below): ``learned`` when the interval's
+   Each checked row's expected outcome is read from a committed file, ``benchmarks/expectations/testbed.yaml``
+   (``pixels.yaml`` for a manifest whose models.* name encoder exports; ``--expectations`` another), whose
+   header defines the vocabulary: ``above base``, ``at base`` (above chance, not above its strongest
+   no-learning baseline), ``above chance``, ``chance``, ``prior``, ``measured``. ``--confirm`` is the
+   confirmation run: the same testbed on the file's ``confirm_seed`` (a generator seed no tuning used, in
+   ``<output>-confirm-<seed>``), refused unless the file is committed as it is; the table's first line
+   records the file's git blob hash (benchmarks/testbed_expectations.py).
+
+   * a row expected ``above base``: ``learned`` when the interval's
      lower bound is above chance *and* above the strongest no-learning baseline the job reports beside
      the row (a frozen score, a prior, one group, the untrained model: ``baseline_for`` in results.parquet,
      :mod:`pipeline.report.significance`), and the control ``at chance`` when its interval's lower bound
@@ -56,30 +64,14 @@ BIN = Path(sys.executable).parent
 
 JOBS = ["concept-ot", "c3", "infoground", "visual-tokens", "text-groups", "relation-head"]
 
-# (benchmark, subset, metric) -> expectation: "learn" (ci_low above chance and above the strongest no-learning
-# baseline reported beside the row), "chance" (not above chance), "prior" or "measured" (shown, no learning
-# verdict; its control must still be at chance; an optional sixth element says why); an optional fifth element is the
-# row's minimum n (default MIN_N). A subset or metric of None matches any. Every pattern must match a row.
-# Rows not named here are shown only with --all-rows.
-MIN_N = 30
-LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
-    # concept-ot's score adds a trained local term to the *frozen* global score g, and the oracle's g already
-    # retrieves (R@1 60 vs chance 2) and tells replaced objects apart: its control sits at g there, not at
-    # chance. Its rows here are where g is at chance, i.e. what training adds (docs/jobs/concept-ot.md).
-    "concept-ot": [("sugarcrepe", "swap_att", "accuracy", "learn"), ("vg-attribution", "all", "macro_accuracy", "learn"),
-                   ("vg-relation", "all", "macro_accuracy", "chance"), ("coco-order", "all", "accuracy", "chance")],
-    # held-out MCP AUC per concept-matched negative type (docs/jobs/c3.md, Testbed); type2_as_trained draws C' as
-    # training does, so a concept prior scores there without the images: above chance in the control too
-    "c3": [*(("c3_mcp", t, "auc", "learn") for t in ("type1", "type2_random", "type2_hard", "type2_binding")),
-           ("c3_mcp", "type2_as_trained", "auc", "prior")],
-    "infoground": [(None, None, "pointing accuracy", "learn")],
-    "visual-tokens": [("eval-split-retrieval", "all", "i2t_R@1", "learn"), ("eval-split-retrieval", "all", "t2i_R@1", "learn"),
-                      ("sugarcrepe", "replace_att", "accuracy", "learn"), ("sugarcrepe", "replace_obj", "accuracy", "learn"),
-                      ("vg-relation", "all", "accuracy", "chance")],
-    "text-groups": [("retrieval/held-out", None, None, "learn")],
-    "relation-head": [("relation-head", "held_out", "recall@1", "learn"), ("relation-head", "held_out", "recall@3", "learn"),
-                      ("relation-head", "held_out", "recall@5", "learn")],
-}
+# {job: [(benchmark, subset, metric, expect, min_n, why)]}: the expected outcome of each checked row, read from a
+# committed file (benchmarks/expectations/testbed.yaml, pixels.yaml for the pixels testbed; its header has the
+# vocabulary: above base, at base, above chance, chance, prior, measured). Every entry must match a row; rows
+# not named there are shown only with --all-rows.
+from benchmarks.testbed_expectations import default_file, load as load_expectations  # noqa: E402
+
+LEARNABLE, _META = load_expectations(default_file(pixels=False))
+MIN_N = _META["min_n"]
 
 
 CHILD_ENV: dict[str, str] = {}  # set by main: OMP_NUM_THREADS=1 when runs share the cores
@@ -215,17 +207,32 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
         expect = pat[3] if pat else "-"
         chance = r.get("chance")
         min_n = (pat[4] if pat and len(pat) > 4 else MIN_N) if pat else 0
+        why = pat[5] if pat and len(pat) > 5 else ""
+        bar = r.get("bar")
         if pat and (r.get("n") or 0) < min_n:
             ok, verdict = False, f"TOO FEW ITEMS (n {r.get('n')} < {min_n})"
-        elif expect == "learn":
-            bar = r.get("bar")
-            above_bar = bar is None or _above(r, bar[1])
+        elif expect in ("above base", "above chance"):  # above chance (and, "above base", its strongest baseline)
+            above_bar = expect == "above chance" or bar is None or _above(r, bar[1])
             ok = _above(r, chance) and above_bar
-            verdict = ("learned" if ok else "NOT LEARNED" if above_bar else f"NOT ABOVE BASELINE {bar[0]} ({bar[1]:.4g})")
-            verdict += (f" (bar: {bar[0]} {bar[1]:.4g})" if ok and bar is not None else "")
+            verdict = ("NOT LEARNED" if not _above(r, chance) else f"NOT ABOVE BASELINE {bar[0]} ({bar[1]:.4g})"
+                       if not above_bar else "learned" if expect == "above base" else "above chance")
+            if ok and bar is not None:  # "above chance": where it stands against its baseline, no verdict
+                verdict += (f" (bar: {bar[0]} {bar[1]:.4g})" if expect == "above base" else
+                            f" ({'above' if _above(r, bar[1]) else 'not above'} {bar[0]} {bar[1]:.4g}"
+                            + (f": {why}" if why else "") + ")")
             cok, ctext = _control(c, chance, bar)
             verdict += "" if control is None else ctext
             ok = ok and (control is None or cok)
+        elif expect == "at base":  # above chance, not above the frozen model / prior / boxes it is compared with
+            if bar is None:
+                ok, verdict = False, "NO BASELINE ROW (expected at base)"
+            else:
+                ok = _above(r, chance) and not _above(r, bar[1])
+                verdict = (f"at base ({bar[0]} {bar[1]:.4g})" if ok else "NOT ABOVE CHANCE" if not _above(r, chance)
+                           else f"ABOVE BASE {bar[0]} ({bar[1]:.4g}), expected at base")
+                cok, ctext = _control(c, chance, bar)
+                verdict += "" if control is None else ctext
+                ok = ok and (control is None or cok)
         elif expect == "prior":  # a row a prior without the images scores: above chance, the control too
             ok = _above(r, chance) and (control is None or _above(c, chance))
             verdict = "prior: above chance, the control too" if ok else "PRIOR NOT ABOVE CHANCE"
@@ -233,10 +240,9 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
             ok = _in(r, chance) and (control is None or _in(c, chance))
             verdict = "at chance" if ok else "OFF CHANCE"
         elif expect == "measured":  # shown with what it is, no learning verdict (a sixth element: why)
-            why = pat[5] if len(pat) > 5 else ""
             verdict = ("measured: " + ("above chance" if _above(r, chance) else "not above chance")
                        + (f" ({why})" if why else ""))
-            cok, ctext = _control(c, chance, r.get("bar"))
+            cok, ctext = _control(c, chance, bar)
             verdict += "" if control is None else ctext
             ok = control is None or cok
         else:
@@ -266,21 +272,42 @@ def main(argv=None) -> int:
                     "the same command trained before (their folders as `train run` names them)")
     ap.add_argument("--parallel", type=int, default=2, help="commands at once (encoders; each job beside its control); "
                     "each child gets OMP_NUM_THREADS=1 when above 1")
+    ap.add_argument("--expectations", default=None, help="the expected outcome of each row (default: "
+                    "benchmarks/expectations/pixels.yaml for a manifest with encoder exports, else testbed.yaml)")
+    ap.add_argument("--confirm", action="store_true", help="the confirmation run: the expectations file's confirm_seed "
+                    "as dataset.synthetic.seed, in <output>-confirm-<seed>; refused unless the file is committed as it is")
     args = ap.parse_args(argv)
+    from benchmarks.testbed_encoders import encoder_jobs, oracle_key, oracle_rows, run_encoders
+    from benchmarks.testbed_expectations import ExpectationsError, committed_blob, confirm_sets
+
+    encoders = encoder_jobs(args.manifest, args.sets)
+    exp_path = Path(args.expectations) if args.expectations else default_file(pixels=bool(encoders))
+    try:
+        table, meta = load_expectations(exp_path)
+        blob = committed_blob(exp_path) if args.confirm else None
+    except ExpectationsError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return 2
+    LEARNABLE.clear()
+    LEARNABLE.update(table)
+    exp_line = f"expectations: {exp_path}"
+    if args.confirm:
+        seed = meta.get("confirm_seed")
+        if seed is None:
+            print(f"testbed: {exp_path}: no confirm_seed; add one (a generator seed no tuning has used)", file=sys.stderr)
+            return 2
+        from pipeline.config import load_manifest
+
+        args.sets = [*args.sets, *confirm_sets(load_manifest(args.manifest, args.sets).output, int(seed))]
+        exp_line = (f"confirmation run: dataset.synthetic.seed={seed}; expectations {exp_path.relative_to(REPO)} "
+                    f"committed as git blob {blob} (`git log --find-object={blob}` names the commit)")
     t_start = time.perf_counter()
     CHILD_ENV.clear()
     CHILD_ENV.update({"OMP_NUM_THREADS": "1"} if args.parallel > 1 else {})
     pool = ThreadPoolExecutor(max(1, args.parallel))
     sets = sum((["--set", s] for s in args.sets), [])
     cli = _finished_run if args.table_only else _cli
-    from benchmarks.testbed_encoders import (ENCODER_LEARNABLE, encoder_jobs, oracle_key, oracle_rows, pixels_expectations,
-                                             run_encoders)
-
-    LEARNABLE.update(ENCODER_LEARNABLE)
     compare = None if Path(args.compare).resolve() == Path(args.manifest).resolve() else args.compare
-    encoders = encoder_jobs(args.manifest, args.sets)
-    if encoders:  # the pixels testbed: rows whose signal its encoders are measured not to carry
-        pixels_expectations(LEARNABLE, MIN_N)
     encoders = [] if args.no_encoders else encoders
     enc_runs, t_ingest = run_encoders(cli, args.manifest, sets, encoders, pool) if encoders else ([], 0.0)
     t_encoders = time.perf_counter() - t_start  # elapsed: the encoder runs may overlap
@@ -290,7 +317,7 @@ def main(argv=None) -> int:
         if err:
             print(f"testbed: pipeline run all failed: {err}", file=sys.stderr)
             return 1
-    lines = []
+    lines = [exp_line, ""]
     if not args.table_only:
         if enc_runs:
             lines.append(f"encoders: {t_encoders:.0f} s elapsed (`pipeline run ingest` {t_ingest:.0f} s, "
