@@ -252,6 +252,15 @@ def test_baseline_rows_share_the_result_rows_items(groups, tmp_path):
     assert r.est.n == r.n and 100 * r.est.value == pytest.approx(r.value)
     assert "no frozen GroupViT baseline: the image groups were made by 'scene-oracle', which has no text tower" in r.note
     assert ("retrieval/held-out", "i2t", "R@1[frozen]") not in by
+    # the text-only bar: the text embeddings against the mean held-out image embedding
+    model = job.build_model().eval()
+    sids = job.held_out_ids()
+    texts = ["a red circle", "a blue square above a green triangle"]
+    with torch.no_grad():
+        got = job.score_pairs_text_only(model, [sids[0], sids[1]], texts)
+        const = model.image_embed(torch.from_numpy(job.groups.gather(sids))).float().mean(0)
+        want = (job._text_embed(model, texts)[0] @ const).double().numpy()
+    assert len(sids) >= 10 and np.allclose(got, want, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -211,6 +211,30 @@ class TextGroupsJob(Job):
         score[~ok] = np.nan
         return score
 
+    text_only_note = ("text-only bar: the job's text embedding against one constant image, the mean image "
+                      "embedding of the held-out images")
+
+    @torch.no_grad()
+    def score_pairs_text_only(self, model, sample_ids, texts, boxes=None):
+        """The text-only bar (train/eval/interface.py): :meth:`score_pairs` with every image replaced by the
+        mean of the model's image embeddings of the held-out images (up to 1000)."""
+        te, ok = self._text_embed(model, list(texts))
+        score = (te @ self._constant_image(model)).double().numpy()
+        score[~ok] = np.nan
+        return score
+
+    def _constant_image(self, model) -> torch.Tensor:
+        key = (id(model), tuple(p._version for p in model.parameters()))
+        if getattr(self, "_const", (None,))[0] != key:
+            sids = self.held_out_ids() or sorted(int(s) for s in self.groups.sample_ids[:1000])
+            g = torch.from_numpy(self.groups.gather(sids)).to(self.device)
+            self._const = (key, model.image_embed(g).float().cpu().mean(0))
+        return self._const[1]
+
+    def held_out_ids(self) -> list[int]:
+        """Up to 1000 images of the splits not trained on that have image groups (held-out retrieval's images)."""
+        return [s for s, sp in sorted(self.split_of.items()) if sp not in set(self.cfg.train_splits) and s in self.groups][:1000]
+
     # --- phrase discovery -------------------------------------------------------------------
     def _sources(self) -> list[tuple[str, Artifact, bool]]:
         out = [("samples", self.samples, False)]
@@ -453,7 +477,7 @@ class TextGroupsJob(Job):
         """Image->text R@1 (%) among up to 1000 eval-split images, first caption each (chance 100/N)."""
         if self.cfg.variant == "no-contrastive":
             return {}
-        sids = [s for s, sp in sorted(self.split_of.items()) if sp not in set(self.cfg.train_splits) and s in self.groups][:1000]
+        sids = self.held_out_ids()
         if len(sids) < 2:
             return {}
         caps = self.samples.read("captions", ["caption_id", "sample_id", "text"]).to_pydict()
