@@ -38,10 +38,11 @@ def train_boxes_only(items, n_pred: int, d: int, seed: int, steps: int = 300, lr
                      batch: int = 256) -> BoxesOnly:
     """A :class:`BoxesOnly` trained on ``items`` (the job's training graphs: (sample_id, tokens, box
     features, triplets)) for ``steps`` Adam steps of ``batch`` images (seeded epochs of a permutation);
-    the caller's RNG untouched."""
+    the caller's RNG untouched, trained with gradients even when called under ``torch.no_grad()``."""
     import numpy as np
 
-    with torch.random.fork_rng(devices=[]):
+    # the harness asks for the job's rows under torch.no_grad(): this training needs gradients regardless
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.manual_seed(int(seed))
         model = BoxesOnly(n_pred)
         items = [it for it in items if len(it[1]) > 1]
