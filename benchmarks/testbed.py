@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/testbed.py [--manifest manifests/testbed.yaml] [--jobs concept-ot c3 ...]
                                            [--seed 0] [--set key=value ...] [--no-stages] [--no-control] [--fresh]
-                                           [--parallel 2]
+                                           [--parallel 2] [--expectations FILE] [--confirm]
 
 1. ``pipeline run all --manifest M`` (timed; a rerun resumes, so the stages' time is 0 when nothing changed);
 2. per job, the real commands a user types: ``train run <job> --manifest M --json`` and its control,
@@ -10,8 +10,15 @@
 3. one table, printed and written to ``<output>/testbed.md``: job, benchmark/metric, value, 95% interval,
    chance, the control's value and interval, steps and wall time of the run, and a verdict per row:
 
-   * a row the testbed's features make learnable (``LEARNABLE`` below): ``learned`` when its paired verdict
-     is ``above`` (:mod:`pipeline.report.significance`): with a no-learning baseline reported beside the row
+   Each checked row's expected outcome is read from a committed file, ``benchmarks/expectations/testbed.yaml``
+   (``pixels.yaml`` for a manifest whose models.* name encoder exports; ``--expectations`` another), whose
+   header defines the vocabulary: ``above base``, ``at base`` (above chance, not above its strongest
+   no-learning baseline), ``above chance``, ``chance``, ``prior``, ``measured``. ``--confirm`` is the
+   confirmation run: the same testbed on the file's ``confirm_seed`` (a generator seed no tuning used, in
+   ``<output>-confirm-<seed>``), refused unless the file is committed as it is; the table's first line
+   records the file's git blob hash (benchmarks/testbed_expectations.py).
+
+   * a row expected ``above base``: ``learned`` when its paired verdict is ``above`` (:mod:`pipeline.report.significance`): with a no-learning baseline reported beside the row
      (a frozen score, a prior, one group, the untrained model: ``baseline_for`` in results.parquet), the 95%
      interval of (row - strongest baseline) over the same resampled images lies above 0 and the row's own
      interval above chance; without one, its interval lies above chance. The columns ``diff vs base`` and
@@ -20,6 +27,8 @@
      (Clopper-Pearson on its effective n), or, for a job that declares that its score includes a frozen
      term (concept-ot's g), that it is not above that term (its paired difference from it); Holm over the
      table's control rows;
+   * ``above chance``: its own interval above chance (where it stands against its baseline shown, no verdict);
+     ``at base``: above chance and its paired verdict against its strongest baseline not ``above``;
    * a row that must stay at chance (word order: the scene-oracle's features carry none): ``at chance``
      when its interval's lower bound is not above chance, and its control not above chance by the test.
    * a row a prior scores without the images (c3's ``type2_as_trained``: C' drawn as training draws it):
@@ -60,30 +69,14 @@ BIN = Path(sys.executable).parent
 
 JOBS = ["concept-ot", "c3", "infoground", "visual-tokens", "text-groups", "relation-head"]
 
-# (benchmark, subset, metric) -> expectation: "learn" (the paired verdict "above": above chance and, where a
-# no-learning baseline is reported beside the row, above it on the same images), "chance" (not above chance), "prior" or "measured" (shown, no learning
-# verdict; its control must still be at chance; an optional sixth element says why); an optional fifth element is the
-# row's minimum n (default MIN_N). A subset or metric of None matches any. Every pattern must match a row.
-# Rows not named here are shown only with --all-rows.
-MIN_N = 30
-LEARNABLE: dict[str, list[tuple[str | None, str | None, str | None, str]]] = {
-    # concept-ot's score adds a trained local term to the *frozen* global score g, and the oracle's g already
-    # retrieves (R@1 60 vs chance 2) and tells replaced objects apart: its control sits at g there, not at
-    # chance. Its rows here are where g is at chance, i.e. what training adds (docs/jobs/concept-ot.md).
-    "concept-ot": [("sugarcrepe", "swap_att", "accuracy", "learn"), ("vg-attribution", "all", "macro_accuracy", "learn"),
-                   ("vg-relation", "all", "macro_accuracy", "chance"), ("coco-order", "all", "accuracy", "chance")],
-    # held-out MCP AUC per concept-matched negative type (docs/jobs/c3.md, Testbed); type2_as_trained draws C' as
-    # training does, so a concept prior scores there without the images: above chance in the control too
-    "c3": [*(("c3_mcp", t, "auc", "learn") for t in ("type1", "type2_random", "type2_hard", "type2_binding")),
-           ("c3_mcp", "type2_as_trained", "auc", "prior")],
-    "infoground": [(None, None, "pointing accuracy", "learn")],
-    "visual-tokens": [("eval-split-retrieval", "all", "i2t_R@1", "learn"), ("eval-split-retrieval", "all", "t2i_R@1", "learn"),
-                      ("sugarcrepe", "replace_att", "accuracy", "learn"), ("sugarcrepe", "replace_obj", "accuracy", "learn"),
-                      ("vg-relation", "all", "accuracy", "chance")],
-    "text-groups": [("retrieval/held-out", None, None, "learn")],
-    "relation-head": [("relation-head", "held_out", "recall@1", "learn"), ("relation-head", "held_out", "recall@3", "learn"),
-                      ("relation-head", "held_out", "recall@5", "learn")],
-}
+# {job: [(benchmark, subset, metric, expect, min_n, why)]}: the expected outcome of each checked row, read from a
+# committed file (benchmarks/expectations/testbed.yaml, pixels.yaml for the pixels testbed; its header has the
+# vocabulary: above base, at base, above chance, chance, prior, measured). Every entry must match a row; rows
+# not named there are shown only with --all-rows.
+from benchmarks.testbed_expectations import default_file, load as load_expectations  # noqa: E402
+
+LEARNABLE, _META = load_expectations(default_file(pixels=False))
+MIN_N = _META["min_n"]
 
 
 CHILD_ENV: dict[str, str] = {}  # set by main: OMP_NUM_THREADS=1 when runs share the cores
@@ -248,13 +241,30 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
         expect = pat[3] if pat else "-"
         chance = r.get("chance")
         min_n = (pat[4] if pat and len(pat) > 4 else MIN_N) if pat else 0
+        why = pat[5] if pat and len(pat) > 5 else ""
+        bar = r.get("bar")
         # the control must not be above what needs no learning (train.eval.controls; Holm in settle_controls)
-        ctest = control_test(c or {}, frozen) if control is not None and expect in ("learn", "chance", "measured") \
-            else None
+        ctest = control_test(c or {}, frozen) if control is not None and expect in (
+            "above base", "above chance", "at base", "chance", "measured") else None
         if pat and (r.get("n") or 0) < min_n:
             ok, verdict = False, f"TOO FEW ITEMS (n {r.get('n')} < {min_n})"
-        elif expect == "learn":
+        elif expect == "above base":  # the paired verdict: above chance and above its strongest baseline
             ok, verdict = _learned(r)
+        elif expect == "above chance":  # where it stands against its baseline is shown, no verdict on it
+            ok = _above(r, chance)
+            verdict = "above chance" if ok else "NOT ABOVE CHANCE"
+            if bar is not None:
+                verdict += f" ({r.get('verdict') or 'no paired verdict'} vs {bar[0]}" + (f": {why}" if why else "") + ")"
+        elif expect == "at base":  # above chance, not above the frozen model / prior / boxes it is compared with
+            if bar is None:
+                ok, verdict = False, "NO BASELINE ROW (expected at base)"
+            elif not r.get("verdict"):  # no paired interval: not judged against its baseline either way
+                ok, verdict = False, f"NO PAIRED INTERVAL vs {bar[0]}"
+            else:
+                above_base = r.get("verdict") == "above"
+                ok = _above(r, chance) and not above_base
+                verdict = (f"at base ({bar[0]})" if ok else "NOT ABOVE CHANCE" if not _above(r, chance)
+                           else f"ABOVE BASE {bar[0]}, expected at base")
         elif expect == "prior":  # a row a prior without the images scores: above chance, the control too
             ok = _above(r, chance) and (control is None or _above(c, chance))
             verdict = "prior: above chance, the control too" if ok else "PRIOR NOT ABOVE CHANCE"
@@ -262,7 +272,6 @@ def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[
             ok = _in(r, chance)
             verdict = "at chance" if ok else "OFF CHANCE"
         elif expect == "measured":  # shown with what it is, no learning verdict (a sixth element: why)
-            why = pat[5] if len(pat) > 5 else ""
             verdict = ("measured: " + ("above chance" if _above(r, chance) else "not above chance")
                        + (f" ({why})" if why else ""))
             ok = True
@@ -294,21 +303,42 @@ def main(argv=None) -> int:
                     "the same command trained before (their folders as `train run` names them)")
     ap.add_argument("--parallel", type=int, default=2, help="commands at once (encoders; each job beside its control); "
                     "each child gets OMP_NUM_THREADS=1 when above 1")
+    ap.add_argument("--expectations", default=None, help="the expected outcome of each row (default: "
+                    "benchmarks/expectations/pixels.yaml for a manifest with encoder exports, else testbed.yaml)")
+    ap.add_argument("--confirm", action="store_true", help="the confirmation run: the expectations file's confirm_seed "
+                    "as dataset.synthetic.seed, in <output>-confirm-<seed>; refused unless the file is committed as it is")
     args = ap.parse_args(argv)
+    from benchmarks.testbed_encoders import encoder_jobs, oracle_key, oracle_rows, run_encoders
+    from benchmarks.testbed_expectations import ExpectationsError, committed_blob, confirm_sets
+
+    encoders = encoder_jobs(args.manifest, args.sets)
+    exp_path = Path(args.expectations) if args.expectations else default_file(pixels=bool(encoders))
+    try:
+        table, meta = load_expectations(exp_path)
+        blob = committed_blob(exp_path) if args.confirm else None
+    except ExpectationsError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return 2
+    LEARNABLE.clear()
+    LEARNABLE.update(table)
+    exp_line = f"expectations: {exp_path}"
+    if args.confirm:
+        seed = meta.get("confirm_seed")
+        if seed is None:
+            print(f"testbed: {exp_path}: no confirm_seed; add one (a generator seed no tuning has used)", file=sys.stderr)
+            return 2
+        from pipeline.config import load_manifest
+
+        args.sets = [*args.sets, *confirm_sets(load_manifest(args.manifest, args.sets).output, int(seed))]
+        exp_line = (f"confirmation run: dataset.synthetic.seed={seed}; expectations {exp_path.relative_to(REPO)} "
+                    f"committed as git blob {blob} (`git log --find-object={blob}` names the commit)")
     t_start = time.perf_counter()
     CHILD_ENV.clear()
     CHILD_ENV.update({"OMP_NUM_THREADS": "1"} if args.parallel > 1 else {})
     pool = ThreadPoolExecutor(max(1, args.parallel))
     sets = sum((["--set", s] for s in args.sets), [])
     cli = _finished_run if args.table_only else _cli
-    from benchmarks.testbed_encoders import (ENCODER_LEARNABLE, encoder_jobs, oracle_key, oracle_rows, pixels_expectations,
-                                             run_encoders)
-
-    LEARNABLE.update(ENCODER_LEARNABLE)
     compare = None if Path(args.compare).resolve() == Path(args.manifest).resolve() else args.compare
-    encoders = encoder_jobs(args.manifest, args.sets)
-    if encoders:  # the pixels testbed: rows whose signal its encoders are measured not to carry
-        pixels_expectations(LEARNABLE, MIN_N)
     encoders = [] if args.no_encoders else encoders
     enc_runs, t_ingest = run_encoders(cli, args.manifest, sets, encoders, pool) if encoders else ([], 0.0)
     t_encoders = time.perf_counter() - t_start  # elapsed: the encoder runs may overlap
@@ -318,7 +348,7 @@ def main(argv=None) -> int:
         if err:
             print(f"testbed: pipeline run all failed: {err}", file=sys.stderr)
             return 1
-    lines = []
+    lines = [exp_line, ""]
     if not args.table_only:
         if enc_runs:
             lines.append(f"encoders: {t_encoders:.0f} s elapsed (`pipeline run ingest` {t_ingest:.0f} s, "

@@ -6,7 +6,7 @@ column with the oracle testbed's figure.
   none for the oracle testbed, so its run is unchanged.
 * :func:`run_encoders`: ``pipeline run ingest`` (the encoders' data: the train split's images and
   captions), then ``train run <encoder job>`` for each, timed, as a user types them. Their own held-out
-  figures (``ENCODER_LEARNABLE``) are rows of the table like any job's.
+  figures are rows of the table like any job's (expected outcomes: benchmarks/expectations/pixels.yaml).
 * :func:`oracle_rows`: the same job's run folder under another manifest (``--compare``, by default
   manifests/testbed.yaml: the scene-oracle testbed), found as ``train run`` names it (the job's options
   there), and its final results rows, so each row of the pixels table shows the oracle testbed's value.
@@ -15,35 +15,6 @@ column with the oracle testbed's figure.
 from __future__ import annotations
 
 from pathlib import Path
-
-# (benchmark, subset, metric, expectation) as benchmarks/testbed.py's LEARNABLE: each encoder's own held-out quality
-ENCODER_LEARNABLE = {
-    "clip-encoder": [("clip-encoder", "held_out", "i2t_R@1", "learn"), ("clip-encoder", "held_out", "t2i_R@1", "learn"),
-                     ("clip-encoder", "held_out", "zeroshot_colour", "learn"), ("clip-encoder", "held_out", "zeroshot_shape", "learn")],
-    "mlm-encoder": [("mlm-encoder", "held_out", "masked_token_acc", "learn")],
-    "groupvit-encoder": [("groupvit-encoder", "held_out", "i2t_R@1", "learn"), ("groupvit-encoder", "held_out", "zeroshot_colour", "learn"),
-                         # whether grouping emerges at this scale is measured, not assumed: shown, no verdict
-                         ("groupvit-encoder", "held_out", "group_mask_iou", "measured")],
-}
-
-
-# The pixels testbed's CLIP carries colour but hardly shape (held-out zero-shot shape 28.6% against chance 22.4%,
-# docs/jobs/encoders.md; 1200 steps instead of 600: 25.2%): rows the oracle testbed learns only from which shape an
-# object is, or which colour goes with which shape, are shown as measured there, not expected to learn
-# (docs/testbed.md, "The pixels testbed"). Their controls must still be at chance.
-NEEDS_SHAPE = "needs shape, which the pixel CLIP does not carry"
-PIXELS_MEASURED = {
-    "concept-ot": [("sugarcrepe", "swap_att", "accuracy"), ("vg-attribution", "all", "macro_accuracy")],
-    "visual-tokens": [("sugarcrepe", "replace_obj", "accuracy")],
-}
-
-
-def pixels_expectations(learnable: dict, min_n: int) -> None:
-    """Turn the rows of :data:`PIXELS_MEASURED` in ``learnable`` (benchmarks/testbed.py's LEARNABLE) to "measured"."""
-    for job, keys in PIXELS_MEASURED.items():
-        learnable[job] = [(*p[:3], "measured", min_n, NEEDS_SHAPE) if tuple(p[:3]) in keys else p
-                          for p in learnable.get(job, [])]
-
 
 def encoder_jobs(manifest: str, sets: list[str]) -> list[str]:
     """The encoder jobs whose export folder one of the manifest's ``models.*`` names, in registry order."""

@@ -318,3 +318,20 @@ def test_held_out_rows_are_computed_once_per_state_of_the_weights(data, tmp_path
     other = job.build_model()
     job.job_metrics(other, tmp_path)
     assert len(calls) == 4
+
+
+def test_frozen_baseline_rows_share_the_result_rows_queries(data, tmp_path):
+    """c3's frozen global-cosine precision@k rows carry their per-query estimate on the result row's queries
+    (same n, same query images in the same order), its value the estimate's; so do the balanced accuracies.
+    (The AUC rows' paired bootstrap needs the positive and negative scores: auc_interval, no Estimate.)"""
+    job = _job(data, ["train.c3.eval_max_triplets=200"])
+    rows = job.job_metrics(job.build_model(), tmp_path)
+    by = {(r.benchmark, r.subset, r.metric): r for r in rows}
+    base = [r for r in rows if r.benchmark == "c3_retrieval" and r.baseline_for]
+    assert base
+    for b in base:
+        res = by[("c3_retrieval", *b.baseline_for.split("/", 1))]
+        assert b.est.n == res.est.n == res.n and np.array_equal(b.est.cluster, res.est.cluster)
+        assert 100 * b.est.value == pytest.approx(b.value) and 100 * res.est.value == pytest.approx(res.value)
+    acc = [r for r in rows if r.metric == "balanced_accuracy"]
+    assert acc and all(r.est is not None and 100 * r.est.value == pytest.approx(r.value) for r in acc)

@@ -506,3 +506,58 @@ def test_noun_vs_negatives_reports_the_prior_baseline(tmp_path):
     # nouns of one image are not independent: Wilson on the effective n of nouns clustered by image
     assert (row[0].ci_low, row[0].ci_high) == pytest.approx(wilson_of(np.array(outcomes), clusters=np.array(images)))
     assert row[0].baseline_for == "test/noun vs its negatives"
+
+
+def test_frozen_clip_grounding_is_the_brute_force_argmax(tmp_path):
+    """Zero-shot grounding by a frozen text encoder (here: a fixed random vector per phrase text)
+    points each phrase at the region of highest cosine: recomputed phrase by phrase; its rows name
+    their result rows and carry estimates on the same phrases and images. Regions that are not
+    clip-pool features (these hand-made ones record no CLIP) get no baseline row, and the result rows
+    say why."""
+    from infoground_artifacts import write_grounding_artifacts
+    from train.jobs.infoground import make_job
+    from train.jobs.infoground.metrics import centre_in, ground_frozen, grounding_rows
+
+    write_grounding_artifacts(tmp_path / "a", n_images=20)
+    m = _manifest(tmp_path / "a")
+    job = make_job(m.train.infoground, m, tmp_path / "r", torch.device("cpu"))
+    es = job.eval_set(job.cfg.test_splits)
+    d = job.d_r
+
+    def embed(texts):
+        return np.stack([np.random.default_rng(list(t.encode()) or [0]).normal(size=d) for t in texts])
+
+    fz = ground_frozen(es, embed, job.cfg)
+    point, r1, imgs = [], [], []
+    for im in es.images:
+        R = len(im["boxes"]) if job.cfg.max_regions is None else min(len(im["boxes"]), job.cfg.max_regions)
+        f = im["features"][:R].astype(np.float64)
+        for cap in im["captions"]:
+            for ph in cap["phrases"]:
+                t = embed([ph["text"]])[0]
+                cos = [float(x @ t / np.linalg.norm(x) / np.linalg.norm(t)) for x in f]
+                top = im["boxes"][int(np.argmax(cos))]
+                point.append(bool(centre_in(top[None], ph["gt"])[0]))
+                ious = []
+                for gt in ph["gt"]:  # the reference's +1-pixel IoU, written out
+                    iw = min(top[2], gt[2]) - max(top[0], gt[0]) + 1
+                    ih = min(top[3], gt[3]) - max(top[1], gt[1]) + 1
+                    inter = max(iw, 0) * max(ih, 0)
+                    a = (top[2] - top[0] + 1) * (top[3] - top[1] + 1) + (gt[2] - gt[0] + 1) * (gt[3] - gt[1] + 1)
+                    ious.append(inter / (a - inter))
+                r1.append(max(ious) >= job.cfg.iou_threshold)
+                imgs.append(im["sample_id"])
+    assert fz["phrases"] == len(point) > 0
+    assert fz["pointing_accuracy"] == pytest.approx(100 * np.mean(point)) and fz["r1"] == pytest.approx(100 * np.mean(r1))
+    g = job.ground(job.build_model(), es)
+    rows = {r.metric: r for r in grounding_rows(g, "b", "test", fz)}
+    for name in ("R@1", "R@5", "R@10", "pointing accuracy"):
+        b, res = rows[f"{name}[frozen]"], rows[name]
+        assert b.baseline_for == f"test/{name}" and b.n == res.n == len(point)
+        assert np.array_equal(b.est.cluster, res.est.cluster) and np.array_equal(b.est.cluster, np.array(imgs))
+        assert 100 * b.est.value == pytest.approx(b.value)
+    why = job.frozen_grounding(es)
+    assert isinstance(why, str) and "not from a CLIP's joint space (clip-pool:<CLIP>)" in why
+    rows = job.job_metrics(job.build_model(), tmp_path / "jm")
+    assert not any(r.metric.endswith("[frozen]") for r in rows)
+    assert all("no frozen CLIP baseline: the regions' features come from" in r.note for r in rows if r.metric == "R@1")

@@ -262,3 +262,74 @@ def test_shuffled_control_pairs_captions_with_another_image(groups, tmp_path):
     assert sorted(ctrl.img_rows.tolist()) == sorted(real.img_rows.tolist())
     assert (ctrl.img_rows != real.img_rows).mean() > 0.8 and (ctrl.img_rows == again.img_rows).all()
     assert (ctrl.img_ids == real.img_ids).all()  # the captions stay; the groups move
+
+
+def test_baseline_rows_share_the_result_rows_items(groups, tmp_path):
+    """The no-learning phrase-discovery rows carry their per-caption estimate on the model row's
+    captions and images; the held-out retrieval row carries its per-image estimate and, the image
+    groups being the scene oracle's (no text tower), says so instead of a frozen GroupViT row."""
+    _data(groups, tmp_path / "d")
+    job = _job(tmp_path / "d", tmp_path / "r", **dict(SMALL, batch_size=8, discovery_splits=["val", "test"], figures=0))
+    rows = job.job_metrics(job.build_model().eval(), tmp_path / "ev")
+    by = {(r.benchmark, r.subset, r.metric): r for r in rows}
+    base = [r for r in rows if r.baseline_for and r.benchmark.startswith("phrase-discovery")]
+    assert {r.metric for r in base} >= {"tIoU[random]", "tIoU[one-group]", "tIoU[chunks]", "tIoU[untrained]"}
+    for b in base:
+        res = by[(b.benchmark, b.subset, b.baseline_for.split("/", 1)[1])]
+        assert b.est.n == res.est.n == res.n and np.array_equal(b.est.cluster, res.est.cluster)
+        scale = 1.0 if b.unit == "fraction" else 100.0
+        assert scale * b.est.value == pytest.approx(b.value)
+    r = by[("retrieval/held-out", "i2t", "R@1")]
+    assert r.est.n == r.n and 100 * r.est.value == pytest.approx(r.value)
+    assert "no frozen GroupViT baseline: the image groups were made by 'scene-oracle', which has no text tower" in r.note
+    assert ("retrieval/held-out", "i2t", "R@1[frozen]") not in by
+    # the text-only bar: the text embeddings against the mean held-out image embedding
+    model = job.build_model().eval()
+    sids = job.held_out_ids()
+    texts = ["a red circle", "a blue square above a green triangle"]
+    with torch.no_grad():
+        got = job.score_pairs_text_only(model, [sids[0], sids[1]], texts)
+        const = model.image_embed(torch.from_numpy(job.groups.gather(sids))).float().mean(0)
+        want = (job._text_embed(model, texts)[0] @ const).double().numpy()
+    assert len(sids) >= 10 and np.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_frozen_groupvit_retrieval_baseline(small_testbed, tmp_path):
+    """With image groups from a GroupViT that has a text tower (tiny-random, extract-image-groups), the
+    held-out R@1 has a `R@1[frozen]` baseline on the same images: recomputed here from the artifact's
+    stored image_embed and the Hugging Face model's own get_text_features."""
+    import torch.nn.functional as F
+
+    from pipeline.io.artifacts import Artifact
+    from pipeline.io.shards import read_shard
+    from pipeline.models.clip import offline_tokenizer
+    from pipeline.models.groupvit import load_groupvit
+
+    out, mp = copy_testbed(small_testbed, tmp_path)
+    run_stages(mp, ["extract-image-groups"], ["models.groupvit=tiny-random"])
+    job = _job(out, tmp_path / "r", **dict(SMALL, batch_size=8, discovery_splits=["val", "test"], figures=0,
+                                           baselines=False))
+    rows = {(r.subset, r.metric): r for r in job.job_metrics(job.build_model().eval(), tmp_path / "ev")
+            if r.benchmark == "retrieval/held-out"}
+    res, fz = rows[("i2t", "R@1")], rows[("i2t", "R@1[frozen]")]
+    assert fz.baseline_for == "i2t/R@1" and fz.n == res.n >= 10
+    assert np.array_equal(fz.est.cluster, res.est.cluster)
+    emb = {}
+    for sh in Artifact(out / "image_groups").files("shards"):
+        for s in read_shard(sh, fields=("image_embed",)):
+            emb[int(s["sample_id"])] = np.asarray(s["image_embed"], np.float32)
+    sids = [int(x) for x in fz.est.cluster]
+    caps = Artifact(out / "samples").read("captions", ["caption_id", "sample_id", "text"]).to_pylist()
+    first = {}
+    for c in sorted(caps, key=lambda c: c["caption_id"]):
+        first.setdefault(c["sample_id"], c["text"])
+    model, _, _ = load_groupvit("tiny-random")
+    enc = offline_tokenizer()([first[s] for s in sids], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        f = model.get_text_features(**enc)
+        t = F.normalize((f if isinstance(f, torch.Tensor) else f.pooler_output).float(), dim=-1).numpy()
+    i = np.stack([emb[s] for s in sids])
+    i /= np.linalg.norm(i, axis=1, keepdims=True)
+    want = 100 * np.mean((i @ t.T).argmax(1) == np.arange(len(sids)))
+    assert fz.value == pytest.approx(want) and fz.ci_low <= fz.value <= fz.ci_high

@@ -197,6 +197,109 @@ def test_text_pooled_and_rank_weight_options(arts, tmp_path):
     assert "retrieval/i2t_R@1" in res
 
 
+def _hashed_tower(dim: int = 16, pooled: int = 8):
+    """A stand-in for the frozen CLIP text tower: each text a fixed random vector of its own (seeded by its bytes)."""
+    def fake(spec, man, texts, chunk=128):
+        g = [np.random.default_rng(list(t.encode())) for t in texts]
+        return {"tokens": torch.tensor(np.stack([x.normal(size=(3, dim)) for x in g]), dtype=torch.float32),
+                "mask": torch.ones(len(texts), 3, dtype=torch.bool),
+                "embed": torch.tensor(np.stack([np.random.default_rng(list(t.encode()) + [1]).normal(size=pooled)
+                                                for t in texts]), dtype=torch.float32)}
+    return fake
+
+
+def _unit(x):
+    x = np.asarray(x, np.float64)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_frozen_clip_retrieval_baseline_is_the_artifacts_cosine(arts, tmp_path):
+    """The frozen-CLIP retrieval rows: the same images and captions as the job's rows (same n, same
+    image clusters), each naming its result row, with R@K recomputed by brute force from the
+    clip_tokens artifact's stored image_embed and text_embed."""
+    job = _job(arts, tmp_path / "f")
+    model = job.build_model().eval()
+    with torch.no_grad():
+        rows = job.job_metrics(model, tmp_path / "jm")
+    res = {(r.subset, r.metric): r for r in rows if r.benchmark == "eval-split-retrieval"}
+    ids = job.eval_ids()
+    img, txt, owner = [], [], []
+    for i, sid in enumerate(ids):
+        s = job.join.index.read(sid, ("image_embed", "text_embed"))
+        img.append(np.asarray(s["image_embed"], np.float64))
+        for t in np.asarray(s["text_embed"], np.float64):
+            txt.append(t)
+            owner.append(i)
+    S = _unit(img) @ _unit(txt).T
+    owner = np.array(owner)
+    for k in (1, 5, 10):
+        i2t = np.mean([owner[np.argsort(-S[i], kind="stable")[:k]].tolist().count(i) > 0 for i in range(len(ids))])
+        t2i = np.mean([i in np.argsort(-S[:, j], kind="stable")[:k] for j, i in enumerate(owner)])
+        for d, want in (("i2t", i2t), ("t2i", t2i)):
+            b, r = res[("frozen_clip", f"{d}_R@{k}")], res[("all", f"{d}_R@{k}")]
+            assert b.baseline_for == f"all/{d}_R@{k}" and "frozen CLIP" in b.note
+            assert b.value == pytest.approx(100 * want)
+            assert b.est.n == r.est.n == r.n and np.array_equal(b.est.cluster, r.est.cluster)
+            assert b.ci_low <= b.value <= b.ci_high
+
+
+def test_frozen_and_text_only_swap_baselines(arts, tmp_path, monkeypatch):
+    """The harness's pairwise baselines on a SugarCrepe folder: `[frozen]` = the artifact's CLIP
+    cosine (brute force), `[text-only]` = the job's text head against the mean eval-image embedding;
+    both on the result row's items (same n, same images); text-only on VL-CheckList / VALSE formats
+    too, never on others (ARO)."""
+    import pipeline.models.clip
+    from train.eval.in_job import score_folders
+
+    monkeypatch.setattr(pipeline.models.clip, "encode_texts_like_artifact", _hashed_tower())
+    job = _job(arts, tmp_path / "s")
+    model = job.build_model().eval()
+    d = tmp_path / "sc"
+    d.mkdir()
+    sids = [1, 2, 4, 6, 7, 10, 12, 15, 20]
+    items = {str(k): {"filename": f"{s:012d}.jpg", "caption": f"a red cube {k}", "negative_caption": f"a blue ball {k}"}
+             for k, s in enumerate(sids + sids)}
+    (d / "replace_att.json").write_text(json.dumps(items))
+    with torch.no_grad():
+        got = score_folders(job, model, "swaps", [d], arts / "samples", baselines=True)
+        tu = sorted({t for v in items.values() for t in (v["caption"], v["negative_caption"])})
+        head = job._text_embeddings(model, tu).double().numpy()
+        const = job.encode_images(model, job.eval_ids()).mean(0).double().numpy()
+    rows = {r.metric: r for r in got.rows if r.subset == "replace_att"}
+    res, fz, to = rows["accuracy"], rows["accuracy[frozen]"], rows["accuracy[text-only]"]
+    emb = {t: _unit(job._text_cache[t]["embed"].numpy()) for t in tu}
+    h = dict(zip(tu, head))
+    want_f, want_t = [], []
+    for v in items.values():
+        e = _unit(np.asarray(job.join.index.read(int(v["filename"][:12]), ("image_embed",))["image_embed"], np.float64))
+        want_f.append(e @ emb[v["caption"]] > e @ emb[v["negative_caption"]])
+        want_t.append(const @ h[v["caption"]] > const @ h[v["negative_caption"]])
+    assert fz.value == pytest.approx(100 * np.mean(want_f)) and to.value == pytest.approx(100 * np.mean(want_t))
+    for b in (fz, to):
+        assert b.baseline_for == "replace_att/accuracy" and b.n == res.n == len(items)
+        assert np.array_equal(b.est.cluster, res.est.cluster) and b.est.n == res.est.n
+    assert got.matched == len(items)  # the baselines are not counted as more items
+    # the harness adds the text-only bar on the text-shortcut formats only
+    from pipeline.config import BenchmarkSpec
+    from train.eval.harness import evaluate_benchmark
+    from train.eval.in_job import read_folders
+
+    data, _ = read_folders("swaps", [d])
+    for fmt, has in (("vl_checklist", True), ("valse", True), ("aro", False)):
+        with torch.no_grad():
+            rs = evaluate_benchmark(job, model, BenchmarkSpec(name="swaps", format=fmt, path=str(d)), arts / "samples",
+                                    set(job.usable), 2048, log=lambda m: None, data=data)
+        assert any(r.metric.endswith("[text-only]") for r in rs) == has, fmt
+        assert any(r.metric.endswith("[frozen]") for r in rs)
+    # the job's in-job swap rows carry the same baselines, named after their result row, estimates kept
+    job2 = _job(arts, tmp_path / "s2", f"swap_dirs=[{d}]", "samples_artifact=samples")
+    with torch.no_grad():
+        sw = {r.metric: r for r in job2._swap_rows(model)}
+    assert sw["pairwise_acc[frozen]"].value == fz.value and sw["pairwise_acc[text-only]"].value == to.value
+    assert sw["pairwise_acc[frozen]"].baseline_for == "replace_att/pairwise_acc"
+    assert np.array_equal(sw["pairwise_acc[frozen]"].est.cluster, sw["pairwise_acc"].est.cluster)
+
+
 # ---------------------------------------------------------------------------- demo end to end
 @pytest.mark.slow
 def test_demo_end_to_end_cli(tmp_path, ray_session):

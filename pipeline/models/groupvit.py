@@ -125,6 +125,37 @@ def encode_groups(model, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def has_text_tower(spec: str | None) -> bool:
+    """Whether ``models.groupvit`` names a GroupViT with a text tower (the scene-oracle instrument has none)."""
+    return bool(spec) and str(spec).strip().lower() != "scene-oracle"
+
+
+def text_tokenizer(spec: str):
+    """The tokenizer of the GroupViT ``spec``'s text tower: the random presets' (built with
+    :func:`pipeline.models.clip.offline_tokenizer`), else the folder's or hub id's own."""
+    if spec.strip().lower() in RANDOM_PRESETS:
+        return offline_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(spec)
+
+
+@torch.no_grad()
+def encode_texts(model, tokenizer, texts, chunk: int = 256):
+    """float32 [T, P] GroupViT text embeddings (``get_text_features``: the text tower's pooled EOS
+    output, projected; not normalised), at most the tower's ``max_position_embeddings`` tokens."""
+    from pipeline.models.clip import tokenize
+
+    dev = next(model.parameters()).device
+    max_tokens = int(model.config.text_config.max_position_embeddings)
+    out = []
+    for s in range(0, len(texts), chunk):
+        enc = tokenize(tokenizer, list(texts[s:s + chunk]), max_tokens)
+        f = model.get_text_features(input_ids=enc["input_ids"].to(dev), attention_mask=enc["attention_mask"].to(dev))
+        out.append((f if isinstance(f, torch.Tensor) else f.pooler_output).float().cpu())
+    return torch.cat(out) if out else torch.zeros(0, model.config.projection_dim)
+
+
 # --- scene-oracle (a testbed instrument on the generated dataset; pipeline/models/scene_oracle.py) ---------------
 ORACLE_GROUPS = 8  # K final groups, as the released GroupViT's second grouping stage
 

@@ -324,7 +324,7 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
     if data.kind == "retrieval":
         rows = _score_retrieval(job, model, spec, data, keep, sid_of)
     else:
-        rows = _score_pairwise(job, model, data, keep, sid_of, pairs_chunk)
+        rows = _score_pairwise(job, model, data, keep, sid_of, pairs_chunk, fmt=str(spec.format or ""))
     all_skips = skips + reader_skips
     n_skipped = sum(all_skips.values())
     for r in rows:
@@ -346,7 +346,14 @@ def evaluate_benchmark(job, model, spec, samples_dir: Path, scorable: set[int], 
     return rows
 
 
-def _score_pairwise(job, model, data: BenchData, keep: list[Item], sid_of: dict, pairs_chunk: int) -> list[Row]:
+# pairwise formats whose negatives can be told from the positive by the text alone (a negative that is
+# less fluent or less plausible: Hsieh et al. 2023 on SugarCrepe's predecessors, VL-CheckList's
+# Attribute/size at 60% with images zeroed): scored again by Job.score_pairs_text_only where a job has it
+TEXT_SHORTCUT_FORMATS = ("sugarcrepe", "vl_checklist", "valse")
+
+
+def _score_pairwise(job, model, data: BenchData, keep: list[Item], sid_of: dict, pairs_chunk: int,
+                    fmt: str = "") -> list[Row]:
     uniq: dict[tuple, int] = {}
     index: list[list[int]] = []
     for it in keep:
@@ -376,15 +383,27 @@ def _score_pairwise(job, model, data: BenchData, keep: list[Item], sid_of: dict,
 
     out = scores(job.score_pairs, "score_pairs")
     rows = data.score(keep, [out[np.asarray(ix)] for ix in index])
+
+    def baseline(fn, what: str, tag: str, note: str) -> None:
+        # the same items scored again by a no-learning scorer (same order, same images: the rows'
+        # estimates pair item for item with the result rows'), each row the baseline of its result row
+        sc = scores(fn, what)
+        for r in data.score(keep, [sc[np.asarray(ix)] for ix in index]):
+            r.baseline_for, r.metric = f"{r.subset}/{r.metric}", f"{r.metric}[{tag}]"
+            r.note = "; ".join(x for x in (note, r.note) if x)
+            rows.append(r)
+
     frozen = getattr(job, "score_pairs_frozen", None)
     if callable(frozen) and getattr(job, "has_frozen_baseline", lambda: False)():
-        # the job's score without anything it learnt (e.g. concept-ot's frozen global cosine g): the
-        # same items scored again, each row a no-learning baseline of its result row
-        fz = scores(frozen, "score_pairs_frozen")
-        for r in data.score(keep, [fz[np.asarray(ix)] for ix in index]):
-            r.baseline_for, r.metric = f"{r.subset}/{r.metric}", f"{r.metric}[frozen]"
-            r.note = "; ".join(x for x in ("the job's frozen score alone (no learnt term)", r.note) if x)
-            rows.append(r)
+        # the job's score without anything it learnt (concept-ot's frozen global cosine g, the frozen
+        # CLIP cosine visual-tokens reads)
+        baseline(frozen, "score_pairs_frozen", "frozen", getattr(job, "frozen_note", "")
+                 or "the job's frozen score alone (no learnt term)")
+    text_only = getattr(job, "score_pairs_text_only", None)
+    if callable(text_only) and str(fmt).lower() in TEXT_SHORTCUT_FORMATS:
+        # the text shortcut's bar: the job's own scorer with every image replaced by one constant image
+        baseline(text_only, "score_pairs_text_only", "text-only", getattr(job, "text_only_note", "")
+                 or "text-only bar: the job's scorer with the image side replaced by a constant")
     return rows
 
 

@@ -84,11 +84,13 @@ def held_out_splits(configured: list[str] | None, eval_splits: list[str]) -> lis
 
 
 def score_folders(job, model, name: str, dirs, samples_dir, max_per_kind: int | None = None,
-                  pairs_chunk: int = 2048, image_splits: list[str] | None = None) -> FolderResult | None:
+                  pairs_chunk: int = 2048, image_splits: list[str] | None = None,
+                  baselines: bool = False) -> FolderResult | None:
     """The harness's rows for the SugarCrepe-format ``dirs`` scored by ``job.score_pairs`` (None
     when no folder holds a ``<kind>.json``); with ``image_splits`` only the items whose image is a
-    sample of those splits (the others are skipped and counted). Zero scorable items: no rows,
-    ``matched`` 0."""
+    sample of those splits (the others are skipped and counted); ``baselines``: the harness's
+    no-learning rows (``[frozen]``, ``[text-only]``) kept beside the model's. Zero scorable items: no
+    rows, ``matched`` 0."""
     from pipeline.config import BenchmarkSpec
     from train.eval.harness import evaluate_benchmark
 
@@ -100,11 +102,12 @@ def score_folders(job, model, name: str, dirs, samples_dir, max_per_kind: int | 
     scorable = {int(s) for s in job.scorable_sample_ids()}
     try:
         rows = evaluate_benchmark(job, model, spec, samples_dir, scorable, pairs_chunk, log=lambda m: None, data=data)
-        rows = [r for r in rows if not r.baseline_for]  # in-job figures are the model's (baselines: their own call)
+        if not baselines:  # in-job figures are the model's unless the caller reports the baselines beside them
+            rows = [r for r in rows if not r.baseline_for]
     except NoScorableItems:
         return FolderResult([], available, 0, kinds)
     # matched = scored + those whose image is in samples but not in the job's artifacts (the "all"
     # row carries every skip reason; other reasons are images outside the samples)
     every = next((r for r in rows if r.subset == "all"), None)
     unscorable = (every.skip_reasons or {}).get(NOT_IN_ARTIFACTS, 0) if every is not None else 0
-    return FolderResult(rows, available, sum(r.n for r in rows if r.subset in kinds) + unscorable, kinds)
+    return FolderResult(rows, available, sum(r.n for r in rows if r.subset in kinds and not r.baseline_for) + unscorable, kinds)

@@ -31,6 +31,26 @@ A job takes part by implementing, on its :class:`train.loop.Job` subclass:
     ``score_pairs`` under the name ``score``, which is fine for the 1K Flickr30k test split and
     slow for 5K COCO; jobs with a cheap first stage override it.
 
+``score_pairs_frozen(model, sample_ids, texts, boxes=None)`` with ``has_frozen_baseline() -> bool``  (optional)
+    The same pairs scored by the frozen model the job reads, without anything it learnt
+    (concept-ot: its global cosine g; visual-tokens: the frozen CLIP's image-text cosine). The
+    harness scores every pairwise benchmark's items again with it and adds each row as
+    ``<metric>[frozen]`` with ``baseline_for`` naming the result row (``frozen_note``: its note).
+
+``score_pairs_text_only(model, sample_ids, texts, boxes=None)``  (optional)
+    The job's own scorer with every image replaced by one constant image (the job documents which:
+    visual-tokens and concept-ot use the mean image feature of the evaluation split): the bar of a
+    benchmark whose negatives a text prior can tell apart. Scored on the formats of
+    :data:`train.eval.harness.TEXT_SHORTCUT_FORMATS` (SugarCrepe, VL-CheckList, VALSE), each row
+    ``<metric>[text-only]`` with ``baseline_for`` its result row (``text_only_note``: its note).
+
+``baseline_protocols: dict[str, str]``  (optional)
+    Retrieval protocols of ``retrieval_scores`` that learn nothing, each mapped to the protocol
+    it is the baseline of (concept-ot ``{"global": "rerank"}``, visual-tokens ``{"frozen": "score"}``).
+
+Every baseline row carries its ``est`` over the same items, in the same order and with the same
+image clusters as its result row's, so a paired bootstrap can resample the same images for both.
+
 ``job_metrics(model, out_dir) -> list[Row]``  (optional)
     The job's own evaluations that are not image-text scoring (grounding accuracy, phrase
     discovery, MCP AUC, relation recall); they go into the same table.

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from pipeline.loaders.concept_tokens import ConceptTokens
 from train.eval.interface import Row
-from train.eval.intervals import auc_estimate, interval, mean_interval
+from train.eval.intervals import auc_estimate, interval, mean
 from train.jobs.c3.model import conditioned_sim, encode_batch, fuse_pairs
 
 EVAL_TYPES = ("type1", "type2_random", "type2_hard", "type2_binding", "type2_as_trained")
@@ -245,9 +245,10 @@ class HeldOut:
                 if self.cfg.objectives != "mcc":
                     acc = 50.0 * (float((sp[v] > 0).mean()) + float((sn <= 0).mean()))
                     per = 0.5 * ((sp[v] > 0).astype(np.float64) + (sn <= 0))  # per triplet: its mean of the two
+                    est = mean(per, img)
                     rows.append(Row("c3_mcp", name, "balanced_accuracy", acc, 2 * n, 50.0, skipped, sk, "%",
-                                    "threshold p = 0.5; mean of positive and negative accuracy")
-                                .with_ci(mean_interval(per, 100.0, clusters=img)))
+                                    "threshold p = 0.5; mean of positive and negative accuracy", est=est)
+                                .with_ci(interval(est, 100.0)))
             rows += self.retrieval_rows(model, E)
         return rows
 
@@ -306,11 +307,12 @@ class HeldOut:
         note = "" if cfg.objectives != "mcp" else "phi_MCC untrained (objectives: mcp)"
         for key, (pm, pg, br, qi) in sorted(stats.items()):
             pm, pg, br, qi = np.concatenate(pm), np.concatenate(pg), np.concatenate(br), np.concatenate(qi)
+            # per query, clustered by the query image; the frozen baseline on the same queries in the same order
+            em, eg = mean(pm, qi), mean(pg, qi)
             rows.append(Row("c3_retrieval", key, f"precision@{k}", 100 * float(pm.mean()), len(pm), 100 * float(br.mean()),
-                            0, {}, "%", ("chance = base rate of images containing C; " + note).strip("; "))
-                        .with_ci(mean_interval(pm, 100.0, clusters=qi)))
+                            0, {}, "%", ("chance = base rate of images containing C; " + note).strip("; "), est=em)
+                        .with_ci(interval(em, 100.0)))
             rows.append(Row("c3_retrieval", key, f"precision@{k}_global_cosine", 100 * float(pg.mean()), len(pg),
                             100 * float(br.mean()), 0, {}, "%", "frozen CLIP image embeddings, unconditioned",
-                            baseline_for=f"{key}/precision@{k}")
-                        .with_ci(mean_interval(pg, 100.0, clusters=qi)))
+                            baseline_for=f"{key}/precision@{k}", est=eg).with_ci(interval(eg, 100.0)))
         return rows

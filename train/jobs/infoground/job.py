@@ -26,7 +26,7 @@ from train.data import ParquetMultiJoin
 from train.job import Job, Splits, open_artifact
 from train.jobs.infoground.batches import Collate, FilterCaption, read_captions, regions_reader, shuffled_regions
 from train.jobs.infoground.losses import infoground_loss
-from train.jobs.infoground.metrics import EvalSet, ground, grounding_rows, load_eval_set, noun_counts, split_figures
+from train.jobs.infoground.metrics import EvalSet, ground, ground_frozen, grounding_rows, load_eval_set, noun_counts, split_figures
 from train.jobs.infoground.model import InfoGroundModel
 from train.jobs.infoground.scoring import TextWords, score_word_features
 
@@ -234,4 +234,33 @@ class InfoGroundJob(Job):
         if g["phrases"] == 0:
             raise NoScorableItems(f"{bench}: no scorable phrase in splits {self.cfg.test_splits} "
                                   f"(skipped by reason: {g['skip_reasons']})")
-        return grounding_rows(g, bench, "+".join(self.cfg.test_splits))
+        return grounding_rows(g, bench, "+".join(self.cfg.test_splits), self.frozen_grounding(es))
+
+    def frozen_grounding(self, es: EvalSet) -> dict | str:
+        """The frozen CLIP's zero-shot grounding of ``es`` (:func:`ground_frozen`) where the eval regions'
+        features are that CLIP's projected patch grid (``models.detector: clip-pool:<CLIP>``, its weights
+        hash checked against the regions artifact's record); else why not (a string): a detector's or
+        the scene oracle's region features are not in a text encoder's space."""
+        from pipeline.models import clip as clip_adapter
+        from pipeline.models.clip_grid import clip_spec_of, is_clip_pool
+
+        _, reg, _, _ = self._eval_arts()
+        rec = (reg.manifest.get("models") or {}).get("detector") or {}
+        spec = rec.get("spec")
+        if not is_clip_pool(spec):
+            return f"the regions' features come from {spec!r}, not from a CLIP's joint space (clip-pool:<CLIP>)"
+        try:
+            model, _, tok, got = clip_adapter.load_clip(clip_spec_of(spec))
+        except (OSError, ValueError) as e:
+            return f"the regions' CLIP {spec!r} could not be loaded ({str(e).splitlines()[0][:120]})"
+        want = (rec.get("clip") or {}).get("weights_sha256")
+        if want and got.get("weights_sha256") != want:
+            return f"{spec!r} now holds other weights than those that pooled the regions"
+
+        def embed(texts: list[str]) -> np.ndarray:
+            import torch
+
+            with torch.no_grad():
+                return np.concatenate([clip_adapter.encode_texts(model, tok, texts[a:a + 256])["text_embed"].float().numpy()
+                                       for a in range(0, len(texts), 256)])
+        return ground_frozen(es, embed, self.cfg)

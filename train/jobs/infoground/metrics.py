@@ -24,7 +24,7 @@ from pipeline.loaders.negatives import NegativesReader
 from train.boxes import box_iou
 from train.data import ParquetMultiJoin
 from train.eval.interface import Row
-from train.eval.intervals import wilson, wilson_of
+from train.eval.intervals import interval, proportion, wilson
 
 GROUNDING_METRICS = ("r1", "r5", "r10", "pointing_accuracy")
 
@@ -232,6 +232,36 @@ def ground(model, es: EvalSet, device, cfg, heat_dir: Path | None = None) -> dic
     return out
 
 
+def ground_frozen(es: EvalSet, text_embed, cfg) -> dict:
+    """Zero-shot grounding by the frozen CLIP whose joint space the regions' features are in (the
+    ``clip-pool:`` regions): each phrase scores every region by the cosine of the region's feature and
+    the phrase's CLIP text embedding (``text_embed``: texts -> float [N, P]); the same phrases, images,
+    regions (``max_regions``) and outcome rules as :func:`ground`, in the same order."""
+    texts = sorted({ph["text"] for im in es.images for c in im["captions"] for ph in c["phrases"]})
+    emb = np.asarray(text_embed(texts), np.float64) if texts else np.zeros((0, 1))
+    emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    of = dict(zip(texts, emb))
+    sums: dict[str, float] = {}
+    items: dict[str, list] = {}
+    n = 0
+    for im in es.images:
+        R = len(im["boxes"]) if cfg.max_regions is None else min(len(im["boxes"]), cfg.max_regions)
+        f = im["features"][:R].astype(np.float64)
+        f /= np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-12)
+        for cap in im["captions"]:
+            for ph in cap["phrases"]:
+                o = phrase_outcome(f @ of[ph["text"]], im["boxes"][:R], ph["gt"], cfg.iou_threshold, cfg.iou_plus_one)
+                for key, val in o.items():
+                    sums[key] = sums.get(key, 0.0) + val
+                    if not key.endswith("_chance"):
+                        items.setdefault(key, []).append((float(val), im["sample_id"]))
+                n += 1
+    out = {key: 100.0 * val / n for key, val in sums.items()} if n else {}
+    out.update(phrases=n, skipped=int(sum(es.skipped.values())), skip_reasons=dict(es.skipped),
+               items={k: (np.array([v for v, _ in xs]), np.array([i for _, i in xs])) for k, xs in items.items()})
+    return out
+
+
 def split_figures(name: str, g: dict) -> dict:
     """:func:`ground`'s figures of one split as flat ``<name>_<metric>`` (and ``_chance``) entries."""
     res = {}
@@ -247,34 +277,45 @@ def split_figures(name: str, g: dict) -> dict:
     return res
 
 
-def grounding_rows(g: dict, bench: str, subset: str) -> list:
+def grounding_rows(g: dict, bench: str, subset: str, frozen: dict | str | None = None) -> list:
     """:func:`ground`'s figures as harness rows of benchmark ``bench``. Every figure is a share of
     phrases (nouns) with a 0/1 outcome, several per image: its interval is Wilson's on the effective
-    n of items clustered by image (:mod:`train.eval.intervals`), from ``g["items"]``; figures given
-    without their items (old results) get Wilson's over independent items."""
+    n of items clustered by image (:mod:`train.eval.intervals`), from ``g["items"]`` (kept as the row's
+    estimate); figures given without their items (old results) get Wilson's over independent items.
+    ``frozen``: :func:`ground_frozen`'s figures on the same phrases, added as ``<metric>[frozen]``
+    baseline rows; a string instead says why there are none (in the result rows' notes)."""
     names = {"r1": "R@1", "r5": "R@5", "r10": "R@10", "pointing_accuracy": "pointing accuracy"}
-    per = g.get("items") or {}
 
-    def ci_of(key: str, pct: float, n: int) -> tuple[float, float]:
+    def row(fig: dict, key: str, metric: str, n: int, chance: float, note: str, **kw) -> Row:
+        per = fig.get("items") or {}
+        r = Row(bench, subset, metric, fig[key], n, chance, unit="%", note=note, **kw)
         if key in per and len(per[key][0]) == n:
-            return wilson_of(per[key][0] > 0.5, 100.0, clusters=per[key][1])
-        return wilson(round(pct * n / 100.0), n)
+            r.est = proportion(per[key][0] > 0.5, per[key][1])
+            return r.with_ci(interval(r.est, 100.0))
+        return r.with_ci(wilson(round(fig[key] * n / 100.0), n))
 
-    rows = [Row(bench, subset, names[k], g[k], g["phrases"], g[f"{k}_chance"],
-                skipped=g["skipped"], skip_reasons=g["skip_reasons"], unit="%",
-                note="phrase score = max attention over its noun/adjective words; chance: random region ranking")
-            .with_ci(ci_of(k, g[k], g["phrases"])) for k in GROUNDING_METRICS]
+    why = f"; no frozen CLIP baseline: {frozen}" if isinstance(frozen, str) else ""
+    rows = []
+    for k in GROUNDING_METRICS:
+        rows.append(row(g, k, names[k], g["phrases"], g[f"{k}_chance"], "phrase score = max attention over its "
+                        "noun/adjective words; chance: random region ranking" + why,
+                        skipped=g["skipped"], skip_reasons=g["skip_reasons"]))
+        if isinstance(frozen, dict) and k in frozen:
+            if frozen["phrases"] != g["phrases"]:
+                raise ValueError(f"{bench}: the frozen CLIP grounded {frozen['phrases']} phrases, the model {g['phrases']}")
+            rows.append(row(frozen, k, f"{names[k]}[frozen]", g["phrases"], g[f"{k}_chance"],
+                            "zero-shot grounding by the frozen CLIP: the region whose (clip-pool) feature has the "
+                            "highest cosine with the phrase's CLIP text embedding", skipped=g["skipped"],
+                            skip_reasons=g["skip_reasons"], baseline_for=f"{subset}/{names[k]}"))
     if g.get("nouns"):
-        rows.append(Row(bench, subset, "noun vs its negatives", g["noun_vs_negatives"], g["nouns"],
-                        g["noun_vs_negatives_chance"], unit="%",
-                        note="phi of the true noun above all its stored negatives in context (held-out L_lang); "
-                             "chance 1/(1+negatives) per noun").with_ci(ci_of("noun_vs_negatives", g["noun_vs_negatives"], g["nouns"])))
+        rows.append(row(g, "noun_vs_negatives", "noun vs its negatives", g["nouns"], g["noun_vs_negatives_chance"],
+                        "phi of the true noun above all its stored negatives in context (held-out L_lang); "
+                        "chance 1/(1+negatives) per noun"))
         if "noun_vs_negatives_prior" in g:
-            rows.append(Row(bench, subset, "noun vs its negatives[prior]", g["noun_vs_negatives_prior"], g["nouns"],
-                            g["noun_vs_negatives_chance"], unit="%",
-                            note="baseline without the image: the true noun's count in the training captions above "
-                                 "every negative's (ties wrong)", baseline_for=f"{subset}/noun vs its negatives").with_ci(ci_of("noun_vs_negatives_prior", g["noun_vs_negatives_prior"],
-                                                                     g["nouns"])))
+            rows.append(row(g, "noun_vs_negatives_prior", "noun vs its negatives[prior]", g["nouns"],
+                            g["noun_vs_negatives_chance"], "baseline without the image: the true noun's count in the "
+                            "training captions above every negative's (ties wrong)",
+                            baseline_for=f"{subset}/noun vs its negatives"))
     return rows
 
 

@@ -79,6 +79,8 @@ class Config(TrainerConfig):
                               "features whose scale drowns the box numbers (the pixels testbed's CLIP pools)")
     dropout: float = Field(0.1, ge=0, lt=1)
     recall_k: list[int] = Field(default_factory=lambda: [20, 50, 100])
+    boxes_only_steps: int = Field(300, ge=0, description="the boxes-only baseline's training steps (batches of 256 "
+                                  "training images; 0: no baseline): a pair MLP on the box geometry alone, the bar of recall@K")
     control: Literal["none", "shuffled"] = Field(
         "none", description="shuffled: the chance control: every training image's scene graph is replaced, once before "
         "training, by that of another training image with the same number of instances (a fixed seeded permutation)")

@@ -120,9 +120,23 @@ class RelationHeadJob(Job):
         """Held-out recall@k (``recall_k``) with chance and a bootstrap interval over images."""
         model = model.cpu()
         try:
-            return recall_rows(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k, self.pred_rank)
+            return recall_rows(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k, self.pred_rank,
+                               baselines=self.baselines())
         finally:
             model.to(self.device)
+
+    def baselines(self) -> dict:
+        """{"boxes-only": (a classifier of the box geometry alone, trained here on the training split, note)}
+        (train/jobs/relation_head/boxes_only.py); trained once per job, seeded by the job's seed."""
+        if self.cfg.boxes_only_steps <= 0:
+            return {}
+        if getattr(self, "_boxes_only", None) is None:
+            from train.jobs.relation_head.boxes_only import train_boxes_only
+
+            self._boxes_only = train_boxes_only(self.train_items, len(self.vocab), self.d, self.cfg.seed,
+                                                self.cfg.boxes_only_steps)
+        return {"boxes-only": (self._boxes_only, "boxes-only classifier (MLP on the pair's 24 box numbers, no visual "
+                               f"tokens; {self.cfg.boxes_only_steps} Adam steps on the training split)")}
 
     def evaluate(self, model, out_dir):
         model = model.cpu()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from train.eval.interface import NoScorableItems, Row
-from train.eval.intervals import mean_interval
+from train.eval.intervals import interval, mean
 from train.jobs.relation_head.batches import collate
 
 
@@ -93,20 +93,32 @@ def evaluate_model(model, items, n_pred: int, d: int, ks: list[int], pred_rank: 
     return out
 
 
-def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.ndarray, batch_size: int = 64) -> list[Row]:
+def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.ndarray, batch_size: int = 64,
+                baselines: dict | None = None) -> list[Row]:
     """recall@k of ``items`` (percent) per k, the image-blind prior ranking's recall as chance, a
-    95% bootstrap interval over images; images without a ground-truth triple are counted as skipped."""
+    95% bootstrap interval over images; images without a ground-truth triple are counted as skipped.
+    ``baselines``: {name: (a model with the head's call signature, note)} scored on the same images,
+    each a ``recall@k[name]`` row naming its result row (``baseline_for``)."""
     res, rand, prior = per_image_recall(model, items, n_pred, d, ks, pred_rank, batch_size)
     n = len(res[ks[0]])
     skipped = len(items) - n
     if n == 0:
         raise NoScorableItems(f"relation-head: none of the {len(items)} held-out images has a ground-truth relation")
     reasons = {"no_ground_truth_relation": skipped} if skipped else {}
+    images = np.array([it[0] for it in items if len(it[3])])  # the images recall_at_k scores, in its order
     rows = []
+    base = {name: (per_image_recall(m, items, n_pred, d, ks, pred_rank, batch_size)[0], note)
+            for name, (m, note) in (baselines or {}).items()}
     for k in ks:
+        est = mean(res[k], images)
         rows.append(Row("relation-head", "held_out", f"recall@{k}", 100.0 * float(np.mean(res[k])), n,
                         100.0 * float(np.mean(prior[k])), skipped, reasons, "%",
                         "RAM recall@K of (subject, object, predicate) triples; chance: the image-blind ranking "
-                        f"(predicates by training frequency); a random ranking: {100.0 * float(np.mean(rand[k])):.2f}")
-                    .with_ci(mean_interval(res[k], 100.0)))
+                        f"(predicates by training frequency); a random ranking: {100.0 * float(np.mean(rand[k])):.2f}",
+                        est=est).with_ci(interval(est, 100.0)))
+        for name, (br, note) in base.items():
+            e0 = mean(br[k], images)
+            rows.append(Row("relation-head", "held_out", f"recall@{k}[{name}]", 100.0 * float(np.mean(br[k])), n,
+                            100.0 * float(np.mean(prior[k])), skipped, reasons, "%", note,
+                            baseline_for=f"held_out/recall@{k}", est=e0).with_ci(interval(e0, 100.0)))
     return rows

@@ -48,7 +48,7 @@ from train.config import TrainerConfig
 NAME = "text-groups"
 READS = ["image_groups", "samples"]
 # the closing tables' headline (train/summary.py): the first (benchmark, subset, metric) found, None any.
-# Held-out retrieval: what the job learns on the testbed (benchmarks/testbed.py LEARNABLE); phrase discovery
+# Held-out retrieval: what the job learns on the testbed (benchmarks/expectations/testbed.yaml); phrase discovery
 # (tIoU beside its baselines) does not form there (docs/jobs/text-groups.md) and stays in the per-run table
 HEADLINE = [("retrieval/held-out", "i2t", "R@1")]
 

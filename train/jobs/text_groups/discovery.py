@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from train.eval.intervals import mean_interval
+from train.eval.intervals import interval, mean
 
 METRICS = ("tIoU", "P", "R", "F1")
 
@@ -180,5 +180,7 @@ def score_labels(all_labels: Sequence[np.ndarray], gold: GoldCaptions) -> dict[s
                        "n": int(sel.sum())}
         for j, metric in enumerate(METRICS):
             img = np.asarray(gold.images)[sel] if len(gold.images) == len(per) else None
-            out[subset][f"{metric}_ci"] = mean_interval(per[sel, j], 1.0 if metric == "tIoU" else 100.0, clusters=img)
+            est = mean(per[sel, j], img)  # per caption, clustered by image: every method on the same captions
+            out[subset][f"{metric}_est"] = est
+            out[subset][f"{metric}_ci"] = interval(est, 1.0 if metric == "tIoU" else 100.0)
     return out

@@ -211,6 +211,30 @@ class TextGroupsJob(Job):
         score[~ok] = np.nan
         return score
 
+    text_only_note = ("text-only bar: the job's text embedding against one constant image, the mean image "
+                      "embedding of the held-out images")
+
+    @torch.no_grad()
+    def score_pairs_text_only(self, model, sample_ids, texts, boxes=None):
+        """The text-only bar (train/eval/interface.py): :meth:`score_pairs` with every image replaced by the
+        mean of the model's image embeddings of the held-out images (up to 1000)."""
+        te, ok = self._text_embed(model, list(texts))
+        score = (te @ self._constant_image(model)).double().numpy()
+        score[~ok] = np.nan
+        return score
+
+    def _constant_image(self, model) -> torch.Tensor:
+        key = (id(model), tuple(p._version for p in model.parameters()))
+        if getattr(self, "_const", (None,))[0] != key:
+            sids = self.held_out_ids() or sorted(int(s) for s in self.groups.sample_ids[:1000])
+            g = torch.from_numpy(self.groups.gather(sids)).to(self.device)
+            self._const = (key, model.image_embed(g).float().cpu().mean(0))
+        return self._const[1]
+
+    def held_out_ids(self) -> list[int]:
+        """Up to 1000 images of the splits not trained on that have image groups (held-out retrieval's images)."""
+        return [s for s, sp in sorted(self.split_of.items()) if sp not in set(self.cfg.train_splits) and s in self.groups][:1000]
+
     # --- phrase discovery -------------------------------------------------------------------
     def _sources(self) -> list[tuple[str, Artifact, bool]]:
         out = [("samples", self.samples, False)]
@@ -354,8 +378,8 @@ class TextGroupsJob(Job):
                                         value=s[metric], n=s["n"], chance=chance.get(metric), skipped=skipped,
                                         skip_reasons=reasons, unit="fraction" if metric == "tIoU" else "%", note=note,
                                         # the no-learning baselines (not the clusterings of a trained model's features)
-                                        baseline_for=f"{subset}/{metric}" if m in NO_LEARNING else "")
-                                    .with_ci(s[f"{metric}_ci"]))
+                                        baseline_for=f"{subset}/{metric}" if m in NO_LEARNING else "",
+                                        est=s[f"{metric}_est"]).with_ci(s[f"{metric}_ci"]))
             if out_dir is not None and self.cfg.figures and self.cfg.variant != "vanilla":
                 self._figure(model, gold, Path(out_dir) / f"assignments_{name.replace('/', '_')}.png")
         return rows
@@ -406,13 +430,52 @@ class TextGroupsJob(Job):
         rows = list(self._discovery_cached(model, out_dir))
         r = self._val_retrieval(model, hits=True)
         if r:
-            from train.eval.intervals import wilson_of
+            from train.eval.intervals import interval, proportion
 
-            rows.append(Row(benchmark="retrieval/held-out", subset="i2t", metric="R@1", value=r["val_r1_i2t"],
-                            n=int(r["val_images"]), chance=r["val_r1_chance"], unit="%",
-                            note="image -> text among the held-out images (first caption each); chance 100/N")
-                        .with_ci(wilson_of(r["hits"])))
+            est = proportion(r["hits"], r["sids"])  # one query per image
+            row = Row(benchmark="retrieval/held-out", subset="i2t", metric="R@1", value=r["val_r1_i2t"],
+                      n=int(r["val_images"]), chance=r["val_r1_chance"], unit="%",
+                      note="image -> text among the held-out images (first caption each); chance 100/N",
+                      est=est).with_ci(interval(est, 100.0))
+            rows.append(row)
+            hit0, why = self._frozen_retrieval(r["sids"], r["texts"])
+            if hit0 is None:
+                row.note += f"; no frozen GroupViT baseline: {why}"
+            else:
+                e0 = proportion(hit0, r["sids"])
+                rows.append(Row(benchmark="retrieval/held-out", subset="i2t", metric="R@1[frozen]",
+                                value=100.0 * float(hit0.mean()), n=len(hit0), chance=r["val_r1_chance"], unit="%",
+                                note="the frozen GroupViT's own retrieval on the same images and captions: "
+                                     "cos(image_groups image_embed, GroupViT text embedding)",
+                                baseline_for="i2t/R@1", est=e0).with_ci(interval(e0, 100.0)))
         return rows
+
+    def _frozen_retrieval(self, sids: list[int], texts: list[str]) -> tuple[np.ndarray | None, str]:
+        """Image -> text R@1 hits of the frozen GroupViT the image groups come from (its own image
+        embedding against its own text tower's), on these images and their captions; (None, why) where
+        the GroupViT the image_groups artifact records has no text tower (the scene-oracle instrument),
+        cannot be loaded, or is not the one whose weights made the artifact."""
+        from pipeline.loaders.image_groups import ImageGroups
+        from pipeline.models import groupvit as gv
+
+        rec = (self.groups.art.manifest.get("models") or {}).get("groupvit") or {}
+        spec = rec.get("spec")
+        if not gv.has_text_tower(spec):
+            return None, f"the image groups were made by {spec!r}, which has no text tower"
+        if getattr(self, "_gv_text", None) is None:
+            try:
+                m, _, got = gv.load_groupvit(str(spec), "cpu")
+                tok = gv.text_tokenizer(str(spec))
+            except (OSError, ValueError) as e:
+                return None, f"the image groups' GroupViT {spec!r} could not be loaded ({str(e).splitlines()[0][:120]})"
+            if rec.get("weights_sha256") and got.get("weights_sha256") != rec["weights_sha256"]:
+                return None, f"{spec!r} now holds other weights than those that made the image groups"
+            self._gv_text = (m, tok)
+        if getattr(self, "_gv_images", None) is None:
+            self._gv_images = ImageGroups(self.groups.art, fields=("image_embed",))
+        img = torch.nn.functional.normalize(torch.from_numpy(self._gv_images.gather(sids, "image_embed")), dim=-1)
+        txt = torch.nn.functional.normalize(gv.encode_texts(*self._gv_text, texts), dim=-1)
+        return ((img @ txt.t()).argmax(1) == torch.arange(len(sids))).numpy(), ""
 
     def evaluate(self, model, out_dir: Path) -> dict[str, float]:
         out_dir = Path(out_dir)
@@ -434,7 +497,7 @@ class TextGroupsJob(Job):
         """Image->text R@1 (%) among up to 1000 eval-split images, first caption each (chance 100/N)."""
         if self.cfg.variant == "no-contrastive":
             return {}
-        sids = [s for s, sp in sorted(self.split_of.items()) if sp not in set(self.cfg.train_splits) and s in self.groups][:1000]
+        sids = self.held_out_ids()
         if len(sids) < 2:
             return {}
         caps = self.samples.read("captions", ["caption_id", "sample_id", "text"]).to_pydict()
@@ -451,4 +514,4 @@ class TextGroupsJob(Job):
         sim = ie @ te.t()
         hit = (sim.argmax(1) == torch.arange(len(sids))).numpy()
         out = {"val_r1_i2t": float(hit.mean()) * 100, "val_r1_chance": 100.0 / len(sids), "val_images": float(len(sids))}
-        return dict(out, hits=hit) if hits else out
+        return dict(out, hits=hit, sids=sids, texts=[first[s][1] for s in sids]) if hits else out

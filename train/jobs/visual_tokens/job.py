@@ -166,10 +166,11 @@ class VisualTokensJob(VisualTokensScoring, Job):
         ids = self.eval_ids()
         if len(ids) < 2:
             raise ValueError(f"visual-tokens: {len(ids)} eval images in splits {self.cfg.eval_splits} (need >= 2)")
-        img, txt, cap_img, first = [], [], [], []
+        img, txt, cap_img, first, ftxt = [], [], [], [], []
         for a in range(0, len(ids), 128):
             b = collate_batch(self._load(ids[a:a + 128], captions=True), None, opts=self._opts(), captions="all")
             img.append(model.encode_image(b, self.device).cpu())
+            ftxt.append(torch.nn.functional.normalize(b["text_embed"].float(), dim=-1))
             t = self._encode_text_batch(model, b).cpu()
             cs = b["caption_sample"]
             first_rows = torch.tensor([int((cs == i).nonzero()[0]) for i in range(len(b["sample_id"]))])
@@ -184,6 +185,11 @@ class VisualTokensJob(VisualTokensScoring, Job):
         rows = retrieval_rows("eval-split-retrieval", "all", S, cap)
         for r in rows:
             r.note = note
+        # the frozen CLIP it reads, on the same images and captions: the baseline of every row above
+        S0 = (self.frozen_images(ids) @ torch.cat(ftxt).t()).double().numpy()
+        for r in retrieval_rows("eval-split-retrieval", "frozen_clip", S0, cap):
+            r.baseline_for, r.note = f"all/{r.metric}", self.frozen_note
+            rows.append(r)
         st = similarity_stats(I, F1)
         n = len(ids)
         Sf = (I.float() @ F1.float().t()).numpy()
@@ -239,18 +245,24 @@ class VisualTokensJob(VisualTokensScoring, Job):
             return []
         got = score_folders(self, model, "generated_swaps", generated_sugarcrepe_dirs(self.manifest, self.cfg.swap_dirs),
                             self.samples.dir, self.cfg.swap_max_per_kind,
-                            image_splits=held_out_splits(self.cfg.swap_dirs, self.cfg.eval_splits))
+                            image_splits=held_out_splits(self.cfg.swap_dirs, self.cfg.eval_splits), baselines=True)
         if got is None:
             return []
-        by_kind = {r.subset: r for r in got.rows if r.subset not in ("all", "add")}
+        by_kind = {(r.subset, r.metric): r for r in got.rows if r.subset not in ("all", "add")}
         rows = []
         for kind in got.kinds:
-            r = by_kind.get(kind)
+            r = by_kind.get((kind, "accuracy"))
             if r is None:
                 rows.append(Row("generated_swaps", kind, "pairwise_acc", float("nan"), 0, 50.0, note="no scorable items"))
-            else:
-                rows.append(Row("generated_swaps", kind, "pairwise_acc", r.value, r.n, r.chance, r.skipped, r.skip_reasons,
-                                note="ties count as wrong").with_ci((r.ci_low, r.ci_high)))
+                continue
+            rows.append(Row("generated_swaps", kind, "pairwise_acc", r.value, r.n, r.chance, r.skipped, r.skip_reasons,
+                            note="ties count as wrong", est=r.est).with_ci((r.ci_low, r.ci_high)))
+            for tag in ("frozen", "text-only"):  # the harness's baselines of this kind, on the same items
+                b = by_kind.get((kind, f"accuracy[{tag}]"))
+                if b is not None:
+                    rows.append(Row("generated_swaps", kind, f"pairwise_acc[{tag}]", b.value, b.n, b.chance, b.skipped,
+                                    b.skip_reasons, note=b.note, baseline_for=f"{kind}/pairwise_acc", est=b.est)
+                                .with_ci((b.ci_low, b.ci_high)))
         return rows
 
 
