@@ -142,7 +142,9 @@ def run(
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.io.lock import FolderBusy
     from pipeline.io.artifacts import CorruptArtifact
-    from train.loop import EvaluationInputCorrupt, RunMismatch, fresh_hint, restore_previous, train
+    from pipeline.io.run_files import CorruptRunFile
+    from train.loop import EvaluationInputCorrupt, NotARunFolder, RunMismatch, claim_run_folder, fresh_hint, \
+        restore_previous, train
 
     key = f"train.{job.replace('-', '_')}"
     set_ = list(set_ or []) + ([f"{key}.workers={workers}"] if workers is not None else []) + \
@@ -153,13 +155,14 @@ def run(
     _, cfg, m, j = build_job(job, manifest, set_)
     typer.echo(f"run folder: {j.run_dir}", err=True)
     try:
+        claim_run_folder(j.run_dir, job)  # before anything is written there (train.log of --workers, --resume previous)
         if resume_from == "previous":
             typer.echo(restore_previous(j.run_dir), err=True)
         if cfg.workers > 1:
             res = _train_on_workers(job, manifest, set_, cfg, m, j, fresh, progress)
         else:
             res = train(j, resume=not fresh, progress=progress)
-    except (RunMismatch, FolderBusy) as e:
+    except (RunMismatch, FolderBusy, NotARunFolder, CorruptRunFile) as e:
         _fail(str(e))
     except CheckpointError as e:  # a truncated, foreign or refused checkpoints/last.pt
         _fail(f"{e}; the run cannot resume from it: {fresh_hint(job, j.run_dir)}")

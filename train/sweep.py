@@ -148,11 +148,12 @@ def _trial(config: dict, build_job=None) -> None:
     import typer
     from ray import tune
 
-    from train.loop import train
+    from train.loop import claim_run_folder, train
 
     trial = config["trial"]
     os.chdir(trial["cwd"])  # Tune starts trials in their own folder: the manifest's relative paths need ours
     run_dir = Path(trial["run_dir"])
+    claim_run_folder(run_dir, trial["job"])  # a folder of other files: the trial fails in one line, nothing deleted
     retrain = False
     if finished(run_dir):
         diff = stored_differences(trial["job"], trial["manifest"], trial["sets"], run_dir)

@@ -8,8 +8,14 @@ with the others.
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec"
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"))
 
 
 class CorruptRunFile(ValueError):
@@ -21,10 +27,41 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
 
 
-def read_json_file(path: str | Path) -> Any:
-    """The JSON value in ``path`` (UTF-8)."""
+def not_regular(path: str | Path) -> str | None:
+    """What ``path`` is when it exists but is not a regular file (a FIFO, a socket, a device, a
+    folder: reading one could block forever or never end), else ``None``."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return None
+    return next((what for test, what in _KINDS if test(mode)), None if stat.S_ISREG(mode) else "not a regular file")
+
+
+def require_regular(path: str | Path, error=None) -> None:
+    """Raise ``error`` (default :class:`CorruptRunFile`) in one line when ``path`` exists and is not
+    a regular file: it is never opened."""
+    what = not_regular(path)
+    if what is not None:
+        raise (error or CorruptRunFile)(f"{path}: is {what}, not a regular file: it is not read; remove it "
+                                        "(the run writes it again)")
+
+
+def lfs_pointer(data: bytes) -> bool:
+    """``data`` is a Git LFS pointer file (what a clone without `git lfs pull` holds)."""
+    return data.startswith(LFS_POINTER)
+
+
+def read_json_file(path: str | Path) -> Any:
+    """The JSON value in ``path`` (UTF-8); a Git LFS pointer or a file that is not regular is named as one."""
+    require_regular(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise CorruptRunFile(f"{path}: corrupt or unreadable JSON ({_why(e)})") from None
+    if lfs_pointer(data):
+        raise CorruptRunFile(f"{path}: is a Git LFS pointer, not the file: fetch it with `git lfs pull`")
+    try:
+        return json.loads(data.decode("utf-8"))
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CorruptRunFile(f"{path}: corrupt or unreadable JSON ({_why(e)})") from None
 
@@ -34,7 +71,11 @@ def read_parquet_file(path: str | Path, columns: list[str] | None = None):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    require_regular(path)
     try:
+        with open(path, "rb") as f:
+            if lfs_pointer(f.read(len(LFS_POINTER))):
+                raise CorruptRunFile(f"{path}: is a Git LFS pointer, not the file: fetch it with `git lfs pull`")
         return pq.read_table(path, columns=columns)
     except (OSError, pa.ArrowException) as e:
         raise CorruptRunFile(f"{path}: corrupt or unreadable Parquet file ({_why(e)})") from None
