@@ -255,7 +255,7 @@ def verify(
             _fail(str(e))
         problems = art.verify()
         bad += len(problems)
-        typer.echo(f"{a}: {'ok' if not problems else f'{len(problems)} bad files'} ({len(art.manifest['shards'])} files)")
+        typer.echo(f"{a}: {'ok' if not problems else f'{len(problems)} bad files'} ({len(art.recorded)} files)")
         for line in problems:
             typer.echo(f"  {line}")
         if problems and fix:

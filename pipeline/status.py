@@ -98,8 +98,9 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         if bad:
             rel, why = bad[0]
             more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
-            st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: `pipeline verify --fix {loc}`, "
-                               f"then rerun `pipeline run {stage}`", rows, created, unit)
+            fix = (f"rerun `pipeline run {stage}` (it writes the file again)" if all(art.side_file(r) for r, _ in bad)
+                   else f"`pipeline verify --fix {loc}`, then rerun `pipeline run {stage}`")
+            st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: {fix}", rows, created, unit)
     seen[name] = st
     return st
 
