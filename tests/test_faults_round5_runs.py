@@ -245,3 +245,123 @@ def test_train_sweep_checks_the_signature_before_tune_reads_the_state(tmp_path, 
     with pytest.raises(StateError, match="is not signed with this user's key"):
         train.sweep.sweep(*args)
     assert not marker.exists()
+
+
+# --- relation-head on Ray Train workers --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_relation_head_trains_on_two_ray_train_workers(tmp_path, ray_session):
+    """`train run relation-head --workers 2` (a TypeError in the preflight before: the job kept its
+    training graphs under Job.train_items, the split's size)."""
+    from typer.testing import CliRunner
+
+    import train.cli
+    from pipeline.stage import RunContext, run_stage
+    from tests.conftest import make_manifest
+
+    sets = ["dataset.synthetic.n_images=40", "dataset.synthetic.corrupt_images=0", "stages.ingest.shard_size=40",
+            "stages.extract_visual_tokens.shard_size=40"]
+    m = make_manifest(tmp_path, sets)
+    run_stage("ingest", RunContext(m))
+    run_stage("extract-visual-tokens", RunContext(m))
+    (tmp_path / "m.yaml").write_text(Path(REPO_TINY).read_text())
+    run = tmp_path / "rh2"
+    args = ["run", "relation-head", "--manifest", str(tmp_path / "m.yaml"), "--workers", "2", "--no-progress"]
+    for s in [f"output={tmp_path / 'run'}", "ray.num_cpus=2", *sets, f"train.relation_head.run_dir={run}",
+              "train.relation_head.max_steps=4", "train.relation_head.batch_size=8", "train.relation_head.width=16",
+              "train.relation_head.heads=2", "train.relation_head.cls_dim=8", "train.relation_head.recall_k=[5]",
+              "train.relation_head.log_every=1", "train.relation_head.threads=1"]:
+        args += ["--set", s]
+    r = CliRunner().invoke(train.cli.app, args)
+    assert r.exit_code == 0, r.output[-3000:]
+    assert "TypeError" not in r.output
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == [1, 2, 3, 4]
+    stored = json.loads((run / "config.json").read_text())
+    assert stored["workers"] == 2 and stored["batch_size"] == 8
+    assert (run / "relation_head.pt").is_file() and (run / "checkpoints" / "final.pt").is_file()
+
+
+REPO_TINY = Path(__file__).resolve().parents[1] / "manifests" / "tiny.yaml"
+
+
+# --- read-only run and output folders ------------------------------------------------------------------------
+
+import contextlib  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """``folder`` made read-only for this process: permission bits for a user, a read-only bind mount for
+    root (whom permission bits do not stop; skipped where mounting is not permitted)."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")] if p.is_dir()}
+        for p in modes:
+            p.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            for p, mode in modes.items():
+                p.chmod(mode)
+        return
+    if subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount read-only here")
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False, capture_output=True)
+
+
+_DENIED = r"\((?:Read-only file system|Permission denied)(?: at [^)]+)?\)"
+
+
+def test_train_run_in_a_read_only_run_folder_is_one_line_naming_it(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    train(_Toy(run), progress=False)
+    before = _ckpt_bytes(run)
+    with read_only(run):
+        r = _cli_run(monkeypatch, _Toy(run))
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    (err,) = _errors(r)
+    assert re.fullmatch(rf"error: {re.escape(str(run))}: cannot write there {_DENIED}: make it writable, or set "
+                        r"train\.toy\.run_dir to a writable folder", err), err
+    assert _ckpt_bytes(run) == before
+
+
+def test_train_eval_into_a_read_only_run_folder_is_one_line_naming_it(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from train import cli as train_cli
+
+    run = tmp_path / "run"
+    job = _Toy(run)
+    train(job, progress=False)
+    monkeypatch.setattr(train_cli, "build_job", lambda *a, **k: (None, job.cfg, None, job))
+    with read_only(run):
+        r = CliRunner().invoke(train_cli.app, ["eval", "toy", "--manifest", "unused.yaml", "--checkpoint", str(run)])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    (err,) = _errors(r)
+    out = run / "eval" / "step000008"
+    assert re.fullmatch(rf"error: {re.escape(str(out))}: cannot write there {_DENIED}: make it writable, or pass --out "
+                        r"with a writable folder", err), err
+
+
+def test_pipeline_report_of_a_read_only_output_is_one_line_naming_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    out = tmp_path / "out"
+    run = out / "train" / "toy" / "default"
+    train(_Toy(run), progress=False)
+    with read_only(out):
+        r = CliRunner().invoke(app, ["report", str(out)])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    (err,) = [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert re.fullmatch(rf"error: {re.escape(str(out / 'report'))}: cannot write there {_DENIED}: make it writable, or "
+                        rf"copy {re.escape(str(out))} somewhere writable and report that copy", err), err

@@ -169,6 +169,11 @@ def run(
     except (EvaluationInputCorrupt, CorruptArtifact) as e:  # an input changed since it was written: named, with the fix
         _fail(str(e))
     except OSError as e:
+        from pipeline.io.run_files import unwritable
+        from train.run_folder import read_only_line
+
+        if unwritable(e):  # a read-only run folder (a shared results copy, a read-only mount)
+            _fail(read_only_line(j.run_dir, e, job))
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         _fail(f"{e.filename or j.run_dir}: {e.strerror}; free space and run again (it resumes from the last complete "
@@ -304,16 +309,22 @@ def eval_(
     except (KeyError, RuntimeError, ValueError) as e:
         _fail(f"checkpoint {checkpoint} does not fit job {job} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     out_dir = out or j.run_dir / "eval" / f"step{step:06d}"
-    if job_eval:
-        import torch
+    from pipeline.io.run_files import unwritable, unwritable_line
 
-        with torch.no_grad():
-            res = j.evaluate(model, out_dir)
-        (out_dir / "metrics.json").write_text(json.dumps(res, indent=1))
     try:
+        if job_eval:
+            import torch
+
+            with torch.no_grad():
+                res = j.evaluate(model, out_dir)
+            (out_dir / "metrics.json").write_text(json.dumps(res, indent=1))
         table, errors = run_harness(j, model, m, out_dir, checkpoint=str(checkpoint), step=step, only=bench)
     except ValueError as e:
         _fail(str(e))
+    except OSError as e:
+        if not unwritable(e):
+            raise
+        _fail(unwritable_line(out_dir, e, "make it writable, or pass --out with a writable folder"))
     typer.echo(markdown_table(table))
     for e in errors:
         typer.echo(f"error: {e}", err=True)

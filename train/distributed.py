@@ -274,8 +274,11 @@ def train_data_parallel(make_job: Callable[[dict], Any], run_cfg, run_dir: Path,
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
+    from train.run_folder import claim_run_folder
+
     run_dir = Path(run_dir).resolve()
     per_worker = preflight(run_cfg, workers, gpus_per_worker, job)
+    claim_run_folder(run_dir, getattr(job, "NAME", ""))  # before Ray Train writes ray_train/ there
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # _worker moves to the user's folder itself
     resources = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     trainer = _trainer_class(embedded)(

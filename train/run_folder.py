@@ -65,7 +65,7 @@ def claim_run_folder(run_dir: Path, job_name: str = "") -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(run_dir / RUN_MARKER, _MARKER_TEXT.encode())
     except OSError as e:
-        raise NotARunFolder(read_only_line(run_dir, e)) from None
+        raise NotARunFolder(read_only_line(run_dir, e, job_name)) from None
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "train.log", "checkpoints/last.pt.sha256", "checkpoints/final.pt.sha256")
@@ -80,11 +80,12 @@ def check_run_files(run_dir: Path) -> None:
         require_regular(Path(run_dir) / rel)
 
 
-def read_only_line(folder: Path, e: OSError) -> str:
-    """The one line of a run (or output) folder that cannot be written."""
-    return (f"{folder}: cannot write there ({e.strerror or type(e).__name__}"
-            f"{': ' + str(e.filename) if e.filename and str(e.filename) != str(folder) else ''}): "
-            "make the folder writable or choose another")
+def read_only_line(folder: Path, e: OSError, job_name: str = "") -> str:
+    """The one line of a run folder that cannot be written (the way out: another run_dir)."""
+    from pipeline.io.run_files import unwritable_line
+
+    key = f"train.{job_name.replace('-', '_')}.run_dir" if job_name else "train.<job>.run_dir"
+    return unwritable_line(folder, e, f"make it writable, or set {key} to a writable folder")
 
 
 class RunMismatch(RuntimeError):

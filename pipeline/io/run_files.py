@@ -7,6 +7,7 @@ with the others.
 
 from __future__ import annotations
 
+import errno
 import json
 import stat
 from pathlib import Path
@@ -44,6 +45,21 @@ def require_regular(path: str | Path, error=None) -> None:
     if what is not None:
         raise (error or CorruptRunFile)(f"{path}: is {what}, not a regular file: it is not read; remove it "
                                         "(the run writes it again)")
+
+
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def unwritable(e: BaseException) -> bool:
+    """``e`` is the refusal of a write: permission denied, or a read-only file system."""
+    return isinstance(e, OSError) and e.errno in _UNWRITABLE
+
+
+def unwritable_line(folder: str | Path, e: OSError, fix: str = "make it writable or choose another folder") -> str:
+    """One line for a folder (a run's, an output's) that cannot be written: the folder, the system's
+    words, the file the write stopped at, the fix."""
+    at = f" at {e.filename}" if e.filename and str(e.filename) != str(folder) else ""
+    return f"{folder}: cannot write there ({e.strerror or type(e).__name__}{at}): {fix}"
 
 
 def lfs_pointer(data: bytes) -> bool:
