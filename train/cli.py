@@ -391,7 +391,7 @@ def sweep(
     from pipeline.config import ManifestError, load_manifest
     from pipeline.runtime import RayStartError, ensure_ray
     from train.paths import absolute_inputs
-    from train.sweep import GridError, read_grid, sweep as run_sweep, trials
+    from train.sweep import GridError, grid_value_error, read_grid, shared_run_error, sweep as run_sweep, trials
     from train.sweep_state import StateError
 
     key = job.replace("-", "_")
@@ -402,7 +402,12 @@ def sweep(
         m = load_manifest(manifest, set_ or [])
         runs = []
         for t in ts:
-            cfg = getattr(load_manifest(manifest, list(set_ or []) + t.sets).train, key)
+            try:
+                cfg = getattr(load_manifest(manifest, list(set_ or []) + t.sets).train, key)
+            except ManifestError as e:  # a grid key or value: the grid's error, not the manifest's
+                from train.registry import registry
+
+                _fail(grid_value_error(grid, t, str(e), job, list(registry()[job].Config.model_fields)))
             if cfg.run_dir:
                 _fail(f"train.{key}.run_dir is set ({cfg.run_dir}): a sweep's trials need their own run folders")
             runs.append(run_folder(job, m, cfg))
@@ -412,8 +417,11 @@ def sweep(
         from train.registry import registry
 
         _fail(did_you_mean("job", job, list(registry())))
-    if len(set(runs)) < len(runs):
-        _fail(f"grid {grid}: two trials share a run folder (a value equal to the default under two spellings?)")
+    first: dict = {}
+    for t, r in zip(ts, runs):
+        if r in first:
+            _fail(shared_run_error(grid, first[r], t, str(r)))
+        first[r] = t
     try:
         ensure_ray(m.ray)
     except RayStartError as e:

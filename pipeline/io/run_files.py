@@ -97,6 +97,35 @@ def read_parquet_file(path: str | Path, columns: list[str] | None = None):
         raise CorruptRunFile(f"{path}: corrupt or unreadable Parquet file ({_why(e)})") from None
 
 
+def read_config_file(path: str | Path) -> dict:
+    """A run's ``config.json``: a JSON object of training options (anything else is corrupt)."""
+    stored = read_json_file(path)
+    if not isinstance(stored, dict):
+        raise CorruptRunFile(f"{path}: expected a JSON object of training options, got {type(stored).__name__}")
+    return stored
+
+
+# the harness table's columns a reader of results needs (train/eval/harness.py writes them)
+RESULT_KEYS = ("benchmark", "subset", "metric", "value")
+
+
+def read_results_file(path: str | Path):
+    """A results.parquet written by the evaluation harness (a pyarrow Table): one of another schema (a
+    column missing, ``value`` not numbers) raises :class:`CorruptRunFile` naming the file and column."""
+    import pyarrow.types as pt
+
+    table = read_parquet_file(path)
+    missing = [c for c in RESULT_KEYS if c not in table.column_names]
+    if missing:
+        raise CorruptRunFile(f"{path}: not a results table of `train eval` (no column {', '.join(missing)}); "
+                             "evaluate the run again with `train eval`")
+    vt = table.schema.field("value").type
+    if not (pt.is_integer(vt) or pt.is_floating(vt) or pt.is_null(vt) or pt.is_decimal(vt)):
+        raise CorruptRunFile(f"{path}: column value holds {vt}, not numbers: not a results table of `train eval`; "
+                             "evaluate the run again with `train eval`")
+    return table
+
+
 def skipped_line(errors: list[str]) -> str:
     """The note a table across runs ends with: the run folders it skipped and why."""
     return f"skipped {len(errors)} run folder(s) with a corrupt file: " + "; ".join(errors) if errors else ""

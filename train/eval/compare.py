@@ -5,7 +5,6 @@ beside each value; a run whose results cannot be read is named and skipped
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,16 +51,16 @@ def _run_dir_of(res_path: Path) -> Path:
 
 
 def _run_label(res_path: Path, rows: list[dict]) -> str:
-    job = rows[0]["job"] if rows else "?"
-    variant = rows[0]["variant"] if rows else "?"
+    """``job/variant sSEED``; a config.json that is not a JSON object raises :class:`CorruptRunFile`."""
+    from pipeline.io.run_files import read_config_file
+
+    job = rows[0].get("job", "?") if rows else "?"
+    variant = rows[0].get("variant", "?") if rows else "?"
     seed = None
     for d in [res_path.parent, *res_path.parents]:
         cfg = d / "config.json"
         if cfg.is_file():
-            try:
-                seed = json.loads(cfg.read_text()).get("seed")
-            except ValueError:
-                pass
+            seed = read_config_file(cfg).get("seed")
             break
     label = f"{job}/{variant}"
     return label + (f" s{seed}" if seed is not None else "")
@@ -73,7 +72,7 @@ def compare(paths: Sequence[str | Path]) -> str:
     existed show the value alone; the verdict against chance and the strongest no-learning baseline the
     run reports beside the row, :mod:`pipeline.report.significance`), chance beside. A run whose results
     cannot be read is named and skipped."""
-    from pipeline.io.run_files import CorruptRunFile, read_parquet_file, skipped_line
+    from pipeline.io.run_files import CorruptRunFile, read_results_file, skipped_line
 
     runs, corrupt = [], []
     for p in paths:
@@ -81,13 +80,14 @@ def compare(paths: Sequence[str | Path]) -> str:
             files = _latest_results(Path(p))
             merged: dict[tuple, dict] = {}
             for f in files:  # oldest first: a newer evaluation of the same row wins
-                for r in read_parquet_file(f).to_pylist():
+                for r in read_results_file(f).to_pylist():
                     merged[(r["benchmark"], r["subset"], r["metric"])] = r
+            rows = list(merged.values())
+            label = _run_label(files[-1], rows)
         except CorruptRunFile as e:
             corrupt.append(str(e))
             continue
-        rows = list(merged.values())
-        runs.append((_run_label(files[-1], rows), ", ".join(str(f) for f in files), rows))
+        runs.append((label, ", ".join(str(f) for f in files), rows))
     if not runs and corrupt:
         raise CorruptRunFile(skipped_line(corrupt))
     base = [r[0] for r in runs]
