@@ -36,13 +36,16 @@ Run folder (``cfg.run_dir`` or ``<output>/train/<job>/<variant>[-<hash>]``, see
 :meth:`train.config.TrainerConfig.run_tag`; one configuration per folder: resuming a checkpoint
 of another training configuration raises :class:`RunMismatch` before anything is written)::
 
+    _vlpipe_run       the marker of a run folder this project made (train/run_folder.py): a run_dir
+                      of other files is refused; temporary files are removed only where it is
     _lock             held (flock, pipeline/io/lock.py) by the process training in the folder: a
                       second `train run` of it is refused naming the holder's pid and host; the
                       lock of a process that died is taken over with a note
     config.json       the resolved job config
     metrics.jsonl     {"kind": "train"|"eval", "step", "epoch", ...} one line each
     metrics.png       losses and eval metrics against steps
-    checkpoints/last.pt, checkpoints/final.pt
+    checkpoints/last.pt, checkpoints/final.pt  (rewritten only when a step is trained: a rerun of a
+                      finished run changes no checkpoint)
     checkpoints/best.pt  with ``best_metric``: the model at the evaluation with the best value of
                       that evaluate() key so far (``best_mode`` max|min); a {"kind": "best"} metric
                       line records each new best
