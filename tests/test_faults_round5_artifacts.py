@@ -41,10 +41,15 @@ def test_every_file_build_index_writes_is_recorded_with_its_sha256(index_out):
     from pipeline.io.artifacts import Artifact
 
     m, art_dir = index_out
-    files = {f["path"]: f for f in Artifact(art_dir).manifest["files"]}
-    on_disk = sorted(p.relative_to(art_dir).as_posix() for p in (art_dir / "faiss").iterdir())
-    assert sorted(files) == on_disk  # the indexes, matrices, id arrays and _build.json: nothing left out
-    assert {"faiss/images.faiss", "faiss/captions.faiss", "faiss/captions.npy", "faiss/_build.json"} <= set(files)
+    art = Artifact(art_dir)
+    files = {f["path"]: f for f in art.recorded}
+    bookkeeping = {"_manifest.json", "_cache.json", "_lock"}  # the record itself, the hash cache, the lock
+    on_disk = sorted(rel for p in art_dir.rglob("*") if p.is_file()
+                     for rel in [p.relative_to(art_dir).as_posix()]
+                     if rel not in bookkeeping and not rel.startswith(("_state/", "_errors/")))
+    assert sorted(files) == on_disk  # every file of the artifact: nothing left out
+    assert {"faiss/images.faiss", "faiss/captions.faiss", "faiss/captions.npy", "faiss/_build.json",
+            "errors/errors.parquet", "README.txt"} <= {f["path"] for f in art.manifest["files"]}
     for rel, f in files.items():  # against an independent hash of the bytes
         data = (art_dir / rel).read_bytes()
         assert (f["bytes"], f["sha256"]) == (len(data), hashlib.sha256(data).hexdigest()), rel
@@ -102,3 +107,22 @@ def test_a_damaged_faiss_file_is_rebuilt_by_a_plain_rerun_never_searched(index_o
     assert index.ntotal == len(np.load(art_dir / "faiss" / "captions_ids.npy"))
     run_stage("build-index", RunContext(m))  # up to date now: not built again
     assert built == [1]
+
+
+@pytest.mark.parametrize("rel", ["errors/errors.parquet", "README.txt"])
+def test_the_errors_table_and_layout_note_of_any_artifact_are_recorded_and_checked(tmp_path, rel):
+    from pipeline.cli import app
+    from pipeline.status import artifact_state
+    from tests.test_status import _chain
+
+    _chain(tmp_path)
+    f = tmp_path / "samples" / rel
+    data = f.read_bytes()
+    f.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit
+    st = artifact_state(tmp_path, "samples")
+    assert (st.state, st.detail) == ("corrupt", f"{rel}: sha256 differs from the one recorded (content changed or "
+                                                "corrupt): rerun `pipeline run ingest` (it writes the file again)")
+    f.unlink()
+    r = CliRunner().invoke(app, ["verify", str(tmp_path / "samples")])
+    assert r.exit_code == 1 and f"  {tmp_path / 'samples'}/{rel}: missing: rerun `pipeline run ingest` (it writes the " \
+        "file again)" in r.output.splitlines(), r.output

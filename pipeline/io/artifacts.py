@@ -481,7 +481,6 @@ class ArtifactWriter:
             "fingerprint": fingerprint(self.base_fingerprint, [f["sha256"] for f in shards]),
             "tables": tables,
             "shards": [{k: f[k] for k in ("table", "path", "rows", "bytes", "sha256")} for f in shards],
-            **({"files": [{k: f[k] for k in ("path", "bytes", "sha256")} for f in files]} if files else {}),
             "units": len(units),
             "errors": {"path": ERRORS_PATH, "rows": errors.num_rows},
             "stats": stats,
@@ -489,8 +488,12 @@ class ArtifactWriter:
         }
         manifest.update(extra or {})
         self._remove_orphans(markers)
-        self._seed_verified(markers, [f["path"] for f in files or []])
         write_layout_note(self.dir, self.artifact, self.stage, sorted(tables))
+        # every other file the artifact holds, recorded and verified like the shards: the stage's own
+        # (build-index's FAISS files), the merged errors table and the layout note
+        files = list(files or []) + [self.side_entry(ERRORS_PATH), self.side_entry(LAYOUT_NOTE)]
+        manifest["files"] = [{k: f[k] for k in ("path", "bytes", "sha256")} for f in files]
+        self._seed_verified(markers, [f["path"] for f in files])
         write_json_atomic(self.dir / "_manifest.json", manifest)
         if self.remote is not None:  # everything else first, the manifest last
             self.remote.rm(LEGACY_ERRORS_PATH)
