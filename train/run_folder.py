@@ -38,9 +38,9 @@ def is_run_folder(run_dir: Path) -> bool:
 
 def claim_run_folder(run_dir: Path, job_name: str = "") -> None:
     """Make ``run_dir`` a run folder of this project before anything is written in it: created (or
-    found empty, or holding only a lock file) -> marked; marked -> used; a run of this project from before the marker (its
-    ``config.json`` and ``checkpoints/``) -> marked; any other folder (or a file) raises
-    :class:`NotARunFolder`: nothing in it is written or deleted."""
+    found empty, or holding only a lock file and a train.log) -> marked; marked -> used; a run of
+    this project from before the marker (its ``config.json`` and ``checkpoints/``) -> marked; any
+    other folder (or a file) raises :class:`NotARunFolder`: nothing in it is written or deleted."""
     from pipeline.io.lock import LOCK_NAME
 
     run_dir = Path(run_dir)
@@ -50,7 +50,8 @@ def claim_run_folder(run_dir: Path, job_name: str = "") -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise NotARunFolder(f"run folder {run_dir} is a file, not a folder: set {key} to a new or empty folder")
     try:
-        entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME) if run_dir.is_dir() else []
+        entries = sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_NAME, "train.log")) \
+            if run_dir.is_dir() else []  # a lock and the log `--workers` opens first are taken as empty
     except OSError as e:
         raise NotARunFolder(f"run folder {run_dir}: cannot be listed ({e.strerror or type(e).__name__})") from None
     legacy = (run_dir / "config.json").is_file() and (run_dir / "checkpoints").is_dir()
