@@ -7,9 +7,12 @@ with a recomputed sha256 line is refused before it is unpickled. Each error is o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,8 @@ from train.loop import NotARunFolder, train
 from train.run_folder import RUN_MARKER
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+REPO_TINY = Path(__file__).resolve().parents[1] / "manifests" / "tiny.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -265,7 +270,7 @@ def test_relation_head_trains_on_two_ray_train_workers(tmp_path, ray_session):
     m = make_manifest(tmp_path, sets)
     run_stage("ingest", RunContext(m))
     run_stage("extract-visual-tokens", RunContext(m))
-    (tmp_path / "m.yaml").write_text(Path(REPO_TINY).read_text())
+    (tmp_path / "m.yaml").write_text(REPO_TINY.read_text())
     run = tmp_path / "rh2"
     args = ["run", "relation-head", "--manifest", str(tmp_path / "m.yaml"), "--workers", "2", "--no-progress"]
     for s in [f"output={tmp_path / 'run'}", "ray.num_cpus=2", *sets, f"train.relation_head.run_dir={run}",
@@ -283,15 +288,7 @@ def test_relation_head_trains_on_two_ray_train_workers(tmp_path, ray_session):
     assert (run / "relation_head.pt").is_file() and (run / "checkpoints" / "final.pt").is_file()
 
 
-REPO_TINY = Path(__file__).resolve().parents[1] / "manifests" / "tiny.yaml"
-
-
 # --- read-only run and output folders ------------------------------------------------------------------------
-
-import contextlib  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-
 
 @contextlib.contextmanager
 def read_only(folder: Path):
