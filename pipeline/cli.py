@@ -172,10 +172,17 @@ def report(
     if output is None:
         _fail("give a run's output folder or --manifest")
     setup_logging(None)
+    from pipeline.io.run_files import unwritable, unwritable_line
+
     try:
         path = build_report(output, manifest, m)
     except FileNotFoundError as e:
         _fail(str(e))
+    except OSError as e:
+        if not unwritable(e):
+            raise
+        _fail(unwritable_line(Path(str(output)) / "report", e, f"make it writable, or copy {output} somewhere writable "
+                              "and report that copy"))
     typer.echo(f"report: {path}")
 
 
@@ -259,7 +266,7 @@ def verify(
             _fail(str(e))
         problems = art.verify()
         bad += len(problems)
-        typer.echo(f"{a}: {'ok' if not problems else f'{len(problems)} bad files'} ({len(art.manifest['shards'])} files)")
+        typer.echo(f"{a}: {'ok' if not problems else f'{len(problems)} bad files'} ({len(art.recorded)} files)")
         for line in problems:
             typer.echo(f"  {line}")
         if problems and fix:

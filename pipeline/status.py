@@ -69,14 +69,22 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         st = (ArtifactState(name, stage, "incomplete", f"{n} units done, not finished: rerun `pipeline run {stage}`")
               if n else ArtifactState(name, stage, "missing", f"run `pipeline run {stage}`"))
         if isinstance(e, ValueError):
-            st = ArtifactState(name, stage, "corrupt", f"_manifest.json is not valid JSON ({e}): rerun `pipeline run {stage}`")
+            from pipeline.io.run_files import LFS_POINTER
+
+            try:
+                lfs = (Path(storage.local_path(loc)) / "_manifest.json").open("rb").read(len(LFS_POINTER)) == LFS_POINTER
+            except OSError:
+                lfs = False
+            what = "is a Git LFS pointer, not the file: fetch it with `git lfs pull`, or" if lfs else \
+                f"is not valid JSON ({e}):"
+            st = ArtifactState(name, stage, "corrupt", f"_manifest.json {what} rerun `pipeline run {stage}`")
         seen[name] = st
         return st
     from pipeline.counts import artifact_count
 
     rows, unit = artifact_count(man)  # the number the run summary, progress lines and report show
     created = str(man.get("created", ""))
-    reasons = []
+    reasons, corrupt_inputs = [], []
     for inp, fp in sorted((man.get("input_fingerprints") or {}).items()):
         up = artifact_state(location, inp, False, seen)
         if up.state == "missing":
@@ -88,18 +96,22 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
             now = None
         if now != fp:
             reasons.append(f"{inp} changed since it was written ({created or 'at an earlier run'})")
-        elif up.state in ("stale", "corrupt"):
+        elif up.state == "corrupt":  # the input's own file and fix, not a rerun of this stage from it
+            corrupt_inputs.append(f"its input {inp} is corrupt: {up.detail}")
+        elif up.state == "stale":
             reasons.append(f"its input {inp} is {up.state}")
-    if reasons:
-        st = ArtifactState(name, stage, "stale", "; ".join(reasons) + f": rerun `pipeline run {stage}`", rows, created, unit)
+    if reasons or corrupt_inputs:
+        detail = "; ".join(corrupt_inputs + ([f"{'; '.join(reasons)}: rerun `pipeline run {stage}`"] if reasons else []))
+        st = ArtifactState(name, stage, "stale", detail, rows, created, unit)
     else:
         st = ArtifactState(name, stage, "complete", "", rows, created, unit)
         bad = art.problems(hashes=verify)  # every file present at its recorded size (a stat each); --verify: sha256s
         if bad:
             rel, why = bad[0]
             more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
-            st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: `pipeline verify --fix {loc}`, "
-                               f"then rerun `pipeline run {stage}`", rows, created, unit)
+            fix = (f"rerun `pipeline run {stage}` (it writes the file again)" if all(art.side_file(r) for r, _ in bad)
+                   else f"`pipeline verify --fix {loc}`, then rerun `pipeline run {stage}`")
+            st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: {fix}", rows, created, unit)
     seen[name] = st
     return st
 

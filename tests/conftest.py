@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the sweep-state signing key (train/sweep_state.py): the tests' own, never the user's ~/.config/vlpipe
+os.environ.setdefault("VLPIPE_STATE_KEY", os.path.join(tempfile.mkdtemp(prefix="vlpipe-test-key-"), "state.key"))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -166,7 +166,7 @@ def test_resume_drops_garbled_metrics_lines_and_says_which(tmp_path, capsys):
 
 def test_temporary_checkpoint_files_of_a_killed_run_are_removed(tmp_path, capsys):
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
+    train(_Toy(run), progress=False, stop_after=2)  # the run folder (with its marker) of a run that stopped
     left = run / "checkpoints" / f".last.pt.{2**22 + 7}.tmp"
     left.write_bytes(b"x" * 1000)
     train(_Toy(run), progress=False)

@@ -147,7 +147,9 @@ def run(
     from pipeline.io.checkpoint import CheckpointError
     from pipeline.io.lock import FolderBusy
     from pipeline.io.artifacts import CorruptArtifact
-    from train.loop import EvaluationInputCorrupt, RunMismatch, fresh_hint, restore_previous, train
+    from pipeline.io.run_files import CorruptRunFile
+    from train.loop import EvaluationInputCorrupt, NotARunFolder, RunMismatch, claim_run_folder, fresh_hint, \
+        restore_previous, train
 
     key = f"train.{job.replace('-', '_')}"
     set_ = list(set_ or []) + ([f"{key}.workers={workers}"] if workers is not None else []) + \
@@ -158,19 +160,25 @@ def run(
     _, cfg, m, j = build_job(job, manifest, set_)
     typer.echo(f"run folder: {j.run_dir}", err=True)
     try:
+        claim_run_folder(j.run_dir, job)  # before anything is written there (train.log of --workers, --resume previous)
         if resume_from == "previous":
             typer.echo(restore_previous(j.run_dir), err=True)
         if cfg.workers > 1:
             res = _train_on_workers(job, manifest, set_, cfg, m, j, fresh, progress)
         else:
             res = train(j, resume=not fresh, progress=progress)
-    except (RunMismatch, FolderBusy) as e:
+    except (RunMismatch, FolderBusy, NotARunFolder, CorruptRunFile) as e:
         _fail(str(e))
     except CheckpointError as e:  # a truncated, foreign or refused checkpoints/last.pt
         _fail(f"{e}; the run cannot resume from it: {fresh_hint(job, j.run_dir)}")
     except (EvaluationInputCorrupt, CorruptArtifact) as e:  # an input changed since it was written: named, with the fix
         _fail(str(e))
     except OSError as e:
+        from pipeline.io.run_files import unwritable
+        from train.run_folder import read_only_line
+
+        if unwritable(e):  # a read-only run folder (a shared results copy, a read-only mount)
+            _fail(read_only_line(j.run_dir, e, job))
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         _fail(f"{e.filename or j.run_dir}: {e.strerror}; free space and run again (it resumes from the last complete "
@@ -311,16 +319,22 @@ def eval_(
     except (KeyError, RuntimeError, ValueError) as e:
         _fail(f"checkpoint {checkpoint} does not fit job {job} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     out_dir = out or j.run_dir / "eval" / f"step{step:06d}"
-    if job_eval:
-        import torch
+    from pipeline.io.run_files import unwritable, unwritable_line
 
-        with torch.no_grad():
-            res = j.evaluate(model, out_dir)
-        (out_dir / "metrics.json").write_text(json.dumps(res, indent=1))
     try:
+        if job_eval:
+            import torch
+
+            with torch.no_grad():
+                res = j.evaluate(model, out_dir)
+            (out_dir / "metrics.json").write_text(json.dumps(res, indent=1))
         table, errors = run_harness(j, model, m, out_dir, checkpoint=str(checkpoint), step=step, only=bench)
     except ValueError as e:
         _fail(str(e))
+    except OSError as e:
+        if not unwritable(e):
+            raise
+        _fail(unwritable_line(out_dir, e, "make it writable, or pass --out with a writable folder"))
     typer.echo(markdown_table(table))
     for e in errors:
         typer.echo(f"error: {e}", err=True)
@@ -395,7 +409,7 @@ def sweep(
     from pipeline.config import ManifestError, load_manifest
     from pipeline.runtime import RayStartError, ensure_ray
     from train.paths import absolute_inputs
-    from train.sweep import GridError, read_grid, sweep as run_sweep, trials
+    from train.sweep import GridError, grid_value_error, read_grid, shared_run_error, sweep as run_sweep, trials
     from train.sweep_state import StateError
 
     key = job.replace("-", "_")
@@ -406,7 +420,12 @@ def sweep(
         m = load_manifest(manifest, set_ or [])
         runs = []
         for t in ts:
-            cfg = getattr(load_manifest(manifest, list(set_ or []) + t.sets).train, key)
+            try:
+                cfg = getattr(load_manifest(manifest, list(set_ or []) + t.sets).train, key)
+            except ManifestError as e:  # a grid key or value: the grid's error, not the manifest's
+                from train.registry import registry
+
+                _fail(grid_value_error(grid, t, str(e), job, list(registry()[job].Config.model_fields)))
             if cfg.run_dir:
                 _fail(f"train.{key}.run_dir is set ({cfg.run_dir}): a sweep's trials need their own run folders")
             runs.append(run_folder(job, m, cfg))
@@ -416,8 +435,11 @@ def sweep(
         from train.registry import registry
 
         _fail(did_you_mean("job", job, list(registry())))
-    if len(set(runs)) < len(runs):
-        _fail(f"grid {grid}: two trials share a run folder (a value equal to the default under two spellings?)")
+    first: dict = {}
+    for t, r in zip(ts, runs):
+        if r in first:
+            _fail(shared_run_error(grid, first[r], t, str(r)))
+        first[r] = t
     try:
         ensure_ray(m.ray)
     except RayStartError as e:

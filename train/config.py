@@ -14,7 +14,10 @@ from pipeline.config import Section
 
 
 class TrainerConfig(Section):
-    """The loop's options (train/loop.py); a job's Config subclasses this and adds its own."""
+    """The loop's options (train/loop.py); a job's Config subclasses this and adds its own. No float
+    option of a training run takes inf or nan (``epochs: .inf`` would plan an endless run)."""
+
+    model_config = {**Section.model_config, "allow_inf_nan": False}
 
     epochs: float = Field(3.0, gt=0, description="passes over the training data (fractional allowed)")
     max_steps: int | None = Field(None, ge=0, description="stop after this many optimizer steps (overrides epochs)")

@@ -48,11 +48,11 @@ def worker_batch_size(batch_size: int | None, workers: int) -> int | None:
         return batch_size
     if batch_size % workers:
         lo, hi = batch_size // workers * workers, (batch_size // workers + 1) * workers
+        sizes = sorted({b for b in (lo, hi, 2 * workers) if b >= 2 * workers})[:2]  # 2 samples a worker at least
         divisors = [w for w in range(2, min(batch_size, 64) + 1) if batch_size % w == 0][:6]
         raise PreflightError(
             f"batch_size {batch_size} does not split exactly over {workers} workers: set batch_size to a multiple of "
-            f"{workers} ({', '.join(str(b) for b in (lo, hi) if b >= 2 * workers)}) or use "
-            f"--workers {' / '.join(map(str, divisors)) or '1'}")
+            f"{workers} ({', '.join(map(str, sizes))}) or use --workers {' / '.join(map(str, divisors)) or '1'}")
     if batch_size // workers < 2:
         raise PreflightError(f"batch_size {batch_size} over {workers} workers leaves fewer than 2 samples per worker: "
                              f"use --workers {batch_size // 2} or fewer")
@@ -274,8 +274,11 @@ def train_data_parallel(make_job: Callable[[dict], Any], run_cfg, run_dir: Path,
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
+    from train.run_folder import claim_run_folder
+
     run_dir = Path(run_dir).resolve()
     per_worker = preflight(run_cfg, workers, gpus_per_worker, job)
+    claim_run_folder(run_dir, getattr(job, "NAME", ""))  # before Ray Train writes ray_train/ there
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # _worker moves to the user's folder itself
     resources = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
     trainer = _trainer_class(embedded)(

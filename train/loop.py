@@ -36,13 +36,16 @@ Run folder (``cfg.run_dir`` or ``<output>/train/<job>/<variant>[-<hash>]``, see
 :meth:`train.config.TrainerConfig.run_tag`; one configuration per folder: resuming a checkpoint
 of another training configuration raises :class:`RunMismatch` before anything is written)::
 
+    _vlpipe_run       the marker of a run folder this project made (train/run_folder.py): a run_dir
+                      of other files is refused; temporary files are removed only where it is
     _lock             held (flock, pipeline/io/lock.py) by the process training in the folder: a
                       second `train run` of it is refused naming the holder's pid and host; the
                       lock of a process that died is taken over with a note
     config.json       the resolved job config
     metrics.jsonl     {"kind": "train"|"eval", "step", "epoch", ...} one line each
     metrics.png       losses and eval metrics against steps
-    checkpoints/last.pt, checkpoints/final.pt
+    checkpoints/last.pt, checkpoints/final.pt  (rewritten only when a step is trained: a rerun of a
+                      finished run changes no checkpoint)
     checkpoints/best.pt  with ``best_metric``: the model at the evaluation with the best value of
                       that evaluate() key so far (``best_mode`` max|min); a {"kind": "best"} metric
                       line records each new best
@@ -73,7 +76,15 @@ from train import tracking
 from train.job import Job, batch_record
 from train.metrics_file import lines_in, truncate_metrics
 from train.ranks import Ranks
-from train.run_folder import RunMismatch, check_run_folder, fresh_hint, restore_previous  # noqa: F401 (re-exported)
+from train.run_folder import (  # noqa: F401 (re-exported)
+    NotARunFolder,
+    RunMismatch,
+    check_run_files,
+    check_run_folder,
+    claim_run_folder,
+    fresh_hint,
+    restore_previous,
+)
 
 _truncate_metrics = truncate_metrics  # the name the tests of earlier rounds use
 
@@ -206,13 +217,15 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
     run_dir = job.run_dir
     ckpt_dir = run_dir / "checkpoints"
     metrics_path = run_dir / "metrics.jsonl"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if dist.writer:
+        claim_run_folder(run_dir, getattr(job, "NAME", ""))  # a folder of other files: refused, nothing deleted
+        check_run_files(run_dir)  # a FIFO as config.json or last.pt.sha256: refused, never opened
     taken = dist.writer and lock_folder(run_dir, doing="trained", note=lambda line: print(line, file=sys.stderr))
     try:
         if resume:
             check_run_folder(run_dir, run_cfg, getattr(job, "NAME", ""))  # before anything in the folder is written
         if dist.writer:
-            if n := remove_stale_tmp(run_dir):  # e.g. .last.pt.<random>.tmp of a killed run
+            if n := remove_stale_tmp(run_dir):  # e.g. .last.pt.<random>.tmp of a killed run (marked folder only)
                 print(f"{run_dir}: removed {n} temporary file(s) left by an interrupted run", file=sys.stderr)
             (run_dir / "config.json").write_text(json.dumps({**run_cfg.model_dump(mode="json"), **batch_record(job)},
                                                             indent=1))
@@ -330,6 +343,7 @@ class _Run:
         self.amp_on, self.amp_dtype, use_scaler = amp_settings(cfg.amp, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.step, self.epoch, self.pos = 0, 0, 0
+        self.resumed_at = -1  # the step last.pt held when this call resumed (-1: not resumed)
         # model selection (cfg.best_metric): the best value so far travels in last.pt, so a resumed run
         # keeps comparing against it
         self.best: dict = {"metric": getattr(cfg, "best_metric", None), "value": None, "step": None}
@@ -347,6 +361,7 @@ class _Run:
             if self.scaler is not None and ck.get("scaler"):
                 self.scaler.load_state_dict(ck["scaler"])
             self.step, self.epoch, self.pos = ck["step"], ck["epoch"], ck["batch_in_epoch"]
+            self.resumed_at = int(self.step)
             _set_rng_state(ck["rng"])
             self.window.restore(ck.get("log_window"))
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
@@ -497,10 +512,15 @@ class _Run:
         return not interrupted
 
     def finish(self) -> dict:
-        """last.pt and final.pt, the final evaluation and benchmarks, eval/final/metrics.json last."""
+        """last.pt and final.pt, the final evaluation and benchmarks, eval/final/metrics.json last. A
+        rerun that trained no step writes no checkpoint (previous.pt stays the one before), except a
+        final.pt that is missing or not its recorded bytes, written again from last.pt's model."""
         if self.params:
-            self.checkpoint_last()
-            self.checkpoint(self.ckpt_dir / "final.pt")
+            if self.step > self.resumed_at:
+                self.checkpoint_last()
+                self.checkpoint(self.ckpt_dir / "final.pt")
+            elif self.dist.writer and _needs_writing(self.ckpt_dir / "final.pt"):
+                self.checkpoint(self.ckpt_dir / "final.pt")
         elif self.dist.writer:
             save_checkpoint(self.ckpt_dir / "final.pt", {"model": self.model.state_dict(), "step": 0, "epoch": 0,
                                                          "batch_in_epoch": 0, "config": self.run_cfg.model_dump(mode="json")})
@@ -519,6 +539,13 @@ class _Run:
         # written last: a run is finished once its eval/final/metrics.json exists (train sweep skips it)
         write_bytes_atomic(final / "metrics.json", json.dumps(res, indent=1).encode())
         return res
+
+
+def _needs_writing(path: Path) -> bool:
+    """``path`` is missing or not the bytes its checksum records."""
+    from pipeline.io.checkpoint import integrity_problem
+
+    return not path.is_file() or integrity_problem(path) is not None
 
 
 def final_benchmarks(job: Job, model: torch.nn.Module, out_dir: Path, checkpoint: Path, step: int) -> None:

@@ -5,6 +5,12 @@ checkpoint of another (:class:`RunMismatch`). A checkpoint whose bytes are not t
 (pipeline/io/checkpoint.py) is refused by the loader; :func:`restore_previous` (``train run
 --resume previous``) goes back to ``checkpoints/previous.pt``, the checkpoint before ``last.pt``,
 after checking it, and sets the refused ``last.pt`` aside as ``last.pt.rejected``.
+
+A run folder is the project's only when it carries :data:`RUN_MARKER` (written by
+:func:`claim_run_folder` when a run makes the folder, or finds it empty): nothing in a folder without
+it is written or deleted (``train.<job>.run_dir`` naming a folder of other files is refused in one
+line). A folder of a run trained before the marker existed (its ``config.json`` and ``checkpoints/``)
+is marked and used.
 """
 
 from __future__ import annotations
@@ -14,6 +20,73 @@ import os
 from pathlib import Path
 
 from pipeline.io.checkpoint import CheckpointError, integrity_problem, load_checkpoint, previous_path, sum_path
+
+
+RUN_MARKER = "_vlpipe_run"
+_MARKER_TEXT = ("A training run folder made by vlpipe (`train run`). Its temporary files (.<name>.<random>.tmp) are "
+                "removed by the next run; nothing is ever removed from a folder without this file.\n")
+
+
+class NotARunFolder(RuntimeError):
+    """A run folder option naming a folder of other files (one line: the folder and the way out)."""
+
+
+def is_run_folder(run_dir: Path) -> bool:
+    """``run_dir`` carries the project's run marker (a regular file)."""
+    return (Path(run_dir) / RUN_MARKER).is_file()
+
+
+def claim_run_folder(run_dir: Path, job_name: str = "") -> None:
+    """Make ``run_dir`` a run folder of this project before anything is written in it: created (or
+    found empty, or holding only a lock file and a train.log) -> marked; marked -> used; a run of
+    this project from before the marker (its ``config.json`` and ``checkpoints/``) -> marked; any
+    other folder (or a file) raises :class:`NotARunFolder`: nothing in it is written or deleted."""
+    from pipeline.io.lock import LOCK_NAME
+
+    run_dir = Path(run_dir)
+    key = f"train.{job_name.replace('-', '_')}.run_dir" if job_name else "train.<job>.run_dir"
+    if is_run_folder(run_dir):
+        return
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NotARunFolder(f"run folder {run_dir} is a file, not a folder: set {key} to a new or empty folder")
+    try:
+        entries = sorted(p.name for p in run_dir.iterdir() if p.name not in (LOCK_NAME, "train.log")) \
+            if run_dir.is_dir() else []  # a lock and the log `--workers` opens first are taken as empty
+    except OSError as e:
+        raise NotARunFolder(f"run folder {run_dir}: cannot be listed ({e.strerror or type(e).__name__})") from None
+    legacy = (run_dir / "config.json").is_file() and (run_dir / "checkpoints").is_dir()
+    if entries and not legacy:
+        shown = ", ".join(entries[:3]) + (f" (+{len(entries) - 3} more)" if len(entries) > 3 else "")
+        raise NotARunFolder(
+            f"run folder {run_dir} is not empty ({shown}) and was not made by `train run` (no {RUN_MARKER}): nothing is "
+            f"written or deleted in it; set {key} to a new or empty folder")
+    from pipeline.io.atomic import write_bytes_atomic
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(run_dir / RUN_MARKER, _MARKER_TEXT.encode())
+    except OSError as e:
+        raise NotARunFolder(read_only_line(run_dir, e, job_name)) from None
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "train.log", "checkpoints/last.pt.sha256", "checkpoints/final.pt.sha256")
+
+
+def check_run_files(run_dir: Path) -> None:
+    """Refuse (:class:`pipeline.io.run_files.CorruptRunFile`, one line) a run file that exists but is not
+    a regular file: a FIFO named config.json or last.pt.sha256 would block its read or write forever."""
+    from pipeline.io.run_files import require_regular
+
+    for rel in RUN_FILES:
+        require_regular(Path(run_dir) / rel)
+
+
+def read_only_line(folder: Path, e: OSError, job_name: str = "") -> str:
+    """The one line of a run folder that cannot be written (the way out: another run_dir)."""
+    from pipeline.io.run_files import unwritable_line
+
+    key = f"train.{job_name.replace('-', '_')}.run_dir" if job_name else "train.<job>.run_dir"
+    return unwritable_line(folder, e, f"make it writable, or set {key} to a writable folder")
 
 
 class RunMismatch(RuntimeError):
@@ -78,8 +151,9 @@ def restore_previous(run_dir: Path) -> str:
             os.replace(sum_path(last), sum_path(ckpt / "last.pt.rejected"))
     from pipeline.io.atomic import write_bytes_atomic
 
-    tmp = ckpt / f".last.pt.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
+    from pipeline.io.atomic import tmp_name
+
+    tmp = tmp_name(last)
     os.link(prev, tmp)
     os.replace(tmp, last)
     if sum_path(prev).is_file():  # (a previous.pt without one was checked by its zip CRCs)

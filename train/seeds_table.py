@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.io.run_files import CorruptRunFile, read_json_file, read_parquet_file, skipped_line
+from pipeline.io.run_files import CorruptRunFile, read_config_file, read_json_file, read_results_file, skipped_line
 
 
 def _options(run: Path) -> dict:
@@ -26,9 +26,7 @@ def _options(run: Path) -> dict:
     from train.config import TrainerConfig
 
     skip = TrainerConfig.EVAL_ONLY | {"seed"}
-    stored = read_json_file(path)
-    if not isinstance(stored, dict):
-        raise CorruptRunFile(f"{path}: expected a JSON object of training options, got {type(stored).__name__}")
+    stored = read_config_file(path)
     return {k: v for k, v in stored.items() if k not in skip}
 
 
@@ -41,7 +39,7 @@ def final_rows(run: Path) -> list[dict]:
     if table.is_file():
         rows += [{k: r.get(k) for k in ("benchmark", "subset", "metric", "value", "chance", "ci_low", "ci_high", "n",
                                         "unit", "baseline_for", "diff_vs", "diff", "diff_low", "diff_high", "note")}
-                 for r in read_parquet_file(table).to_pylist()]
+                 for r in read_results_file(table).to_pylist()]
     metrics = run / "eval" / "final" / "metrics.json"
     if metrics.is_file():
         res = read_json_file(metrics)

@@ -38,10 +38,18 @@ class GridError(ValueError):
 def read_grid(path: Path, job: str) -> dict[str, list]:
     """{manifest key: values} from GRID.yaml; every key under ``train.<job>.``. The key
     ``configurations`` (when given) maps to a list of {manifest key: value} mappings."""
+    from pipeline.io.run_files import not_regular
+
+    if (what := not_regular(path)) is not None:
+        raise GridError(f"grid {path}: is {what}, not a regular file")
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise GridError(f"grid {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    from pipeline.io.run_files import lfs_pointer
+
+    if lfs_pointer(raw):
+        raise GridError(f"grid {path}: is a Git LFS pointer, not the file: fetch it with `git lfs pull`")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -73,11 +81,47 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
         check_key(k)
         if not isinstance(v, list) or not v:
             raise GridError(f"grid {path}: {k} must be a non-empty list of values")
+        seen = [json.dumps(x, sort_keys=True, default=str) for x in v]
+        if (i := next((i for i in range(len(v)) if seen[i] in seen[:i]), None)) is not None:
+            raise GridError(f"grid {path}: {k} lists the value {v[i]!r} twice (as YAML reads it: e.g. 0.001 and 1.0e-3 "
+                            "are one number); list each value once")
         out[str(k)] = v
     clash = {ck for c in out.get("configurations", []) for ck in c} & set(out) - {"configurations"}
     if clash:
         raise GridError(f"grid {path}: {', '.join(sorted(clash))} both in configurations and as a list")
     return out
+
+
+def grid_value_error(grid_path: Path, trial: "Trial", message: str, job: str, options: list[str]) -> str:
+    """The manifest loader's refusal of a trial's options (``manifest M: key 'K': why`` / ``unknown key
+    'K'``) as the grid's error when K is one of the grid's keys: the grid file, the key and its value
+    (``options``: the job's option names, for a suggestion)."""
+    import difflib
+    import re
+
+    m = re.search(r"(unknown key|key) '([^']+)'(?:: (.*))?$", message)
+    if not m or m[2] not in trial.options:
+        return message
+    key, value = m[2], trial.options[m[2]]
+    if m[1] == "unknown key":
+        close = difflib.get_close_matches(key.rsplit(".", 1)[-1], options, n=1, cutoff=0.6)
+        hint = f"; did you mean {key.rsplit('.', 1)[0]}.{close[0]}?" if close else ""
+        return f"grid {grid_path}: key {key} is not an option of {job}{hint} (`train list {job}` lists them)"
+    return f"grid {grid_path}: key {key}: value {value!r} refused: {m[3]}"
+
+
+def shared_run_error(grid_path: Path, a: "Trial", b: "Trial", run: str) -> str:
+    """Two trials of a grid that are one run (the same folder): which options make them the same."""
+    same = []
+    for k in sorted(set(a.options) | set(b.options)):
+        x, y = a.options.get(k), b.options.get(k)
+        if json.dumps(x, sort_keys=True) == json.dumps(y, sort_keys=True):
+            continue
+        same.append(f"{k}={x if k in a.options else y!r} is its default" if k not in a.options or k not in b.options
+                    else f"{k}: {x!r} and {y!r} are one value")
+    what = "; ".join(same) if same else "the same options twice"
+    return (f"grid {grid_path}: trials {a.label} and {b.label} are one run ({what}): both would train in {run}; "
+            "list each value once")
 
 
 def _set_value(v) -> str:
@@ -148,11 +192,12 @@ def _trial(config: dict, build_job=None) -> None:
     import typer
     from ray import tune
 
-    from train.loop import train
+    from train.loop import claim_run_folder, train
 
     trial = config["trial"]
     os.chdir(trial["cwd"])  # Tune starts trials in their own folder: the manifest's relative paths need ours
     run_dir = Path(trial["run_dir"])
+    claim_run_folder(run_dir, trial["job"])  # a folder of other files: the trial fails in one line, nothing deleted
     retrain = False
     if finished(run_dir):
         diff = stored_differences(trial["job"], trial["manifest"], trial["sets"], run_dir)

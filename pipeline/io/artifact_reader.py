@@ -120,6 +120,16 @@ class Artifact:
     def shard_entries(self, table: str) -> list[dict]:
         return [s for s in self.manifest["shards"] if s["table"] == table]
 
+    @property
+    def recorded(self) -> list[dict]:
+        """Every file ``_manifest.json`` records: the units' shards, then the files the stage wrote
+        outside its units (``files``: build-index's FAISS indexes and matrices)."""
+        return list(self.manifest["shards"]) + list(self.manifest.get("files") or [])
+
+    def side_file(self, rel: str) -> bool:
+        """``rel`` is one of the files the stage wrote outside its units (a rerun of the stage mends it)."""
+        return any(f["path"] == rel for f in self.manifest.get("files") or [])
+
     # ---- checking files against _manifest.json (pipeline/io/verified.py) -------------------
     def _fetch(self, entry: dict) -> Path:
         """The local copy of a manifest entry, checked against the recorded size and sha256 (a
@@ -151,14 +161,14 @@ class Artifact:
         A URL's files are checked when fetched (a worker fetches its unit's files, on its node)."""
         if self.remote is not None:
             return
-        for s in self.manifest["shards"]:
+        for s in self.recorded:
             self._fetch(s)
         self._verified.save()
 
     def local_file(self, rel: str) -> Path:
         """One file of the artifact as a local path (a URL's fetched, and verified when the
         manifest records it)."""
-        entry = next((s for s in self.manifest["shards"] if s["path"] == rel), None)
+        entry = next((s for s in self.recorded if s["path"] == rel), None)
         if entry is not None:
             p = self._fetch(entry)
             self._verified.save()
@@ -175,8 +185,8 @@ class Artifact:
         """Fetch every file of a remote artifact (its shards, errors and other files) into the mirror."""
         if self.remote is None:
             return
-        shards = {s["path"] for s in self.manifest["shards"]}
-        for s in self.manifest["shards"]:
+        shards = {s["path"] for s in self.recorded}
+        for s in self.recorded:
             self._fetch(s)
         self._verified.save()
         for rel, size in self.remote.listing(refresh=True).items():
@@ -229,11 +239,18 @@ class Artifact:
     def problems(self, hashes: bool = True) -> list[tuple[str, str]]:
         """``(relative path, problem)`` for every recorded file that is missing, of another size
         or another sha256 (a remote artifact: sizes on the store, sha256 of the fetched copies).
-        ``hashes=False``: presence and size only, a ``stat`` per file (`pipeline status`)."""
+        ``hashes=False``: presence and size only, a ``stat`` per file (`pipeline status`); a file the
+        stage wrote outside its units (``files``) is hashed too once its stat is not the one it was
+        last hashed with (few files, and a same-size rewrite of an index is otherwise unseen)."""
         out = []
         listing = self.remote.listing(refresh=True) if self.remote is not None else None
-        for s in self.manifest["shards"]:
+        side = {f["path"] for f in self.manifest.get("files") or []}
+        for s in self.recorded:
             rel = s["path"]
+            if not hashes and listing is None and rel in side:
+                if (why := self._verified.problem(s)) is not None:
+                    out.append((rel, why))
+                continue
             if not hashes and listing is None:
                 try:
                     size = (self._local / rel).stat().st_size
@@ -261,7 +278,9 @@ class Artifact:
 
     def verify(self) -> list[str]:
         """Check every recorded file against its size and sha256; one problem line per bad file."""
-        return [f"{storage.join(self.location, rel)}: {why}" for rel, why in self.problems()]
+        fix = f": rerun `pipeline run {self.manifest.get('stage', '<stage>')}` (it writes the file again)"
+        return [f"{storage.join(self.location, rel)}: {why}{fix if self.side_file(rel) else ''}"
+                for rel, why in self.problems()]
 
 
 def forget_units_of(art: Artifact) -> int:

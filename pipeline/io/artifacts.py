@@ -419,8 +419,20 @@ class ArtifactWriter:
             (self.dir / "_errors" / f"{unit}.parquet").unlink(missing_ok=True)
             marker.unlink(missing_ok=True)
 
-    def finalize(self, units: list[str], extra: dict | None = None, schema: dict | None = None) -> dict:
-        """Merge per-unit errors and markers into ``errors.parquet`` and ``_manifest.json``."""
+    def side_entry(self, rel: str) -> dict:
+        """The ``files`` entry (path, bytes, sha256) of a file the stage wrote outside its units,
+        hashed unless the cache holds its sha256 for its current size and mtime; remembered."""
+        st = (self.dir / rel).stat()
+        seen = self.verified.seen.get(rel)
+        sha = seen[2] if seen and seen[:2] == [st.st_size, st.st_mtime_ns] else sha256_file(self.dir / rel)
+        self.verified.remember(rel, st.st_size, st.st_mtime_ns, sha)
+        return {"path": rel, "bytes": st.st_size, "sha256": sha}
+
+    def finalize(self, units: list[str], extra: dict | None = None, schema: dict | None = None,
+                 files: list[dict] | None = None) -> dict:
+        """Merge per-unit errors and markers into ``errors.parquet`` and ``_manifest.json``.
+        ``files``: the :meth:`side_entry` of every file the stage wrote outside its units (recorded as
+        the manifest's ``files``, checked by readers, `pipeline status` and `pipeline verify`)."""
         markers = []
         for u in units:
             m = self._marker(u, fetch=True)
@@ -476,8 +488,12 @@ class ArtifactWriter:
         }
         manifest.update(extra or {})
         self._remove_orphans(markers)
-        self._seed_verified(markers)
         write_layout_note(self.dir, self.artifact, self.stage, sorted(tables))
+        # every other file the artifact holds, recorded and verified like the shards: the stage's own
+        # (build-index's FAISS files), the merged errors table and the layout note
+        files = list(files or []) + [self.side_entry(ERRORS_PATH), self.side_entry(LAYOUT_NOTE)]
+        manifest["files"] = [{k: f[k] for k in ("path", "bytes", "sha256")} for f in files]
+        self._seed_verified(markers, [f["path"] for f in files])
         write_json_atomic(self.dir / "_manifest.json", manifest)
         if self.remote is not None:  # everything else first, the manifest last
             self.remote.rm(LEGACY_ERRORS_PATH)
@@ -487,14 +503,15 @@ class ArtifactWriter:
         release_lock(self.dir)
         return manifest
 
-    def _seed_verified(self, markers: list[dict]) -> None:
+    def _seed_verified(self, markers: list[dict], side: list[str]) -> None:
         """Readers check a file with a stat when ``_cache.json`` holds the size and mtime it had
-        when hashed: the units' markers recorded both for the files they wrote."""
+        when hashed: the units' markers recorded both for the files they wrote (``side``: the files
+        written outside units, remembered by :meth:`side_entry`)."""
         files = [f for m in markers for f in m.get("files", [])]
         for f in files:
             if "mtime_ns" in f:
                 self.verified.remember(f["path"], f["bytes"], f["mtime_ns"], f["sha256"])
-        self.verified.keep_only({f["path"] for f in files})
+        self.verified.keep_only({f["path"] for f in files} | set(side))
         self.verified.save()
 
     def _remove_orphans(self, markers: list[dict]) -> None:

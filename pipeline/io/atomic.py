@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -20,8 +21,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def _tmp_name(path: Path) -> Path:
+# the temporary names this project writes: atomic_path's (8 hex digits), tempfile.mkdtemp's (8 of
+# [a-z0-9_]: train/encoders.py), a pid (older versions' .last.pt.<pid>.tmp) and the crash probes' folders
+# (pipeline/crashes.py)
+TMP_NAME = re.compile(r"\.[^/]+\.(?:[a-z0-9_]{8}|[0-9]+)\.tmp|\.probe-[0-9A-Za-z_-]+\.tmp")
+
+
+def tmp_name(path: Path) -> Path:
+    """A temporary name beside ``path`` (``.<name>.<8 hex>.tmp``: one :func:`remove_stale_tmp` knows)."""
+    path = Path(path)
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+_tmp_name = tmp_name
 
 
 @contextlib.contextmanager
@@ -49,10 +61,13 @@ def atomic_path(path: str | Path):
 
 def remove_stale_tmp(folder: str | Path) -> int:
     """Delete ``.<name>.<random>.tmp`` files (and folders) a killed writer left under ``folder``;
-    returns how many. Only for a folder whose lock (pipeline/io/lock.py) this process holds: the
-    temporary files of a live writer look the same."""
+    returns how many. Only names this project writes (:data:`TMP_NAME`), and only for a folder the
+    project made (an artifact folder; a run folder carrying its marker, train/run_folder.py) whose
+    lock (pipeline/io/lock.py) this process holds: the temporary files of a live writer look the same."""
     n = 0
     for p in Path(folder).rglob(".*.tmp"):
+        if not TMP_NAME.fullmatch(p.name) or p.is_symlink():
+            continue
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:

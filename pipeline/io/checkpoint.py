@@ -140,7 +140,13 @@ def _keep_as_previous(path: Path) -> None:
 
 
 def recorded_sha256(path: str | Path) -> str | None:
-    """The sha256 the checksum file beside ``path`` records (``None``: no readable one)."""
+    """The sha256 the checksum file beside ``path`` records (``None``: no readable one); a checksum
+    file that is not a regular file (a FIFO would block the read forever) raises :class:`CheckpointError`."""
+    from pipeline.io.run_files import not_regular
+
+    if (what := not_regular(sum_path(path))) is not None:
+        raise CheckpointError(f"checkpoint {path}: its checksum file {sum_path(path)} is {what}, not a regular file: it "
+                              f"is not read; remove it (the checkpoint is then checked by its zip CRCs)")
     try:
         first = sum_path(path).read_text(errors="replace").split()
     except OSError:
@@ -183,7 +189,11 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
 
     import torch
 
+    from pipeline.io.run_files import not_regular
+
     path = Path(path)
+    if (what := not_regular(path)) is not None:
+        raise CheckpointError(f"checkpoint {path}: is {what}, not a regular file: it is not read")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: file not found")
     problem = integrity_problem(path)

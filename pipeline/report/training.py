@@ -9,7 +9,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from pipeline.io.run_files import CorruptRunFile, read_json_file, read_parquet_file
+from pipeline.io.run_files import CorruptRunFile, read_config_file, read_json_file, read_results_file
 from pipeline.report.curves import chance_keys, plot_metrics, read_metrics
 from pipeline.report.formatting import fmt_num, fmt_value
 from pipeline.report.significance import BELOW_CHANCE_NOTE, diff_text, interval, verdicts
@@ -25,7 +25,7 @@ def eval_tables(run_dir: Path) -> list[dict]:
     for d in sorted((p for p in ev.iterdir() if p.is_dir()), key=lambda p: (p.name != "final", p.name)):
         res = d / "results.parquet"
         if res.is_file():
-            rows = read_parquet_file(res).to_pylist()
+            rows = read_results_file(res).to_pylist()
             out_rows = []
             for r, sig in zip(rows, verdicts(rows)):
                 try:
@@ -111,7 +111,7 @@ def training_section(output: Path, out, manifest_path: str | None) -> dict:
         for run_dir in sorted(run_dirs):
             job = run_dir.relative_to(root).as_posix()
             try:  # the files a run's entry is made of: a corrupt one leaves the run out, named
-                cfg = read_json_file(run_dir / "config.json") if (run_dir / "config.json").is_file() else {}
+                cfg = read_config_file(run_dir / "config.json") if (run_dir / "config.json").is_file() else {}
                 evals = eval_tables(run_dir)
             except CorruptRunFile as e:
                 log.warning("report: run folder %s skipped: %s", run_dir, e)

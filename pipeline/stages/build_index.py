@@ -28,7 +28,10 @@ Bulk search: flat indexes are searched with FAISS; IVF hard negatives use
 :func:`ivf_search_batched`, the same IVF search (same lists, same ``nprobe``) done list by list
 with BLAS over all queries at once (FAISS's per-query IVF scan is memory-bound; see there).
 The FAISS files are rebuilt only when the embeddings or index options change (``faiss/_build.json``
-holds their fingerprint); search runs in resumable units of ``query_chunk`` queries.
+holds their fingerprint) or a file of the build is missing or not the bytes written (``_build.json``
+records each one's size and sha256; a plain rerun mends a damaged index); every file under ``faiss/``
+is in ``_manifest.json``'s ``files``, checked by `pipeline status` and `pipeline verify`. Search runs in
+resumable units of ``query_chunk`` queries.
 
 Driver memory: building loads every embedding into the driver (one FAISS index over all of them
 needs them in one place: inherent to this stage), in :func:`_build`, and releases them before the
@@ -49,7 +52,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
-from pipeline.io.atomic import atomic_path, fingerprint, sha256_file, write_json_atomic
+from pipeline.io.atomic import atomic_path, fingerprint, write_json_atomic
 from pipeline.stage import RunContext, StageConfig, StageError, run_units, unit_writer
 
 log = logging.getLogger("pipeline")
@@ -402,13 +405,16 @@ def _load_embeddings(ctx: RunContext, normalize: bool):
     return art, xi[oi], img_ids[oi], xc[oc], cap_ids[oc], cap_owner[oc]
 
 
-def _build(ctx: RunContext, cfg: Config, root, build_fp: str) -> dict:
+def _build(ctx: RunContext, cfg: Config, writer, build_fp: str) -> dict:
     """Load every embedding of `clip_tokens` and build both indexes (the FAISS files, the
     query-side matrices and id arrays the search units memory-map): the one step that holds the
     whole dataset's embeddings in the driver, inherent to building one index over all of them.
     The matrices are released when it returns: the search units read their own query slices from
-    ``faiss/*.npy``, the driver keeps only ``_build.json``. Returns that content."""
+    ``faiss/*.npy``, the driver keeps only ``_build.json``, which records every file written with its
+    size and sha256 (``files``: a rerun rebuilds when one is missing or changed). Returns that content."""
     import faiss
+
+    root = writer.dir / "faiss"
 
     t0 = time.perf_counter()
     _, xi, img_ids, xc, cap_ids, cap_owner = _load_embeddings(ctx, cfg.normalize)
@@ -436,8 +442,11 @@ def _build(ctx: RunContext, cfg: Config, root, build_fp: str) -> dict:
         info["indexes"][side] = entry
         log.info("index: %s: %s index of %s built and written in %.1fs", side, kind, f"{len(ids):,}", time.perf_counter() - t0)
     _npy_write(root / "captions_owner.npy", cap_owner)
+    written = sorted(p.relative_to(writer.dir).as_posix() for p in root.iterdir()
+                     if p.suffix in (".faiss", ".npy") and not p.name.startswith("."))
+    info["files"] = {rel: {k: e[k] for k in ("bytes", "sha256")} for rel in written for e in [writer.side_entry(rel)]}
     for side in sides:
-        info["indexes"][side]["sha256"] = sha256_file(root / f"{side}.faiss")
+        info["indexes"][side]["sha256"] = info["files"][f"faiss/{side}.faiss"]["sha256"]
     info["max_captions"] = _max_captions(img_ids, cap_owner)
     write_json_atomic(root / "_build.json", info)
     return info
@@ -448,19 +457,42 @@ def _max_captions(img_ids: np.ndarray, cap_owner: np.ndarray) -> int:
     return int(np.bincount(np.searchsorted(img_ids, cap_owner), minlength=len(img_ids)).max()) if len(cap_owner) else 0
 
 
+def _built_info(path) -> dict:
+    """``faiss/_build.json`` of an earlier build ({} when absent, unreadable or not a regular file:
+    the indexes are built again)."""
+    from pipeline.io.run_files import not_regular
+
+    if not_regular(path) is not None or not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) and isinstance(info.get("files"), dict) else {}
+
+
+def _damaged(writer, info: dict) -> str | None:
+    """The first file an earlier build wrote that is missing or not the bytes its ``_build.json``
+    records (a stat when the artifact's cache vouches for it), as ``<file>: <problem>``."""
+    for rel, e in sorted(info.get("files", {}).items()):
+        why = writer.verified.problem({"path": rel, **e}) if isinstance(e, dict) else "no size or sha256 recorded"
+        if why is not None:
+            return f"{rel}: {why}"
+    return None
+
+
 def run(ctx: RunContext, cfg: Config) -> dict:
     art = ctx.artifact("clip_tokens")
     params = cfg.model_dump(mode="json", exclude={"enabled", "threads"})
     writer = ctx.writer("index", NAME, params, inputs={"clip_tokens": art.fingerprint})
-    root = writer.dir / "faiss"
     build_fp = fingerprint(params, art.fingerprint)
-    info_path = root / "_build.json"
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    files_ok = all((root / f"{s}.faiss").is_file() for s in ("images", "captions"))
-    if ctx.force or info.get("fingerprint") != build_fp or not files_ok:
-        info = _build(ctx, cfg, root, build_fp)
-    elif "max_captions" not in info:  # built by an older version: from the id arrays (8 bytes a row)
-        info["max_captions"] = _max_captions(np.load(root / "images_ids.npy", mmap_mode="r"), np.load(root / "captions_owner.npy", mmap_mode="r"))
+    info_path = writer.dir / "faiss" / "_build.json"
+    info = _built_info(info_path)
+    damaged = _damaged(writer, info) if info.get("fingerprint") == build_fp else None
+    if damaged and not ctx.force:  # never searched from an altered index or matrix: built again
+        log.warning("index: %s since it was built: building the indexes again", damaged)
+    if ctx.force or info.get("fingerprint") != build_fp or damaged:
+        info = _build(ctx, cfg, writer, build_fp)
     n = {side: info["indexes"][side]["n"] for side in ("images", "captions")}
     units = []
     for side in ("images", "captions"):
@@ -480,7 +512,9 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             units.append((f"{side[:3]}-{u:05d}", unit_input, payload))
     names = run_units(ctx, writer, units, search_unit, total_rows=n["images"] + n["captions"])
     schema = {"image_negatives": str(NEG_IMAGE_SCHEMA), "caption_negatives": str(NEG_CAPTION_SCHEMA)}
-    m = writer.finalize(names, extra={"faiss": info["indexes"], "similarity": "cosine" if cfg.normalize else "inner product"}, schema=schema)
+    side = [writer.side_entry(rel) for rel in sorted(info["files"])] + [writer.side_entry("faiss/_build.json")]
+    m = writer.finalize(names, extra={"faiss": info["indexes"], "similarity": "cosine" if cfg.normalize else "inner product"},
+                        schema=schema, files=side)
     return {
         "images": n["images"],
         "captions": n["captions"],

@@ -133,7 +133,11 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     if U == 0:
         raise StageError(f"{concepts.dir}: empty concept vocabulary (no concept with df >= {cfg.min_df}): nothing to "
                          "encode; mine more captions or lower stages.encode_concepts.min_df")
+    from pipeline.models.scene_oracle import is_oracle, require_generated
+
     spec = ctx.manifest.models.clip
+    if is_oracle(spec):  # the testbed instrument: the generated dataset only, refused before any work
+        require_generated(ctx.manifest, "clip")
     with model_key("models.clip", spec):  # cached: a rerun with nothing to do loads no model
         record = cached_info(ctx.output, "clip", {"clip": spec}, lambda: load_clip(spec)[3])
     dims = {k: record[k] for k in ("text_dim", "projection_dim")}

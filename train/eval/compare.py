@@ -5,7 +5,6 @@ beside each value; a run whose results cannot be read is named and skipped
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,21 +51,21 @@ def _run_dir_of(res_path: Path) -> Path:
 
 
 def _run_config(res_path: Path) -> dict:
-    """The run's training options (the nearest config.json above its results), {} when none is readable."""
+    """The run's training options (the nearest config.json above its results), {} when there is none; a
+    config.json that is not a JSON object raises :class:`CorruptRunFile`."""
+    from pipeline.io.run_files import read_config_file
+
     for d in [res_path.parent, *res_path.parents]:
         cfg = d / "config.json"
         if cfg.is_file():
-            try:
-                got = json.loads(cfg.read_text())
-            except ValueError:
-                return {}
-            return got if isinstance(got, dict) else {}
+            return read_config_file(cfg)
     return {}
 
 
 def _run_label(res_path: Path, rows: list[dict]) -> str:
-    job = rows[0]["job"] if rows else "?"
-    variant = rows[0]["variant"] if rows else "?"
+    """``job/variant [control=...] sSEED``; a config.json that is not a JSON object raises :class:`CorruptRunFile`."""
+    job = rows[0].get("job", "?") if rows else "?"
+    variant = rows[0].get("variant", "?") if rows else "?"
     cfg = _run_config(res_path)
     seed, control = cfg.get("seed"), cfg.get("control")
     label = f"{job}/{variant}" + (f" control={control}" if control not in (None, "none") else "")
@@ -108,7 +107,7 @@ def compare(paths: Sequence[str | Path], bench: Sequence[str] = (), subset: Sequ
     (one-sided p, Holm)`` over every control row of the table, :mod:`train.eval.controls`), chance beside. A run whose results
     cannot be read is named and skipped. ``bench``, ``subset``, ``min_n``: only the rows
     :func:`keep_row` keeps (a filter that keeps none is an error naming what there is)."""
-    from pipeline.io.run_files import CorruptRunFile, read_parquet_file, skipped_line
+    from pipeline.io.run_files import CorruptRunFile, read_results_file, skipped_line
 
     runs, corrupt = [], []
     for p in paths:
@@ -116,13 +115,14 @@ def compare(paths: Sequence[str | Path], bench: Sequence[str] = (), subset: Sequ
             files = _latest_results(Path(p))
             merged: dict[tuple, dict] = {}
             for f in files:  # oldest first: a newer evaluation of the same row wins
-                for r in read_parquet_file(f).to_pylist():
+                for r in read_results_file(f).to_pylist():
                     merged[(r["benchmark"], r["subset"], r["metric"])] = r
+            rows = list(merged.values())
+            label = _run_label(files[-1], rows)
         except CorruptRunFile as e:
             corrupt.append(str(e))
             continue
-        rows = list(merged.values())
-        runs.append((_run_label(files[-1], rows), ", ".join(str(f) for f in files), rows))
+        runs.append((label, ", ".join(str(f) for f in files), rows))
     if not runs and corrupt:
         raise CorruptRunFile(skipped_line(corrupt))
     base = [r[0] for r in runs]

@@ -88,11 +88,13 @@ class RelationHeadJob(Job):
             raise ValueError(f"{self.art_dir}: no image with instances")
         self.d = items[0][1].shape[1]
         tr, ev = split_ids(manifest, cfg, [it[0] for it in items])
-        self.train_items = [it for it in items if it[0] in tr]
+        self.train_graphs = [it for it in items if it[0] in tr]
         self.eval_items = [it for it in items if it[0] in ev]
-        self.pred_rank = predicate_order(self.train_items, len(self.vocab))  # the image-blind ranking (chance)
+        self.pred_rank = predicate_order(self.train_graphs, len(self.vocab))  # the image-blind ranking (chance)
         if self.cfg.control == "shuffled":
-            self.train_items = shuffle_graphs(self.train_items, self.cfg.seed)
+            self.train_graphs = shuffle_graphs(self.train_graphs, self.cfg.seed)
+        # Job.train_items is the training split's size (what --workers' preflight compares with the workers)
+        self.train_items = len(self.train_graphs)
         self.head_cfg = dict(in_dim=self.d, width=self.cfg.width, layers=self.cfg.layers, heads=self.cfg.heads, cls_dim=self.cfg.cls_dim,
                              n_predicates=len(self.vocab), use_boxes=self.cfg.use_boxes, dropout=self.cfg.dropout,
                              unit_tokens=self.cfg.unit_tokens)  # fmt: skip
@@ -102,12 +104,12 @@ class RelationHeadJob(Job):
         return build_relation_head(**self.head_cfg)
 
     def batches_per_epoch(self):
-        return self.steps_per_epoch(math.ceil(len(self.train_items) / self.cfg.batch_size))
+        return self.steps_per_epoch(math.ceil(len(self.train_graphs) / self.cfg.batch_size))
 
     def batches(self, epoch, start):
-        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train_items))
-        for b in self.rank_batches(math.ceil(len(self.train_items) / self.cfg.batch_size), start):
-            chunk = [self.train_items[i] for i in order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size]]
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train_graphs))
+        for b in self.rank_batches(math.ceil(len(self.train_graphs) / self.cfg.batch_size), start):
+            chunk = [self.train_graphs[i] for i in order[b * self.cfg.batch_size : (b + 1) * self.cfg.batch_size]]
             yield tuple(t.to(self.device) for t in collate(chunk, len(self.vocab), self.d))
 
     def loss(self, model, batch):
@@ -142,7 +144,7 @@ class RelationHeadJob(Job):
         model = model.cpu()
         ks, n_pred, rank = self.cfg.recall_k, len(self.vocab), self.pred_rank
         res = {f"val_{k}": v for k, v in evaluate_model(model, self.eval_items, n_pred, self.d, ks, rank).items()}
-        res.update({f"train_{k}": v for k, v in evaluate_model(model, self.train_items, n_pred, self.d, ks[:1], rank).items()})
+        res.update({f"train_{k}": v for k, v in evaluate_model(model, self.train_graphs, n_pred, self.d, ks[:1], rank).items()})
         model.to(self.device)
         out_dir = Path(out_dir)
         if out_dir.name == "final":  # the loop's final evaluation: export the trained model for the stage
