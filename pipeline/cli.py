@@ -46,6 +46,16 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def _require_models(m, stages: list[str], manifest: Path, sets: list[str] | None) -> None:
+    """Stop (one line, exit 2) when model folders the ``stages`` load do not exist: every one named,
+    with the command that makes it (pipeline/models/required.py)."""
+    from pipeline.models.required import missing_message, missing_models
+
+    missing = missing_models(m, stages)
+    if missing:
+        _fail(missing_message(missing, m, manifest, sets))
+
+
 ManifestOpt = Annotated[Path, typer.Option("--manifest", "-m", help="run description (YAML)")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a manifest key: a.b=c (repeatable)")]
 
@@ -73,6 +83,12 @@ def run(
     from pipeline.io import storage
     from pipeline.io.artifacts import OutputPathError, ensure_dir
 
+    reg = registry()
+    if stage == "all":
+        names = dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled])
+    else:
+        names = [stage]
+    _require_models(m, names, manifest, set_)  # every missing model folder at once, before Ray or a folder is made
     storage.configure_from(m)
     local = storage.local_path(m.output)  # an object-storage output: its mirror in the cache (logs stay local)
     try:  # a file where the output folder should be, or no write permission: one line, exit 2
@@ -81,11 +97,6 @@ def run(
     except OutputPathError as e:
         _fail(str(e))
     setup_logging(local, f"run-{stage}", verbose)
-    reg = registry()
-    if stage == "all":
-        names = dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled])
-    else:
-        names = [stage]
     ctx = RunContext(m, force=force, limit=limit)
     from pipeline.report.build import record_stage
 
@@ -281,8 +292,16 @@ def status(
         m = load_manifest(manifest, set_ or [])
     except ManifestError as e:
         _fail(str(e))
-    states = output_states(m, verify=verify_files)
+    from pipeline.models.required import command_args, missing_message, missing_models
+    from pipeline.stage import registry
+
+    states = output_states(m, verify=verify_files, args=command_args(manifest, set_))
     typer.echo(format_states(states))
+    reg = registry()
+    todo = [s.stage for s in states if s.state != "complete" and s.stage in reg]
+    missing = missing_models(m, todo)  # the stages still to run need these first
+    if missing:
+        typer.echo("models: " + missing_message(missing, m, manifest, set_))
     if any(s.state != "complete" for s in states):
         raise typer.Exit(1)
 
@@ -308,6 +327,10 @@ def plan(
         m = load_manifest(manifest, set_ or [])
     except ManifestError as e:
         _fail(str(e))
+    from pipeline.stage import dependency_order, registry
+
+    reg = registry()
+    _require_models(m, dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled]), manifest, set_)
     setup_logging(None)
     from pipeline.sizing.dataset import given_size, read_captions
     from pipeline.sizing.plan import build_plan, format_plan, space_warning

@@ -53,9 +53,11 @@ def _units_done(loc) -> int:
     return len(list((Path(loc) / "_state").glob("*.json"))) if Path(loc, "_state").is_dir() else 0
 
 
-def artifact_state(location, name: str, verify: bool = False, _seen: dict | None = None) -> ArtifactState:
+def artifact_state(location, name: str, verify: bool = False, _seen: dict | None = None, args: str = "") -> ArtifactState:
     """The state of ``<location>/<name>`` (see the module docstring): every recorded file must be
-    present with its recorded size (a ``stat`` each); ``verify``: its sha256 too (reads every byte)."""
+    present with its recorded size (a ``stat`` each); ``verify``: its sha256 too (reads every byte).
+    ``args`` (`` -m <manifest> --set ...``, :func:`pipeline.models.required.command_args`) complete the
+    suggested commands."""
     seen = {} if _seen is None else _seen
     if name in seen:
         return seen[name]
@@ -66,10 +68,10 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         man = art.manifest
     except (ArtifactMissing, OSError, ValueError) as e:
         n = _units_done(loc)
-        st = (ArtifactState(name, stage, "incomplete", f"{n} units done, not finished: rerun `pipeline run {stage}`")
-              if n else ArtifactState(name, stage, "missing", f"run `pipeline run {stage}`"))
+        st = (ArtifactState(name, stage, "incomplete", f"{n} units done, not finished: rerun `pipeline run {stage}{args}`")
+              if n else ArtifactState(name, stage, "missing", f"run `pipeline run {stage}{args}`"))
         if isinstance(e, ValueError):
-            st = ArtifactState(name, stage, "corrupt", f"_manifest.json is not valid JSON ({e}): rerun `pipeline run {stage}`")
+            st = ArtifactState(name, stage, "corrupt", f"_manifest.json is not valid JSON ({e}): rerun `pipeline run {stage}{args}`")
         seen[name] = st
         return st
     from pipeline.counts import artifact_count
@@ -78,7 +80,7 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
     created = str(man.get("created", ""))
     reasons = []
     for inp, fp in sorted((man.get("input_fingerprints") or {}).items()):
-        up = artifact_state(location, inp, False, seen)
+        up = artifact_state(location, inp, False, seen, args)
         if up.state == "missing":
             reasons.append(f"its input {inp} is missing")
             continue
@@ -91,7 +93,7 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         elif up.state in ("stale", "corrupt"):
             reasons.append(f"its input {inp} is {up.state}")
     if reasons:
-        st = ArtifactState(name, stage, "stale", "; ".join(reasons) + f": rerun `pipeline run {stage}`", rows, created, unit)
+        st = ArtifactState(name, stage, "stale", "; ".join(reasons) + f": rerun `pipeline run {stage}{args}`", rows, created, unit)
     else:
         st = ArtifactState(name, stage, "complete", "", rows, created, unit)
         bad = art.problems(hashes=verify)  # every file present at its recorded size (a stat each); --verify: sha256s
@@ -99,14 +101,14 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
             rel, why = bad[0]
             more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
             st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: `pipeline verify --fix {loc}`, "
-                               f"then rerun `pipeline run {stage}`", rows, created, unit)
+                               f"then rerun `pipeline run {stage}{args}`", rows, created, unit)
     seen[name] = st
     return st
 
 
-def output_states(manifest, verify: bool = False) -> list[ArtifactState]:
+def output_states(manifest, verify: bool = False, args: str = "") -> list[ArtifactState]:
     """One state per artifact that the manifest's enabled stages write or that is on disk, in
-    dependency order."""
+    dependency order (``args``: see :func:`artifact_state`)."""
     from pipeline.stage import dependency_order, registry
 
     reg = registry()
@@ -125,16 +127,17 @@ def output_states(manifest, verify: bool = False) -> list[ArtifactState]:
                     continue
     seen: dict = {}
     location = storage.location(manifest.output)
-    return [artifact_state(location, n, verify, seen) for n in names]
+    return [artifact_state(location, n, verify, seen, args) for n in names]
 
 
-def require_fresh(manifest, names, who: str) -> None:
+def require_fresh(manifest, names, who: str, args: str = "") -> None:
     """Raise :class:`StaleArtifact` naming the first of ``names`` (artifacts under the manifest's
-    output) that is stale; missing ones are left to the caller (some are optional)."""
+    output) that is stale; missing ones are left to the caller (some are optional). ``args``: see
+    :func:`artifact_state`."""
     seen: dict = {}
     location = storage.location(manifest.output)
     for n in names:
-        st = artifact_state(location, n, False, seen)
+        st = artifact_state(location, n, False, seen, args)
         if st.state in ("stale", "corrupt", "incomplete"):
             raise StaleArtifact(f"{who}: input artifact {n} is {st.state}: {st.detail}")
 

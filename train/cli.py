@@ -63,7 +63,9 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
     from pipeline.status import StaleArtifact, require_fresh
 
     try:  # an input redone since the artifacts made from it were written: stop before reading it
-        require_fresh(m, getattr(mod, "READS", []), name)
+        from pipeline.models.required import command_args
+
+        require_fresh(m, getattr(mod, "READS", []), name, command_args(manifest, overrides) if manifest else "")
     except StaleArtifact as e:
         _fail(str(e))
     try:
