@@ -327,6 +327,7 @@ def plan(
     for CPU stages with --calibrate. Library messages go to <output>/_logs/plan.log. Warns when the
     output's disk is too small."""
     import math
+    import subprocess
 
     from pipeline.config import ManifestError, load_manifest
 
@@ -375,6 +376,9 @@ def plan(
             error = f"plan: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
         except MemoryError:
             error = "plan: out of memory sizing this dataset; plan fewer images or raise the stages' shard_size"
+        except subprocess.TimeoutExpired as e:  # a calibration child on a machine too busy to finish it
+            error = (f"plan: a calibration step did not finish within {e.timeout:.0f} s (is the machine busy?); "
+                     "rerun --calibrate later (what it measured is cached), or plan without it")
     if error:
         _fail(f"{error} (library messages: {log})")
     warning = space_warning(result)

@@ -127,3 +127,18 @@ def test_calibrate_says_how_long_first_and_then_what_the_last_took(tmp_path, mon
     again = _invoke(*args, out=out).stderr.splitlines()[0]
     assert again.startswith(f"calibrating: expected about {plan.fmt_seconds(entry['seconds'])} (the last calibration of "
                             f"these 9 stages here, {entry['at']}; measurements it cached are reused)")
+
+
+def test_a_calibration_step_that_times_out_is_one_line(tmp_path, monkeypatch):
+    import subprocess
+
+    from pipeline.sizing import plan
+
+    def slow(*a, **k):
+        raise subprocess.TimeoutExpired(["python", "-c", "..."], 600)
+
+    monkeypatch.setattr(plan, "build_plan", slow)
+    r = _invoke("--calibrate", out=tmp_path / "o")
+    assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: plan: a calibration step did not finish within 600 s (is the machine busy?); rerun --calibrate later "
+        f"(what it measured is cached), or plan without it (library messages: {tmp_path / 'o' / '_logs' / 'plan.log'})")
