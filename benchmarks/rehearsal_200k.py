@@ -14,7 +14,7 @@ What it does, in order:
 2. starts a two-node Ray cluster on loopback exactly as tests/test_cluster.py does (a head and a
    second node, one CPU each, token authentication, stopped by their own pids at exit) and points
    ``ray.address`` at it;
-3. `pipeline plan --json` on it (before any stage has run: the estimate, its calibration timed on
+3. `pipeline plan --json --calibrate` on it (before any stage has run: the estimate, its calibration timed on
    this cluster and machine), saved as ``plan.json``;
 4. runs each stage as `pipeline run <stage>`, sampling every 0.5 s the resident memory of the
    driver (the `pipeline` process and its children) and of each node's Ray workers;
@@ -121,7 +121,7 @@ def main() -> None:
     def plan_now(address, root=None):
         mpath.write_text(yaml.safe_dump(manifest(out, args.images, args.image_size, address, root), sort_keys=False))
         t0 = time.perf_counter()
-        run = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "-m", str(mpath), "--json"],
+        run = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "-m", str(mpath), "--json", "--calibrate"],
                              capture_output=True, text=True, env=_env(), cwd=REPO)
         if run.returncode != 0:
             raise SystemExit(f"pipeline plan failed (exit {run.returncode}):\n{run.stderr[-3000:]}")

@@ -33,7 +33,7 @@ NODE = ["--cpus", "96", "--gpus", "8"]
 def plan(images: int, cpi: float, words: float | None, *sets: str) -> dict:
     cmd = [sys.executable, "-m", "pipeline.cli", "plan", "-m", "manifests/coco.yaml", "--set", "output=runs/sizing",
            *[x for s in sets for x in ("--set", s)],
-           "--images", str(images), "--captions-per-image", str(cpi), "--captions-sample", CAPTIONS, *NODE, "--json"]
+           "--images", str(images), "--captions-per-image", str(cpi), "--captions-sample", CAPTIONS, *NODE, "--json", "--calibrate"]
     if words:
         cmd += ["--words-per-caption", str(words)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")

@@ -42,7 +42,8 @@ def run_encoders(cli, manifest: str, sets: list[str], jobs: list[str], pool=None
     _, t_ingest, err, _ = cli("pipeline", "run", "ingest", "--manifest", manifest, *sets)
     if err:
         return [(j, None, 0.0, f"pipeline run ingest failed: {err}", "") for j in jobs], t_ingest
-    calls = [("train", "run", job, "--manifest", manifest, "--json", "--no-progress", *sets) for job in jobs]
+    # --export: these runs make the folders the manifest's models.* load, whatever --set the testbed was given
+    calls = [("train", "run", job, "--manifest", manifest, "--json", "--no-progress", "--export", *sets) for job in jobs]
     if pool is None:
         results = [cli(*c) for c in calls]
     else:

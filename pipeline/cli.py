@@ -49,6 +49,16 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def _require_models(m, stages: list[str], manifest: Path, sets: list[str] | None) -> None:
+    """Stop (one line, exit 2) when model folders the ``stages`` load do not exist: every one named,
+    with the command that makes it (pipeline/models/required.py)."""
+    from pipeline.models.required import missing_message, missing_models
+
+    missing = missing_models(m, stages)
+    if missing:
+        _fail(missing_message(missing, m, manifest, sets))
+
+
 ManifestOpt = Annotated[Path, typer.Option("--manifest", "-m", help="run description (YAML)")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a manifest key: a.b=c (repeatable)")]
 
@@ -77,6 +87,12 @@ def run(
     from pipeline.io import storage
     from pipeline.io.artifacts import OutputPathError, ensure_dir
 
+    reg = registry()
+    if stage == "all":
+        names = dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled])
+    else:
+        names = [stage]
+    _require_models(m, names, manifest, set_)  # every missing model folder at once, before Ray or a folder is made
     storage.configure_from(m)
     local = storage.local_path(m.output)  # an object-storage output: its mirror in the cache (logs stay local)
     try:  # a file where the output folder should be, or no write permission: one line, exit 2
@@ -85,11 +101,6 @@ def run(
     except OutputPathError as e:
         _fail(str(e))
     setup_logging(local, f"run-{stage}", verbose)
-    reg = registry()
-    if stage == "all":
-        names = dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled])
-    else:
-        names = [stage]
     ctx = RunContext(m, force=force, limit=limit)
     from pipeline.report.build import record_stage
 
@@ -292,8 +303,16 @@ def status(
         m = load_manifest(manifest, set_ or [])
     except ManifestError as e:
         _fail(str(e))
-    states = output_states(m, verify=verify_files)
+    from pipeline.models.required import command_args, missing_message, missing_models
+    from pipeline.stage import registry
+
+    states = output_states(m, verify=verify_files, args=command_args(manifest, set_))
     typer.echo(format_states(states))
+    reg = registry()
+    todo = [s.stage for s in states if s.state != "complete" and s.stage in reg]
+    missing = missing_models(m, todo)  # the stages still to run need these first
+    if missing:
+        typer.echo("models: " + missing_message(missing, m, manifest, set_))
     if any(s.state != "complete" for s in states):
         raise typer.Exit(1)
 
@@ -303,40 +322,83 @@ def plan(
     manifest: ManifestOpt,
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
-    cpus: Annotated[Optional[int], typer.Option("--cpus", help="size for a node of this many CPUs (default: Ray's, or this machine's)")] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="size for a node of this many GPUs (default: Ray's, or this machine's)")] = None,
-    images: Annotated[Optional[int], typer.Option("--images", help="a dataset not on this machine: this many images (with the caption options)")] = None,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="also time the CPU stages here (each stage's own worker "
+                                            "on the first records, Ray's and the pools' fixed costs): wall times for "
+                                            "CPU stages; minutes the first time (it says how long first), then cached")] = False,
+    cpus: Annotated[Optional[int], typer.Option("--cpus", help="size for a node of this many CPUs, 1 or more (default: Ray's, or this machine's)")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="size for a node of this many GPUs, 0 or more (default: Ray's, or this machine's)")] = None,
+    images: Annotated[Optional[float], typer.Option("--images", help="a dataset not on this machine: this many images, 1 or more (1.2e6 works; with the caption options)")] = None,
     captions_per_image: Annotated[float, typer.Option("--captions-per-image", help="with --images")] = 5.0,
     captions_sample: Annotated[Optional[Path], typer.Option("--captions-sample", help="with --images: captions of the same kind (text, one per line; or JSON items with `caption`)")] = None,
     words_per_caption: Annotated[Optional[float], typer.Option("--words-per-caption", help="with --images: run the sample captions together, cut into captions of this many words (longer alt-texts)")] = None,
     instances_per_image: Annotated[float, typer.Option("--instances-per-image", help="with --images: annotated instances")] = 0.0,
 ) -> None:
-    """Rows, bytes on disk, forward cost and wall time of every enabled stage, before a run (no
-    weights downloaded, no stage run; pipeline/sizing/). Warns when the output's disk is too small."""
+    """Rows, bytes on disk and forward GFLOPs of every enabled stage, before a run, in seconds (no weights
+    downloaded, no stage run; pipeline/sizing/); wall time for GPU stages from FLOPs at a stated A100 rate,
+    for CPU stages with --calibrate. Library messages go to <output>/_logs/plan.log. Warns when the
+    output's disk is too small."""
+    import math
+    import subprocess
+
     from pipeline.config import ManifestError, load_manifest
 
+    if cpus is not None and cpus < 1:  # a value given is used as given: one that cannot be a node is refused
+        _fail(f"--cpus {cpus}: a node has at least 1 CPU; give --cpus 1 or more, or leave it out to plan for this machine")
+    if gpus is not None and gpus < 0:
+        _fail(f"--gpus {gpus}: a node has 0 GPUs or more; give --gpus 0 for a CPU-only node")
+    if images is not None and not (math.isfinite(images) and images >= 1 and images == int(images)):
+        _fail(f"--images {images:g}: expected a whole number of images, 1 or more (e.g. --images 118287)")
     try:
         m = load_manifest(manifest, set_ or [])
     except ManifestError as e:
         _fail(str(e))
-    setup_logging(None)
+    from pipeline.stage import dependency_order, registry
+
+    reg = registry()
+    names = dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled])
+    _require_models(m, names, manifest, set_)
+    from pipeline.io import storage
+    from pipeline.library_output import library_output_to, log_path
     from pipeline.sizing.dataset import given_size, read_captions
-    from pipeline.sizing.plan import build_plan, format_plan, space_warning
+    from pipeline.sizing.plan import build_plan, calibration_estimate, format_plan, space_warning
     from pipeline.sizing.shapes import UnknownModel
 
-    try:
-        size = None
-        if images:
-            if captions_sample is None:
-                _fail("--images needs --captions-sample (captions like the dataset's: their tokens and nouns size the text artifacts)")
-            size = given_size(images, captions_per_image, read_captions(captions_sample), words_per_caption, instances_per_image)
-        result = build_plan(m, cpus=cpus, gpus=gpus, size=size)
-    except (UnknownModel, OSError, ValueError) as e:
-        _fail(f"plan: {e}")
+    sample = None
+    if images is not None:
+        if captions_sample is None:
+            _fail("--images needs --captions-sample (captions like the dataset's: their tokens and nouns size the text artifacts)")
+        try:
+            sample = read_captions(captions_sample)
+        except (OSError, ValueError) as e:
+            _fail(f"--captions-sample {captions_sample}: {e}")
+    output = storage.local_path(m.output)
+    if calibrate:  # its duration first
+        typer.echo(f"calibrating: expected {calibration_estimate(output, names)}; cached in {output / '_cache' / 'plan'}",
+                   err=True)
+    log = log_path(output, "plan")
+    setup_logging(None)
+    error, result = None, None
+    with library_output_to(log) as say:  # transformers' warnings, weight-loading bars: to the log
+        try:
+            size = None if images is None else given_size(int(images), captions_per_image, sample, words_per_caption,
+                                                          instances_per_image)
+            result = build_plan(m, cpus=cpus, gpus=gpus, size=size, calibrate_cpu=calibrate, say=say)
+        except (UnknownModel, OSError, ValueError) as e:
+            error = f"plan: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+        except MemoryError:
+            error = "plan: out of memory sizing this dataset; plan fewer images or raise the stages' shard_size"
+        except subprocess.TimeoutExpired as e:  # a calibration child on a machine too busy to finish it
+            error = (f"plan: a calibration step did not finish within {e.timeout:.0f} s (is the machine busy?); "
+                     "rerun --calibrate later (what it measured is cached), or plan without it")
+    if error:
+        _fail(f"{error} (library messages: {log})")
     warning = space_warning(result)
     if warning:
         typer.echo(warning, err=True)
-    typer.echo(json.dumps(result, indent=1) if as_json else format_plan(result))
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+    else:
+        typer.echo(format_plan(result) + f"\n  library messages: {log}")
 
 
 def _is_artifact(path: str) -> bool:

@@ -33,7 +33,15 @@ def describe_exception(e: BaseException) -> str:
 @contextlib.contextmanager
 def model_key(key: str, spec):
     """Loading the model named by manifest key ``key`` (e.g. ``models.clip``): any failure becomes
-    the one-line :class:`StageError` ``models.clip: 'x/y' not found or not loadable (...)``."""
+    the one-line :class:`StageError` ``models.clip: 'x/y' not found or not loadable (...)``; a spec
+    naming a local path that does not exist: ``models.clip: ./x does not exist (a local path, ...)``,
+    never a hub's repo-id complaint."""
+    from pipeline.models.required import require_local
+
+    try:
+        require_local(key, spec)
+    except FileNotFoundError as e:
+        raise StageError(str(e)) from None
     try:
         yield
     except StageError:

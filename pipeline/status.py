@@ -53,9 +53,11 @@ def _units_done(loc) -> int:
     return len(list((Path(loc) / "_state").glob("*.json"))) if Path(loc, "_state").is_dir() else 0
 
 
-def artifact_state(location, name: str, verify: bool = False, _seen: dict | None = None) -> ArtifactState:
+def artifact_state(location, name: str, verify: bool = False, _seen: dict | None = None, args: str = "") -> ArtifactState:
     """The state of ``<location>/<name>`` (see the module docstring): every recorded file must be
-    present with its recorded size (a ``stat`` each); ``verify``: its sha256 too (reads every byte)."""
+    present with its recorded size (a ``stat`` each); ``verify``: its sha256 too (reads every byte).
+    ``args`` (`` -m <manifest> --set ...``, :func:`pipeline.models.required.command_args`) complete the
+    suggested commands."""
     seen = {} if _seen is None else _seen
     if name in seen:
         return seen[name]
@@ -66,8 +68,8 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         man = art.manifest
     except (ArtifactMissing, OSError, ValueError) as e:
         n = _units_done(loc)
-        st = (ArtifactState(name, stage, "incomplete", f"{n} units done, not finished: rerun `pipeline run {stage}`")
-              if n else ArtifactState(name, stage, "missing", f"run `pipeline run {stage}`"))
+        st = (ArtifactState(name, stage, "incomplete", f"{n} units done, not finished: rerun `pipeline run {stage}{args}`")
+              if n else ArtifactState(name, stage, "missing", f"run `pipeline run {stage}{args}`"))
         if isinstance(e, ValueError):
             from pipeline.io.run_files import LFS_POINTER
 
@@ -77,7 +79,7 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
                 lfs = False
             what = "is a Git LFS pointer, not the file: fetch it with `git lfs pull`, or" if lfs else \
                 f"is not valid JSON ({e}):"
-            st = ArtifactState(name, stage, "corrupt", f"_manifest.json {what} rerun `pipeline run {stage}`")
+            st = ArtifactState(name, stage, "corrupt", f"_manifest.json {what} rerun `pipeline run {stage}{args}`")
         seen[name] = st
         return st
     from pipeline.counts import artifact_count
@@ -86,7 +88,7 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
     created = str(man.get("created", ""))
     reasons, corrupt_inputs = [], []
     for inp, fp in sorted((man.get("input_fingerprints") or {}).items()):
-        up = artifact_state(location, inp, False, seen)
+        up = artifact_state(location, inp, False, seen, args)
         if up.state == "missing":
             reasons.append(f"its input {inp} is missing")
             continue
@@ -101,7 +103,7 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         elif up.state == "stale":
             reasons.append(f"its input {inp} is {up.state}")
     if reasons or corrupt_inputs:
-        detail = "; ".join(corrupt_inputs + ([f"{'; '.join(reasons)}: rerun `pipeline run {stage}`"] if reasons else []))
+        detail = "; ".join(corrupt_inputs + ([f"{'; '.join(reasons)}: rerun `pipeline run {stage}{args}`"] if reasons else []))
         st = ArtifactState(name, stage, "stale", detail, rows, created, unit)
     else:
         st = ArtifactState(name, stage, "complete", "", rows, created, unit)
@@ -109,16 +111,16 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
         if bad:
             rel, why = bad[0]
             more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
-            fix = (f"rerun `pipeline run {stage}` (it writes the file again)" if all(art.side_file(r) for r, _ in bad)
-                   else f"`pipeline verify --fix {loc}`, then rerun `pipeline run {stage}`")
+            fix = (f"rerun `pipeline run {stage}{args}` (it writes the file again)" if all(art.side_file(r) for r, _ in bad)
+                   else f"`pipeline verify --fix {loc}`, then rerun `pipeline run {stage}{args}`")
             st = ArtifactState(name, stage, "corrupt", f"{rel}: {why}{more}: {fix}", rows, created, unit)
     seen[name] = st
     return st
 
 
-def output_states(manifest, verify: bool = False) -> list[ArtifactState]:
+def output_states(manifest, verify: bool = False, args: str = "") -> list[ArtifactState]:
     """One state per artifact that the manifest's enabled stages write or that is on disk, in
-    dependency order."""
+    dependency order (``args``: see :func:`artifact_state`)."""
     from pipeline.stage import dependency_order, registry
 
     reg = registry()
@@ -137,16 +139,17 @@ def output_states(manifest, verify: bool = False) -> list[ArtifactState]:
                     continue
     seen: dict = {}
     location = storage.location(manifest.output)
-    return [artifact_state(location, n, verify, seen) for n in names]
+    return [artifact_state(location, n, verify, seen, args) for n in names]
 
 
-def require_fresh(manifest, names, who: str) -> None:
+def require_fresh(manifest, names, who: str, args: str = "") -> None:
     """Raise :class:`StaleArtifact` naming the first of ``names`` (artifacts under the manifest's
-    output) that is stale; missing ones are left to the caller (some are optional)."""
+    output) that is stale; missing ones are left to the caller (some are optional). ``args``: see
+    :func:`artifact_state`."""
     seen: dict = {}
     location = storage.location(manifest.output)
     for n in names:
-        st = artifact_state(location, n, False, seen)
+        st = artifact_state(location, n, False, seen, args)
         if st.state in ("stale", "corrupt", "incomplete"):
             raise StaleArtifact(f"{who}: input artifact {n} is {st.state}: {st.detail}")
 

@@ -19,13 +19,27 @@ TINY_CLIP = ["image_size=32", "patch_size=8", "vision_width=32", "vision_layers=
 TINY_MLM = ["width=32", "layers=1", "heads=2", "max_steps=3", "batch_size=16", "benchmarks_at_end=false"]
 
 
+def with_options(manifest_path: Path, job: str, sets: list[str]) -> Path:
+    """A copy of the manifest whose ``train.<job>`` section holds ``sets`` (key=value): the manifest's own
+    configuration of the job, so its export goes to ``<output>/encoders/<name>`` (train/cli.py, export_placement)."""
+    import yaml
+
+    key = job.replace("-", "_")
+    m = yaml.safe_load(Path(manifest_path).read_text())
+    m.setdefault("train", {})[key] = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in sets)}
+    out = Path(manifest_path).with_name(f"{Path(manifest_path).stem}-{key}.yaml")
+    out.write_text(yaml.safe_dump(m, sort_keys=False))
+    return out
+
+
 def _train(manifest_path: Path, job: str, sets: list[str], run_dir: Path):
-    """Build the job as `train run` does and train it in this process; returns (job, final metrics)."""
+    """Build the job as `train run` does (``sets`` in the manifest's train section) and train it in this process;
+    returns (job, final metrics)."""
     from train.cli import build_job
     from train.loop import train
 
     key = job.replace("-", "_")
-    _, _, _, j = build_job(job, manifest_path, [f"train.{key}.{s}" for s in sets] + [f"train.{key}.run_dir={run_dir}"])
+    _, _, _, j = build_job(job, with_options(manifest_path, job, sets), [f"train.{key}.run_dir={run_dir}"])
     return j, train(j, progress=False)
 
 
@@ -128,7 +142,7 @@ def test_clip_encoder_control_exports_elsewhere_and_shuffles_pairs(testbed_copy,
     out, mp = testbed_copy
     from train.cli import build_job
 
-    _, _, _, job = build_job("clip-encoder", mp, [f"train.clip_encoder.{s}" for s in TINY_CLIP] + ["train.clip_encoder.control=shuffled"])
+    _, _, _, job = build_job("clip-encoder", with_options(mp, "clip-encoder", TINY_CLIP + ["control=shuffled"]), [])
     assert job.export_path == out / "encoders" / "clip-shuffled"
     own = [job.corpus.caption_sample[p[0]] for p in job.pools]
     moved = np.mean([o != s for o, s in zip(own, job.corpus.sample_ids[job.train_idx])])

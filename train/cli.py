@@ -31,7 +31,8 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def build_job(name: str, manifest: Path | None, overrides: list[str] | None, checkpoint: Path | None = None):
+def build_job(name: str, manifest: Path | None, overrides: list[str] | None, checkpoint: Path | None = None,
+              export: bool = False):
     """(job module, resolved Config, manifest, Job instance).
 
     Run folder: ``train.<job>.run_dir``, else ``<output>/train/<job>/<tag>`` where the tag is the
@@ -40,7 +41,9 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
     one configuration. ``checkpoint`` (``train eval``): the job is built with the training options
     stored in the checkpoint (variant, d_c, ...; the manifest's evaluation-only options still
     apply) and its run folder is the checkpoint's (``<run>/checkpoints/x.pt`` -> ``<run>``);
-    a ``--set`` of a training option that contradicts the checkpoint is an error."""
+    a ``--set`` of a training option that contradicts the checkpoint is an error. An encoder job (its
+    Config has ``EXPORT``) exports where :func:`export_placement` says (``export``: ``--export``); the
+    job's ``export_note`` is the line saying where, when that is not the folder the stages load."""
     from pipeline.config import ManifestError, load_manifest
     from train.registry import registry
 
@@ -63,14 +66,50 @@ def build_job(name: str, manifest: Path | None, overrides: list[str] | None, che
     from pipeline.status import StaleArtifact, require_fresh
 
     try:  # an input redone since the artifacts made from it were written: stop before reading it
-        require_fresh(m, getattr(mod, "READS", []), name)
+        from pipeline.models.required import command_args
+
+        require_fresh(m, getattr(mod, "READS", []), name, command_args(manifest, overrides) if manifest else "")
     except StaleArtifact as e:
         _fail(str(e))
+    note = export_placement(key, cfg, m, manifest, overrides or [], run_dir, export)
     try:
         job = mod.make_job(cfg, m, run_dir, resolve_device(cfg.device))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    job.export_note = note
     return mod, cfg, m, job
+
+
+def export_placement(key: str, cfg, m, manifest: Path | None, overrides: list[str], run_dir: Path, export: bool) -> str | None:
+    """Where an encoder job exports. ``<output>/encoders/<name>/``, the folder the manifest's ``models.*``
+    load, is replaced only by a run of the manifest's own configuration of the job (no ``--set`` /
+    ``--max-steps`` changes a training option but ``control``, which picks its own folder
+    ``<name>-<control>``; evaluation-only options may differ) or with ``export``
+    (``--export``); ``train.<job>.export_dir`` chooses a folder outright. Any other run (a smoke test
+    with ``--max-steps 20``, a ``--set`` of its size) exports beside its run folder, ``<run>/export``:
+    sets ``cfg.export_dir`` and returns the line that says so (None when nothing moved)."""
+    name = getattr(type(cfg), "EXPORT", None)
+    if not name or cfg.export_dir or export:
+        return None
+    from pipeline.config import ManifestError, load_manifest
+    from pipeline.models.required import encoder_export_dir
+    from train.config import config_differences
+
+    own = [o for o in overrides if o.split("=", 1)[0].strip() != f"train.{key}"
+           and not o.split("=", 1)[0].strip().startswith(f"train.{key}.")]
+    try:
+        base = getattr(load_manifest(manifest, own).train, key).training_config()  # the manifest's configuration
+    except ManifestError:  # the manifest without this job's --set does not load: nothing to compare with
+        base = {}
+    diff = config_differences(base, cfg)
+    diff.pop("control", None)  # a control run has its own folder (<name>-shuffled): the control names it
+    if not diff:
+        return None
+    cfg.export_dir = str(Path(run_dir) / "export")
+    default = encoder_export_dir(m.output, name, cfg.control, None)
+    shown = ", ".join(f"{k}={b} (manifest {a})" for k, (a, b) in list(diff.items())[:3]) + (" ..." if len(diff) > 3 else "")
+    return (f"export: {cfg.export_dir}, not {default} (the folder models.* load): this run's training options differ "
+            f"from the manifest's ({shown}); pass --export to replace {default} with it")
 
 
 def run_folder(name: str, m, cfg) -> Path:
@@ -134,6 +173,9 @@ def run(
                                                      "(sets train.<job>.max_steps; with `all`, for every job)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="a line per benchmark of the final evaluation "
                                           "(items scored, skipped and why; always in eval/final/benchmarks.log)")] = False,
+    export: Annotated[bool, typer.Option("--export", help="an encoder job: replace <output>/encoders/<name>/ (the folder "
+                                         "models.* load) even when --set/--max-steps change its training options "
+                                         "(without it such a run exports to <run folder>/export)")] = False,
 ) -> None:
     """Train a job on the manifest's artifacts (resumes from the run's last checkpoint when it has
     the same training configuration; another configuration's checkpoint is refused). With
@@ -157,8 +199,12 @@ def run(
         ([f"{key}.max_steps={max_steps}"] if max_steps is not None else [])
     if resume_from not in ("last", "previous") or (resume_from == "previous" and fresh):
         _fail(f"--resume {resume_from}: expected last or previous (and not with --fresh)")
-    _, cfg, m, j = build_job(job, manifest, set_)
+    _, cfg, m, j = build_job(job, manifest, set_, export=export)
     typer.echo(f"run folder: {j.run_dir}", err=True)
+    if getattr(j, "export_path", None) is not None:  # the workers export where this process decided
+        set_ = set_ + [f"{key}.export_dir={j.export_path}"]
+    if j.export_note:
+        typer.echo(j.export_note, err=True)
     try:
         claim_run_folder(j.run_dir, job)  # before anything is written there (train.log of --workers, --resume previous)
         if resume_from == "previous":
@@ -186,6 +232,8 @@ def run(
     from train.summary import result_json, summary_table
 
     typer.echo(result_json(job, j.run_dir, res) if json_out else summary_table(job, j.run_dir, res))
+    if j.export_note:  # said again at the end, where it is read
+        typer.echo(j.export_note, err=True)
     return j.run_dir, res
 
 
@@ -325,6 +373,8 @@ def eval_(
         if job_eval:
             import torch
 
+            if j.export_note and out_dir.name == "final":  # an encoder job exports from its final evaluation
+                typer.echo(j.export_note, err=True)
             with torch.no_grad():
                 res = j.evaluate(model, out_dir)
             (out_dir / "metrics.json").write_text(json.dumps(res, indent=1))

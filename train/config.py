@@ -76,6 +76,9 @@ class TrainerConfig(Section):
          "batch_per_step"})  # not an option: the batch that trained, recorded in config.json (train.job.batch_record)
     # Options named in the run folder instead of hashed (a job's ``variant``)
     NAMED: ClassVar[tuple[str, ...]] = ("variant",)
+    # A frozen-encoder job: the name of the folder it exports, <output>/encoders/<EXPORT> (the stages' models.*
+    # load it; pipeline/models/required.py finds the job that makes a missing folder through this)
+    EXPORT: ClassVar[str | None] = None
 
     def training_config(self) -> dict[str, Any]:
         """The options that define the trained model (JSON values), i.e. all but ``EVAL_ONLY``."""

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-ENCODERS_DIR = "encoders"
-
 
 @dataclass
 class Corpus:
@@ -104,11 +102,9 @@ def load_pixels(refs: list[str | None], processor) -> "torch.Tensor":  # noqa: F
 def export_dir(manifest, name: str, control: str = "none", override: str | None = None) -> Path:
     """Where an encoder job exports: ``override``, else ``<output>/encoders/<name>`` (a control run:
     ``<name>-shuffled``, never the folder the manifest's stages load)."""
-    from pipeline.io.storage import local_path
+    from pipeline.models.required import encoder_export_dir
 
-    if override:
-        return Path(override)
-    return Path(local_path(manifest.output)) / ENCODERS_DIR / (name if control == "none" else f"{name}-{control}")
+    return encoder_export_dir(manifest.output, name, control, override)
 
 
 def export_folder(dest: Path, model, *savers, provenance: dict | None = None) -> bool:

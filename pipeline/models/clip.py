@@ -119,6 +119,9 @@ def load_clip(spec: str, device: str = "cpu"):
     else:
         from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
+        from pipeline.models.required import require_local
+
+        require_local("models.clip", spec)  # a missing folder, named as one (not as a malformed hub id)
         model = CLIPModel.from_pretrained(spec)
         processor = AutoImageProcessor.from_pretrained(spec)
         tok = AutoTokenizer.from_pretrained(spec)

@@ -126,8 +126,12 @@ def _decode_seconds(manifest, output: Path, n: int = 8) -> float | None:
 
 # ------------------------------------------------------------------ the cluster
 def cluster(manifest, cpus: int | None, gpus: int | None) -> dict:
+    """The node (or cluster) a plan is for: ``--cpus`` / ``--gpus`` as given (the one not given: this
+    machine's CPUs, no GPU), else Ray's resources for ``ray.address``, else this machine's."""
     if cpus is not None or gpus is not None:
-        return {"cpus": cpus or os.cpu_count(), "gpus": gpus or 0, "source": "given (--cpus/--gpus)"}
+        given = " ".join(f"--{k} {v}" for k, v in (("cpus", cpus), ("gpus", gpus)) if v is not None)
+        return {"cpus": cpus if cpus is not None else os.cpu_count(), "gpus": gpus if gpus is not None else 0,
+                "source": f"given: {given}" + ("" if cpus is not None else "; CPUs this machine's")}
     if manifest.ray.address:  # asked in a child process with a time limit: an unreachable GCS makes ray.init wait minutes
         import subprocess
         import sys
@@ -202,21 +206,29 @@ def _stage_flops(name: str, cfg, manifest, size: DatasetSize, art: A.ArtifactSiz
 
 
 def build_plan(manifest, *, cpus: int | None = None, gpus: int | None = None, size: DatasetSize | None = None,
-               calibrate_cpu: bool = True) -> dict:
+               calibrate_cpu: bool = True, say=None) -> dict:
+    """The plan (the ``--json`` object). ``calibrate_cpu`` (``pipeline plan --calibrate``): time the CPU
+    stages here (:func:`calibrate`, :func:`_measured`; minutes the first time, then cached); without it
+    FLOPs and bytes only, and wall time for the GPU stages alone (FLOPs / :data:`GPU_ANCHOR`). ``say``:
+    a line of progress per calibrated stage."""
     from pipeline.io import storage
     from pipeline.stage import dependency_order, registry
 
     output = storage.local_path(manifest.output)
-    size = size or count_dataset(manifest, output)
     reg = registry()
     names = dependency_order([s for s in reg if getattr(manifest.stages, reg[s].key).enabled])
+    size = size or count_dataset(manifest, output)
+    check_size(manifest, size, names)
     m = manifest.models
     clus = cluster(manifest, cpus, gpus)
+    t_start = time.perf_counter()
     cal = calibrate(m.clip, output / "_cache" / "plan") if calibrate_cpu else None
     decode_s = _decode_seconds(manifest, output) if size.source != "given" and calibrate_cpu else None
     sized: dict[str, A.ArtifactSize] = {}
     stages = []
     for name in names:
+        if say and calibrate_cpu:
+            say(f"calibrating {name} ...")
         cfg = getattr(manifest.stages, reg[name].key)
         a = _artifact(name, cfg, manifest, size, sized, output if calibrate_cpu and MEASURE else None, clus)
         sized[a.artifact] = a
@@ -225,12 +237,78 @@ def build_plan(manifest, *, cpus: int | None = None, gpus: int | None = None, si
         if calibrate_cpu and MEASURE and st["device"] == "cpu":
             _measured(st, name, cfg, manifest, size, a, output, clus)
         stages.append(st)
+    if calibrate_cpu:
+        _record_duration(output / "_cache" / "plan", names, time.perf_counter() - t_start)
     total = sum(s["total_bytes"] for s in stages)
     return {"schema_version": SCHEMA_VERSION, "manifest": getattr(manifest, "name", None), "output": str(manifest.output),
             "dataset": {"kind": manifest.dataset.kind, "images": size.images, "captions": size.captions, "source": size.source,
                         "exact": size.exact, "note": size.note},
-            "cluster": clus, "calibration": cal and {k: cal[k] for k in ("model", "flops", "seconds", "flops_per_s", "measured_at")},
+            "cluster": clus, "calibrated": bool(calibrate_cpu),
+            "calibration": cal and {k: cal[k] for k in ("model", "flops", "seconds", "flops_per_s", "measured_at")},
             "gpu_anchor": GPU_ANCHOR, "stages": stages, "total_bytes": total, "free_bytes": free_bytes(output)}
+
+
+# ------------------------------------------------------------------ what a plan can size, and how long --calibrate takes
+MAX_UNITS = 10_000_000  # units (shards, query chunks) of one stage the plan lists one by one
+# A first --calibrate's seconds per stage: the calibrated plan of manifests/tiny.yaml's 9 stages took 5 min 14 s on
+# the 2-core reference machine (issue 48, 2026-11-28), ~35 s a stage, rounded up; a later --calibrate is estimated
+# by the last one recorded in <output>/_cache/plan/durations.json.
+FIRST_CALIBRATION_S = 40.0
+DURATIONS = "durations.json"
+
+
+def check_size(manifest, size: DatasetSize, names: list[str]) -> None:
+    """Refuse (ValueError, one line) a dataset with no images and a size whose units the plan could not
+    list: more than :data:`MAX_UNITS` shards (or query chunks) in one stage."""
+    ds = manifest.dataset
+    if size.images < 1:
+        where = ", ".join(f"dataset.{k} {getattr(ds, k)}" for k in ("images", "captions", "path") if getattr(ds, k, None))
+        raise ValueError(f"the {ds.kind} dataset ({where or 'no location given'}) has no images ({size.source}): "
+                         "nothing to plan; point the manifest's dataset at a folder with images")
+    for name in names:
+        cfg = getattr(manifest.stages, name.replace("-", "_"))
+        if name == "build-index":
+            key, per, rows = "query_chunk", cfg.query_chunk, size.images + size.captions
+        elif name == "negative-captions":
+            key, per, rows = "shard_size", cfg.shard_size, size.captions
+        elif name in ("mine-concepts", "encode-concepts"):
+            continue  # units of the vocabulary: sized from a sample, bounded
+        else:
+            key, per, rows = "shard_size", getattr(cfg, "shard_size", 0) or size.images, size.images
+        units = math.ceil(rows / max(1, per))
+        if units > MAX_UNITS:
+            opt = f"stages.{name.replace('-', '_')}.{key}"
+            raise ValueError(f"{size.images:,} images make {units:,} units of {per:,} in {name} ({opt} {per:,}); the "
+                             f"plan lists each unit and takes at most {MAX_UNITS:,}: set {opt} to "
+                             f"{math.ceil(rows / MAX_UNITS):,} or more, or plan fewer images")
+
+
+def calibration_estimate(output: Path, names: list[str]) -> str:
+    """How long ``--calibrate`` should take, said before it starts: the last calibration of these stages
+    here (recorded in the cache), else :data:`FIRST_CALIBRATION_S` per stage."""
+    try:
+        last = json.loads((Path(output) / "_cache" / "plan" / DURATIONS).read_text()).get(",".join(names))
+    except (OSError, ValueError, AttributeError):
+        last = None
+    if last:
+        return (f"about {fmt_seconds(last['seconds'])} (the last calibration of these {len(names)} stages here, "
+                f"{last['at']}; measurements it cached are reused)")
+    return (f"about {fmt_seconds(FIRST_CALIBRATION_S * len(names))} ({len(names)} stages x ~{FIRST_CALIBRATION_S:.0f} s "
+            f"on 2 cores: each stage's own worker timed on the first records, then cached)")
+
+
+def _record_duration(cache: Path, names: list[str], seconds: float) -> None:
+    path = cache / DURATIONS
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    old[",".join(names)] = {"seconds": round(seconds, 1), "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(old, indent=1))
+    except OSError:
+        pass
 
 
 def _measured(st: dict, name, cfg, manifest, size: DatasetSize, a: A.ArtifactSize, output: Path, clus: dict) -> None:
@@ -434,30 +512,69 @@ def fmt_seconds(s: float | None) -> str:
     return format_seconds(s)
 
 
+WIDTH = 120  # the table and every line of `pipeline plan`'s text
+
+
+def _wrap(text: str, indent: str = "  ") -> list[str]:
+    """``text`` in lines of at most :data:`WIDTH` characters (a number stays with its unit)."""
+    import re
+    import textwrap
+
+    glued = re.sub(r"(\d) (B|kB|MB|GB|TB|PB|s|ms|GFLOP)\b", "\\1\u00a0\\2", text)
+    return [line.replace("\u00a0", " ") for line in textwrap.wrap(
+        glued, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False)] or [indent]
+
+
 def format_plan(plan: dict) -> str:
+    """The plan as text: aligned columns, no line over :data:`WIDTH` characters (a stage's rows column
+    shows its first tables' counts, as many as fit; all of them, its bytes per table and what its time
+    covers follow below the table)."""
     d, c = plan["dataset"], plan["cluster"]
-    lines = [f"plan for {plan['manifest']} -> {plan['output']}",
-             f"dataset: {d['kind']}, {d['images']:,} images, {d['captions']:,} captions ({d['source']}"
-             f"{'' if d['exact'] else '; ' + (d['note'] or 'approximate')})",
-             f"cluster: {c['cpus']} CPUs, {c['gpus']} GPUs ({c['source']})"]
+    lines = _wrap(f"plan for {plan['manifest']} -> {plan['output']}", "")
+    lines += _wrap(f"dataset: {d['kind']}, {d['images']:,} images, {d['captions']:,} captions ({d['source']}"
+                   f"{'' if d['exact'] else '; ' + (d['note'] or 'approximate')})", "")
+    lines += _wrap(f"cluster: {c['cpus']} CPUs, {c['gpus']} GPUs ({c['source']})", "")
     cal = plan.get("calibration")
     if cal:
-        lines.append(f"calibration: {cal['model']}: {cal['flops'] / 1e9:.1f} GFLOP in {cal['seconds']:.2f} s on one thread "
-                     f"= {cal['flops_per_s'] / 1e9:.1f} GFLOP/s (measured {cal['measured_at']})")
-    lines.append(f"  {'stage':22s} {'artifact':14s} {'rows':>26s} {'bytes':>10s} {'GFLOP/img':>10s} {'s/img':>8s} {'dev':>4s} {'workers':>7s} {'wall':>8s}")
+        lines += _wrap(f"calibration: {cal['model']}: {cal['flops'] / 1e9:.1f} GFLOP in {cal['seconds']:.2f} s on one "
+                       f"thread = {cal['flops_per_s'] / 1e9:.1f} GFLOP/s (measured {cal['measured_at']})", "")
+    head = ["stage", "artifact", "rows", "bytes", "GFLOP/img", "s/img", "dev", "workers", "wall"]
+    right = {"rows", "bytes", "GFLOP/img", "s/img", "workers", "wall"}
+    body = []
     for s in plan["stages"]:
-        rows = ", ".join(f"{k} {v:,}" for k, v in list(s["rows"].items())[:2])
-        rows = ("" if s["exact_rows"] else "~") + rows
         fl = f"{s['flops_per_image'] / 1e9:.2f}" if s["flops_per_image"] else "-"
         sp = f"{s['seconds_per_image']:.3g}" if s["seconds_per_image"] is not None else "-"
-        lines.append(f"  {s['stage']:22s} {s['artifact']:14s} {rows:>26s} {fmt_bytes(s['total_bytes']):>10s} {fl:>10s} "
-                     f"{sp:>8s} {s['device']:>4s} {s['workers']:>7d} {fmt_seconds(s['wall_seconds']):>8s}")
+        body.append([s["stage"], s["artifact"], list(s["rows"].items()), fmt_bytes(s["total_bytes"]), fl, sp, s["device"],
+                     str(s["workers"]), fmt_seconds(s["wall_seconds"])])
+    fixed = [max(len(head[i]), *(len(r[i]) for r in body)) if body else len(head[i]) for i in range(len(head)) if i != 2]
+    room = WIDTH - 2 - sum(fixed) - (len(head) - 1) * 2  # what the rows column may take
+    for r, s in zip(body, plan["stages"]):
+        approx = "" if s["exact_rows"] else "~"
+        text = approx + ", ".join(f"{k} {v:,}" for k, v in r[2][:1])
+        for k in range(2, len(r[2]) + 1):
+            longer = approx + ", ".join(f"{a} {v:,}" for a, v in r[2][:k])
+            if len(longer) > room:
+                break
+            text = longer
+        r[2] = text if len(text) <= room else text[: room - 3] + "..."
+    widths = [max(len(head[i]), *(len(r[i]) for r in body)) if body else len(head[i]) for i in range(len(head))]
+
+    def row(cells) -> str:
+        return "  " + "  ".join(f"{x:>{w}}" if h in right else f"{x:<{w}}" for x, w, h in zip(cells, widths, head)).rstrip()
+
+    lines.append(row(head))
+    lines += [row(r) for r in body]
     known = [s["wall_seconds"] for s in plan["stages"] if s["wall_seconds"] is not None]
-    lines.append(f"  total {fmt_bytes(plan['total_bytes'])} on disk ({fmt_bytes(plan['free_bytes'])} free); "
-                 f"wall {fmt_seconds(sum(known))} for the {len(known)} timed stages")
+    wall = f"wall {fmt_seconds(sum(known))} for the {len(known)} timed stage{'' if len(known) == 1 else 's'}" if known else ""
+    if len(known) < len(plan["stages"]) and not plan.get("calibrated", True):
+        wall += ("; " if wall else "") + "CPU stages: FLOPs and bytes only (`pipeline plan --calibrate` times them here)"
+    lines += _wrap(f"total {fmt_bytes(plan['total_bytes'])} on disk ({fmt_bytes(plan['free_bytes'])} free)" +
+                   (f"; {wall}" if wall else ""))
     for s in plan["stages"]:
+        rows = ", ".join(f"{k} {v:,}" for k, v in s["rows"].items())
         parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in s["bytes"].items())
-        lines.append(f"  {s['artifact']}: {parts}; time: {s['time_basis']}" + ("; " + "; ".join(s["notes"]) if s["notes"] else ""))
+        lines += _wrap(f"{s['artifact']}: rows {rows}; bytes {parts}; time: {s['time_basis']}"
+                       + ("; " + "; ".join(s["notes"]) if s["notes"] else ""))
     if any(s["device"] == "gpu" for s in plan["stages"]):
-        lines.append(f"  gpu anchor: {plan['gpu_anchor']['source']}")
+        lines += _wrap(f"gpu anchor: {plan['gpu_anchor']['source']}")
     return "\n".join(lines)

@@ -46,10 +46,10 @@ READS = ["samples"]
 # a frozen-encoder job: it makes a stage input (models.*), so `train run all` (the jobs on the stages' artifacts)
 # leaves it out; benchmarks/testbed.py runs it before the stages
 ENCODER = True
-EXPORT = "clip"  # <output>/encoders/clip
 
 
 class Config(TrainerConfig):
+    EXPORT = "clip"  # <output>/encoders/clip (train/encoders.py: export_dir)
     max_steps: int | None = Field(600, ge=0, description="optimizer steps (600 of 64: ~46 passes over 840 images)")
     batch_size: int = Field(64, ge=2)
     lr: float = Field(5e-4, gt=0)
@@ -81,3 +81,6 @@ def make_job(cfg: Config, manifest, run_dir, device):
     from train.jobs.clip_encoder.job import ClipEncoderJob
 
     return ClipEncoderJob(cfg, manifest, run_dir, device)
+
+
+EXPORT = Config.EXPORT

@@ -27,10 +27,10 @@ from train.jobs.clip_encoder import Config as ClipEncoderConfig
 NAME = "groupvit-encoder"
 READS = ["samples"]
 ENCODER = True
-EXPORT = "groupvit"  # <output>/encoders/groupvit
 
 
 class Config(ClipEncoderConfig):
+    EXPORT = "groupvit"  # <output>/encoders/groupvit (train/encoders.py: export_dir)
     vision_layers: int = Field(5, ge=3, description="sum of the three stages' depths (depths)")
     depths: list[int] = Field(default_factory=lambda: [2, 2, 1], description="layers per grouping stage")
     group_tokens: list[int] = Field(default_factory=lambda: [16, 8], description="group tokens of the first two stages")
@@ -43,3 +43,6 @@ def make_job(cfg: Config, manifest, run_dir, device):
     from train.jobs.groupvit_encoder.job import GroupViTEncoderJob
 
     return GroupViTEncoderJob(cfg, manifest, run_dir, device)
+
+
+EXPORT = Config.EXPORT

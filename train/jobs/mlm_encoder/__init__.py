@@ -38,10 +38,10 @@ READS = ["samples"]
 # a frozen-encoder job: it makes a stage input (models.*), so `train run all` (the jobs on the stages' artifacts)
 # leaves it out; benchmarks/testbed.py runs it before the stages
 ENCODER = True
-EXPORT = "mlm"  # <output>/encoders/mlm
 
 
 class Config(TrainerConfig):
+    EXPORT = "mlm"  # <output>/encoders/mlm (train/encoders.py: export_dir)
     max_steps: int | None = Field(400, ge=0)
     batch_size: int = Field(64, ge=2)
     lr: float = Field(1e-3, gt=0)
@@ -68,3 +68,6 @@ def make_job(cfg: Config, manifest, run_dir, device):
     from train.jobs.mlm_encoder.job import MlmEncoderJob
 
     return MlmEncoderJob(cfg, manifest, run_dir, device)
+
+
+EXPORT = Config.EXPORT
