@@ -203,7 +203,7 @@ def run(
     typer.echo(f"run folder: {j.run_dir}", err=True)
     if getattr(j, "export_path", None) is not None:  # the workers export where this process decided
         set_ = set_ + [f"{key}.export_dir={j.export_path}"]
-    if j.export_note:
+    if getattr(j, "export_note", ""):
         typer.echo(j.export_note, err=True)
     try:
         claim_run_folder(j.run_dir, job)  # before anything is written there (train.log of --workers, --resume previous)
@@ -232,7 +232,7 @@ def run(
     from train.summary import result_json, summary_table
 
     typer.echo(result_json(job, j.run_dir, res) if json_out else summary_table(job, j.run_dir, res))
-    if j.export_note:  # said again at the end, where it is read
+    if getattr(j, "export_note", ""):  # said again at the end, where it is read
         typer.echo(j.export_note, err=True)
     return j.run_dir, res
 
@@ -373,7 +373,7 @@ def eval_(
         if job_eval:
             import torch
 
-            if j.export_note and out_dir.name == "final":  # an encoder job exports from its final evaluation
+            if getattr(j, "export_note", "") and out_dir.name == "final":  # an encoder job exports from its final evaluation
                 typer.echo(j.export_note, err=True)
             with torch.no_grad():
                 res = j.evaluate(model, out_dir)
