@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.errors import shorten
+
 
 class GridError(ValueError):
     """A grid file that cannot be read (one line naming the file and key)."""
@@ -47,8 +49,12 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
     except UnicodeDecodeError as e:
         raise GridError(f"grid {path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                         "save it as UTF-8") from None
+    from pipeline.config import YamlTooLarge, load_yaml
+
     try:
-        grid = yaml.safe_load(text)
+        grid = load_yaml(text)
+    except YamlTooLarge as e:
+        raise GridError(f"grid {path}: {e}") from None
     except yaml.YAMLError as e:
         raise GridError(f"grid {path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     prefix = f"train.{job.replace('-', '_')}."
@@ -57,7 +63,7 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
 
     def check_key(k, where: str = "") -> None:
         if not str(k).startswith(prefix):
-            raise GridError(f"grid {path}: key {k!r}{where} is not an option of {job} (expected {prefix}<option>)")
+            raise GridError(f"grid {path}: key {shorten(repr(k), 120)}{where} is not an option of {job} (expected {prefix}<option>)")
 
     out = {}
     for k, v in grid.items():
@@ -72,7 +78,7 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
             continue
         check_key(k)
         if not isinstance(v, list) or not v:
-            raise GridError(f"grid {path}: {k} must be a non-empty list of values")
+            raise GridError(f"grid {path}: {k} must be a non-empty list of values (got {shorten(repr(v))})")
         out[str(k)] = v
     clash = {ck for c in out.get("configurations", []) for ck in c} & set(out) - {"configurations"}
     if clash:
@@ -261,7 +267,7 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
                                        param_space=space)
         except Exception as e:  # noqa: BLE001 - checked but unreadable (a Ray upgrade): one line, the fix
             raise StateError(f"sweep state {exp}: cannot be restored ({type(e).__name__}: "
-                             f"{str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}); {FIX}") from None
+                             f"{shorten(str(e).strip().splitlines()[-1], 200) if str(e).strip() else ''}); {FIX}") from None
     else:
         tuner = tune.Tuner(
             trainable, param_space=space,
@@ -284,7 +290,7 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
         if r.error is not None:
             label = (r.config or {}).get("trial", {}).get("label", "?")
             err = getattr(r.error, "cause", None) or r.error.__cause__ or r.error
-            msg = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+            msg = shorten(str(err).strip().splitlines()[-1]) if str(err).strip() else ""
             errors.append(f"trial {label}: failed ({type(err).__name__}: {msg})")
     after = {t.run_dir: _stamp(t.run_dir) for t in ts}
     failed = {t.run_dir for t in ts if any(e.startswith(f"trial {t.label}: ") for e in errors)}

@@ -17,8 +17,9 @@ class CorruptRunFile(ValueError):
 
 
 def _why(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
+    from pipeline.errors import describe_exception
+
+    return describe_exception(e, 160)
 
 
 def read_json_file(path: str | Path) -> Any:
