@@ -116,3 +116,15 @@ def test_output_template_expands_in_every_path_and_is_refused_in_output(tmp_path
     assert str(e.value) == ("manifest <defaults>: key 'output': {output} cannot stand inside output itself "
                             "(got '{output}/x'); give the output folder's path")
     assert not Path("{output}").exists()
+
+
+def test_the_limits_docs_errors_md_states():
+    """docs/errors.md, Round 5 (a): 1,000,000 alias-expanded values, 300 characters shown, 256 MiB per image file."""
+    from pipeline.errors import SHOWN_CHARS
+    from pipeline.readers.images import DEFAULT_MAX_IMAGE_BYTES
+    from pipeline.stages.ingest import Config
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    assert (MAX_YAML_VALUES, SHOWN_CHARS, DEFAULT_MAX_IMAGE_BYTES) == (1_000_000, 300, 256 * 2**20)
+    assert Config().max_image_bytes == DEFAULT_MAX_IMAGE_BYTES
+    assert "past 1,000,000\n  values" in text and "to 300 characters" in text and "(256 MiB," in text
