@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
+from pipeline.errors import shorten
+
 
 class ManifestError(ValueError):
     """A manifest that cannot be used; the message names the file, the key and the problem."""
@@ -190,15 +192,35 @@ def _nonempty_output(value: str) -> str:
 OUTPUT_TEMPLATE = "{output}"
 
 
-def expand_output(manifest):
-    """``{output}`` in a ``models.*`` spec stands for the manifest's output folder (as in a benchmark's
-    path, train/eval/harness.py), so a manifest can point a model slot at a checkpoint a job of the
-    same run exports (``clip: "{output}/encoders/clip"``) and it follows ``--set output=...``."""
-    models = manifest.models
-    for key in type(models).model_fields:
-        value = getattr(models, key)
+def _expand(section, out: str) -> None:
+    for key in type(section).model_fields:
+        value = getattr(section, key)
         if isinstance(value, str) and OUTPUT_TEMPLATE in value:
-            setattr(models, key, value.replace(OUTPUT_TEMPLATE, str(manifest.output).rstrip("/")))
+            setattr(section, key, value.replace(OUTPUT_TEMPLATE, out))
+        elif isinstance(value, list) and any(isinstance(v, str) and OUTPUT_TEMPLATE in v for v in value):
+            setattr(section, key, [v.replace(OUTPUT_TEMPLATE, out) if isinstance(v, str) else v for v in value])
+        elif isinstance(value, list):
+            for v in value:
+                if isinstance(v, BaseModel):
+                    _expand(v, out)
+        elif isinstance(value, BaseModel):
+            _expand(value, out)
+
+
+def expand_output(manifest, source: str = "<defaults>"):
+    """``{output}`` anywhere a path is given (``models.*``, the dataset's files, ``eval.benchmarks``,
+    ``storage.cache_dir``, every stage's and training job's options) stands for the manifest's output
+    folder, so a manifest can point a model slot at a checkpoint a job of the same run exports
+    (``clip: "{output}/encoders/clip"``) and it follows ``--set output=...``. In ``output`` itself it
+    has nothing to stand for: refused."""
+    if OUTPUT_TEMPLATE in manifest.output:
+        raise ManifestError(f"manifest {source}: key 'output': {OUTPUT_TEMPLATE} cannot stand inside output itself "
+                            f"(got {shorten(repr(manifest.output))}); give the output folder's path")
+    out = str(manifest.output).rstrip("/")
+    for key in type(manifest).model_fields:
+        value = getattr(manifest, key)
+        if isinstance(value, BaseModel):
+            _expand(value, out)
     return manifest
 
 
@@ -221,10 +243,62 @@ def manifest_model() -> type[Section]:
     )
 
 
-def _parse_scalar(text: str) -> Any:
+# A YAML document's values counted with every alias expanded: past this, it is refused before anything
+# is built from it (`a: &a [x, x, ...]`, `b: &b [*a, *a, ...]`, ...: 9 levels of 9 make 9^9 values).
+MAX_YAML_VALUES = 1_000_000
+
+
+class YamlTooLarge(ValueError):
+    pass
+
+
+def _expanded(node, memo: dict) -> int:
+    """Values under a composed YAML node, aliases counted as often as they are used (memoised per node,
+    so the walk is linear in the document, however far it expands)."""
+    key = id(node)
+    if key in memo:
+        return memo[key] or 1  # None: an alias to a node being counted (a recursive structure)
+    memo[key] = None
+    if isinstance(node, yaml.SequenceNode):
+        n = 1 + sum(_expanded(v, memo) for v in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n = 1 + sum(_expanded(k, memo) + _expanded(v, memo) for k, v in node.value)
+    else:
+        n = 1
+    memo[key] = n
+    return n
+
+
+def load_yaml(text: str, limit: int = MAX_YAML_VALUES) -> Any:
+    """``yaml.safe_load``, refusing (:class:`YamlTooLarge`) a document whose aliases expand past
+    ``limit`` values before it is built; raises ``yaml.YAMLError`` as safe_load does."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        n = _expanded(node, {})
+        if n > limit:
+            raise YamlTooLarge(f"its aliases (*name) expand to {n:,} values, more than {limit:,}; "
+                               "write the values out instead of repeating aliases")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _parse_scalar(key: str, text: str) -> Any:
     # YAML's scalar rules, so `--set a.b=null`, `=3`, `=[1,2]`, `=true` mean what they do in the file;
-    # a blank value is the empty string, as `=` is (YAML reads "  " as null: `output` would say "got None")
-    return yaml.safe_load(text) if text.strip() else ""
+    # a blank value is the empty string, as `=` is (YAML reads "  " as null: `output` would say "got None").
+    # A value that is not YAML (`models.clip={output}/encoders/clip`: `{` opens a flow mapping) is
+    # taken as the string it is.
+    if not text.strip():
+        return ""
+    try:
+        return load_yaml(text)
+    except YamlTooLarge as e:
+        raise ManifestError(f"--set {key}: {e}") from None
+    except yaml.YAMLError:
+        return text
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -239,7 +313,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ManifestError(f"--set {key}: {p!r} is a value, not a section")
             node = child
-        node[parts[-1]] = _parse_scalar(value)
+        node[parts[-1]] = _parse_scalar(key.strip(), value)
     return data
 
 
@@ -248,9 +322,9 @@ def _format_errors(source: str, err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{loc}'")
+            lines.append(f"unknown key '{shorten(loc, 120)}'")
         else:
-            lines.append(f"key '{loc}': {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"key '{loc}': {e['msg']} (got {shorten(repr(e.get('input')))})")
     return f"manifest {source}: " + "; ".join(lines)
 
 
@@ -268,16 +342,18 @@ def load_manifest(path: str | Path | None, overrides: list[str] | None = None, b
             raise ManifestError(f"manifest {source}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
                                 "save it as UTF-8") from None
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
+        except YamlTooLarge as e:
+            raise ManifestError(f"manifest {source}: {e}") from None
         except yaml.YAMLError as e:
-            raise ManifestError(f"manifest {source}: not valid YAML ({e})") from None
+            raise ManifestError(f"manifest {source}: not valid YAML ({shorten(' '.join(str(e).split()))})") from None
         if data is None:  # empty, or only comments: never run the defaults in its place
             raise ManifestError(f"manifest {source}: the file is empty (no keys); copy manifests/demo.yaml to start one")
         if not isinstance(data, dict):
             raise ManifestError(f"manifest {source}: top level must be a mapping")
     data = apply_overrides(data, list(overrides or []))
     try:
-        return expand_output(manifest_model().model_validate(data))
+        return expand_output(manifest_model().model_validate(data), source)
     except ValidationError as e:
         raise ManifestError(_format_errors(source, e)) from None
 

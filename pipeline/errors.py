@@ -22,11 +22,29 @@ class RayStartError(RuntimeError):
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
+# How much of a value or of a library's message a one-line error shows.
+SHOWN_CHARS = 300
 
-def describe_exception(e: BaseException) -> str:
-    """``Type: first line of the message``, without memory addresses (same input, same bytes)."""
+
+def shorten(text, limit: int = SHOWN_CHARS) -> str:
+    """``text`` cut to at most about ``limit`` characters at a word boundary (a character boundary
+    when no blank is near), marked ``... (N characters)``: a one-line error never prints a whole
+    megabyte value, nor a word cut in half."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    blank = cut.rfind(" ")
+    if blank > limit // 2:
+        cut = cut[:blank]
+    return f"{cut.rstrip(' ,;:')}... ({len(text):,} characters)"
+
+
+def describe_exception(e: BaseException, limit: int = SHOWN_CHARS) -> str:
+    """``Type: first line of the message``, without memory addresses (same input, same bytes), cut
+    at a word boundary past ``limit`` characters (:func:`shorten`)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = _ADDRESS.sub("", text)
+    text = shorten(_ADDRESS.sub("", text), limit)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

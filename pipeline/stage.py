@@ -43,7 +43,7 @@ from pipeline.crashes import REASON as WORKER_CRASHED
 from pipeline.counts import unit_rows
 from pipeline.progress import LOG_FILE_ONLY
 from pipeline.crashes import SampleSplit
-from pipeline.errors import RayStartError, StageError, describe_exception, model_key  # noqa: F401 (the stages' API)
+from pipeline.errors import RayStartError, StageError, describe_exception, model_key, shorten  # noqa: F401 (the stages' API)
 from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
 
 log = logging.getLogger("pipeline")
@@ -275,7 +275,7 @@ def check_error_rate(artifact: str, stage: str, errors, input_rows: int | None, 
         c[0] += 1
     top = sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[0]))[:3]
     reasons = "; ".join(
-        f"{reason} x{n} (e.g. sample {ex['sample_id']}: {ex['detail'][:80]})" for reason, (n, ex) in top
+        f"{reason} x{n} (e.g. sample {ex['sample_id']}: {shorten(ex['detail'], 80)})" for reason, (n, ex) in top
     )
     if rejected == 0:
         head = f"{stage}: produced no rows; {errors.num_rows} errors"

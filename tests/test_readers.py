@@ -278,21 +278,22 @@ def test_flickr_reader(tmp_path):
 
 def test_cc3m_tsv_without_header(tmp_path):
     f = tmp_path / "train.tsv"
+    root = str(tmp_path.resolve() / "root").encode()  # absolute paths and file:// URLs inside the root are kept
     f.write_bytes(
         b"a dog on a beach\timgs/0.jpg\r\n"
         b"\n"
-        b"a cat\t/abs/cat.jpg\n"
+        b"a cat\t" + root + b"/abs/cat.jpg\n"
         + BAD_UTF8 + b"\thttp://example.com/x.jpg\n"
-        b"   \tfile:///data/a%20b.png\n"
+        b"   \tfile://" + root + b"/data/a%20b.png\n"
         b"no tab here\n"
     )
     recs = read(ds("cc3m_tsv", captions=f, images=tmp_path / "root"), tmp_path)
     assert [r.source_id for r in recs] == ["0", "1", "2", "3", "4"]
     assert recs[0].captions == ["a dog on a beach"] and recs[0].problems == []
     assert recs[0].image == str((tmp_path / "root" / "imgs" / "0.jpg").resolve())
-    assert recs[1].image == "/abs/cat.jpg"
+    assert recs[1].image == f"{root.decode()}/abs/cat.jpg"
     assert recs[2].image is None and recs[2].problems == [(0, NOT_UTF8), (None, URL_NOT_FETCHED)]
-    assert recs[3].image == "/data/a b.png" and recs[3].problems == [(0, EMPTY_CAPTION)]
+    assert recs[3].image == f"{root.decode()}/data/a b.png" and recs[3].problems == [(0, EMPTY_CAPTION)]
     assert recs[4].captions == ["no tab here"] and recs[4].problems[0][0] is None
     assert "malformed row" in recs[4].problems[0][1]
 

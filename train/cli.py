@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipeline.cli_help import did_you_mean, typer_settings
+from pipeline.errors import describe_exception
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Lean trainer over pipeline artifacts.", **typer_settings())
@@ -136,7 +137,7 @@ def _config_of_checkpoint(name: str, cfg, checkpoint: Path, overrides: list[str]
         prev = checkpoint.with_name("previous.pt")
         _fail(f"{e}" + (f"; the checkpoint before it: -c {prev}" if prev.is_file() and prev != checkpoint else ""))
     except Exception as e:  # a truncated or foreign file
-        _fail(f"checkpoint {checkpoint} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+        _fail(f"checkpoint {checkpoint} cannot be read ({describe_exception(e, 160)})")
     prefix = f"train.{name.replace('-', '_')}."
     set_here = {o.split("=", 1)[0][len(prefix):] for o in overrides if o.startswith(prefix)}
     diff = config_differences(stored, cfg)
@@ -265,7 +266,7 @@ def _run_all(manifest: Path, overrides: list[str], fresh: bool, progress: bool, 
             if e.exit_code:
                 failed.append(name)
         except Exception as e:  # noqa: BLE001 - one job's failure must not stop the others
-            typer.echo(f"error: {name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+            typer.echo(f"error: {name}: {describe_exception(e)}",
                        err=True)
             failed.append(name)
         gc.collect()
@@ -365,7 +366,7 @@ def eval_(
     try:
         model, step = load_model_for_eval(j, checkpoint)
     except (KeyError, RuntimeError, ValueError) as e:
-        _fail(f"checkpoint {checkpoint} does not fit job {job} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        _fail(f"checkpoint {checkpoint} does not fit job {job} ({describe_exception(e, 200)})")
     out_dir = out or j.run_dir / "eval" / f"step{step:06d}"
     from pipeline.io.run_files import unwritable, unwritable_line
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import shorten
 from train.ranks import Ranks
 
 
@@ -184,7 +185,7 @@ class WorkerFailed(RuntimeError):
 def _one_line(e: BaseException) -> str:
     text = str(e).strip()
     last = text.splitlines()[-1].strip() if text else ""
-    return f"{type(e).__name__}: {last[:300]}" if last else type(e).__name__
+    return f"{type(e).__name__}: {shorten(last)}" if last else type(e).__name__
 
 
 def _collateral(e: BaseException) -> bool:

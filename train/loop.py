@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.errors import describe_exception
 from pipeline.io.checkpoint import load_checkpoint as _load_checkpoint
 from pipeline.io.atomic import remove_stale_tmp, write_bytes_atomic
 from pipeline.io.artifacts import CorruptArtifact
@@ -365,8 +366,7 @@ class _Run:
             _set_rng_state(ck["rng"])
             self.window.restore(ck.get("log_window"))
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
-            why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-            raise CheckpointError(f"checkpoint {self.last}: does not resume this job's model ({type(e).__name__}: {why})") from None
+            raise CheckpointError(f"checkpoint {self.last}: does not resume this job's model ({describe_exception(e, 160)})") from None
         if (ck.get("best") or {}).get("metric") == self.best["metric"]:
             self.best.update(ck["best"])
         if not self.dist.writer:
@@ -562,7 +562,7 @@ def final_benchmarks(job: Job, model: torch.nn.Module, out_dir: Path, checkpoint
     except CorruptArtifact:  # an input that is not the bytes written: the run fails (_Run.finish), the model is kept
         raise
     except Exception as e:  # noqa: BLE001 - report, keep the trained model
-        print(f"benchmarks: not scored ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+        print(f"benchmarks: not scored ({describe_exception(e, 200)})",
               file=sys.stderr)
         return
     for e in errors:  # (run_harness printed the one line of what was scored, and where)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.errors import shorten
+
 
 class GridError(ValueError):
     """A grid file that cannot be read (one line naming the file and key)."""
@@ -55,8 +57,12 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
     except UnicodeDecodeError as e:
         raise GridError(f"grid {path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                         "save it as UTF-8") from None
+    from pipeline.config import YamlTooLarge, load_yaml
+
     try:
-        grid = yaml.safe_load(text)
+        grid = load_yaml(text)
+    except YamlTooLarge as e:
+        raise GridError(f"grid {path}: {e}") from None
     except yaml.YAMLError as e:
         raise GridError(f"grid {path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     prefix = f"train.{job.replace('-', '_')}."
@@ -65,7 +71,7 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
 
     def check_key(k, where: str = "") -> None:
         if not str(k).startswith(prefix):
-            raise GridError(f"grid {path}: key {k!r}{where} is not an option of {job} (expected {prefix}<option>)")
+            raise GridError(f"grid {path}: key {shorten(repr(k), 120)}{where} is not an option of {job} (expected {prefix}<option>)")
 
     out = {}
     for k, v in grid.items():
@@ -80,7 +86,7 @@ def read_grid(path: Path, job: str) -> dict[str, list]:
             continue
         check_key(k)
         if not isinstance(v, list) or not v:
-            raise GridError(f"grid {path}: {k} must be a non-empty list of values")
+            raise GridError(f"grid {path}: {k} must be a non-empty list of values (got {shorten(repr(v))})")
         seen = [json.dumps(x, sort_keys=True, default=str) for x in v]
         if (i := next((i for i in range(len(v)) if seen[i] in seen[:i]), None)) is not None:
             raise GridError(f"grid {path}: {k} lists the value {v[i]!r} twice (as YAML reads it: e.g. 0.001 and 1.0e-3 "
@@ -306,7 +312,7 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
                                        param_space=space)
         except Exception as e:  # noqa: BLE001 - checked but unreadable (a Ray upgrade): one line, the fix
             raise StateError(f"sweep state {exp}: cannot be restored ({type(e).__name__}: "
-                             f"{str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}); {FIX}") from None
+                             f"{shorten(str(e).strip().splitlines()[-1], 200) if str(e).strip() else ''}); {FIX}") from None
     else:
         tuner = tune.Tuner(
             trainable, param_space=space,
@@ -329,7 +335,7 @@ def sweep(job: str, manifest: Path, overrides: list[str], grid_path: Path, seeds
         if r.error is not None:
             label = (r.config or {}).get("trial", {}).get("label", "?")
             err = getattr(r.error, "cause", None) or r.error.__cause__ or r.error
-            msg = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+            msg = shorten(str(err).strip().splitlines()[-1]) if str(err).strip() else ""
             errors.append(f"trial {label}: failed ({type(err).__name__}: {msg})")
     after = {t.run_dir: _stamp(t.run_dir) for t in ts}
     failed = {t.run_dir for t in ts if any(e.startswith(f"trial {t.label}: ") for e in errors)}

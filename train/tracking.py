@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import describe_exception
+
 LOGGERS = ("none", "mlflow", "wandb")  # train.<job>.logger; TensorBoard is always on
 
 
@@ -168,8 +170,7 @@ class Tracker:
                 print(f"tracking: {name} is not installed{extra}; the run logs to metrics.jsonl and TensorBoard",
                       file=sys.stderr)
             except Exception as e:  # noqa: BLE001 - a tracker never stops a run
-                print(f"tracking: {name} did not start ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})", file=sys.stderr)
+                print(f"tracking: {name} did not start ({describe_exception(e, 200)})", file=sys.stderr)
 
     def log(self, row: dict) -> None:
         step = int(row.get("step") or 0)

@@ -29,6 +29,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import shorten
+
 SUM_SUFFIX = ".sha256"
 LFS_POINTER = b"version https://git-lfs.github.com/spec"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -206,10 +208,10 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         detail = next((ln.strip() for ln in why if "Unsupported global" in ln or "GLOBAL" in ln), why[0] if why else "")
         raise CheckpointError(
             f"checkpoint {path}: refused: it holds pickled Python objects, not only tensors and plain data "
-            f"({detail[:160]}); re-save it as tensors + plain metadata"
+            f"({shorten(detail, 160)}); re-save it as tensors + plain metadata"
         ) from None
     except (RuntimeError, EOFError, OSError) as e:
-        first = str(e).strip().splitlines()[0].split(". ")[0][:160] if str(e).strip() else ""  # torch adds advice after
+        first = shorten(str(e).strip().splitlines()[0].split(". ")[0], 160) if str(e).strip() else ""  # torch adds advice after
         raise CheckpointError(f"checkpoint {path}: not a readable torch checkpoint: {describe(path)} "
                               f"({type(e).__name__}: {first})") from None
     if not isinstance(ck, dict):

@@ -24,8 +24,9 @@ class CorruptRunFile(ValueError):
 
 
 def _why(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
+    from pipeline.errors import describe_exception
+
+    return describe_exception(e, 160)
 
 
 def not_regular(path: str | Path) -> str | None:

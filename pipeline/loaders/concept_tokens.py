@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline.errors import describe_exception
 from pipeline.io.artifacts import Artifact, ArtifactMissing, CorruptArtifact
 
 
@@ -108,7 +109,7 @@ class ConceptTokens:
             try:
                 out.append(np.load(f, mmap_mode="r"))
             except (OSError, ValueError) as e:
-                raise CorruptArtifact(f"{f}: not a readable .npy array ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); "
+                raise CorruptArtifact(f"{f}: not a readable .npy array ({describe_exception(e, 160)}); "
                                       f"run `pipeline verify --fix {self.art.location}`, then `pipeline run encode-concepts`") from None
         return out
 

@@ -117,14 +117,16 @@ def load_clip(spec: str, device: str = "cpu"):
         model, processor, tok = build_random_clip(spec.lower())
         record = model_record("clip", spec, random_weights=True, weights_sha256=state_dict_hash(model), seed=RANDOM_SEED)
     else:
-        from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+        from transformers import AutoImageProcessor, CLIPModel
 
+        from pipeline.models.hf_folder import load_model, load_tokenizer, report_to_log
         from pipeline.models.required import require_local
 
         require_local("models.clip", spec)  # a missing folder, named as one (not as a malformed hub id)
-        model = CLIPModel.from_pretrained(spec)
-        processor = AutoImageProcessor.from_pretrained(spec)
-        tok = AutoTokenizer.from_pretrained(spec)
+        model = load_model(CLIPModel, spec)
+        with report_to_log():
+            processor = AutoImageProcessor.from_pretrained(spec)
+        tok = load_tokenizer(spec, model.config.text_config.vocab_size)
         files = []
         if os.path.isdir(spec):
             files = [p for p in Path(spec).iterdir() if p.suffix in (".safetensors", ".bin")]

@@ -79,8 +79,11 @@ def load_groupvit(spec: str, device: str = "cpu"):
     else:
         from transformers import AutoImageProcessor, GroupViTModel
 
-        model = GroupViTModel.from_pretrained(spec)
-        processor = AutoImageProcessor.from_pretrained(spec)
+        from pipeline.models.hf_folder import load_model, report_to_log
+
+        model = load_model(GroupViTModel, spec)
+        with report_to_log():
+            processor = AutoImageProcessor.from_pretrained(spec)
         files = [p for p in Path(spec).iterdir() if p.suffix in (".safetensors", ".bin")] if os.path.isdir(spec) else []
         record = model_record("groupvit", spec, random_weights=False, weights_sha256=weights_hash(files) if files else state_dict_hash(model))
     model.eval().to(device)

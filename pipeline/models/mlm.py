@@ -193,11 +193,13 @@ def load_mlm(spec: str, role: str = "mlm") -> MaskedLM:
         rec = model_record(role, spec, random_weights=True, weights_sha256=state_dict_hash(model),
                            architecture="BertForMaskedLM", dims=dims, seed=RANDOM_SEED)
     else:
-        from transformers import AutoModelForMaskedLM, AutoTokenizer
+        from transformers import AutoModelForMaskedLM
+
+        from pipeline.models.hf_folder import load_model, load_tokenizer
 
         path = resolve_model_path(spec)
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForMaskedLM.from_pretrained(path).eval()
+        model = load_model(AutoModelForMaskedLM, path).eval()
+        tok = load_tokenizer(path, model.config.vocab_size)
         rec = model_record(role, spec, random_weights=False, weights_sha256=_files_hash(path),
                            architecture=type(model).__name__, path=path)
     if tok.mask_token_id is None:
@@ -215,11 +217,14 @@ def load_word_encoder(spec: str, role: str = "word_encoder") -> WordEncoder | Sp
         rec = model_record(role, spec, random_weights=True, weights_sha256=state_dict_hash(body),
                            architecture="BertModel")
         return WordEncoder(body.eval(), tok, rec)
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel
+
+    from pipeline.models.hf_folder import load_model, load_tokenizer
 
     path = resolve_model_path(spec)
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
+    # the body only: a masked LM's checkpoint has no pooler, and the features are the last hidden states
+    model = load_model(AutoModel, path, unused=("pooler.",)).eval()
+    tok = load_tokenizer(path, model.config.vocab_size)
     rec = model_record(role, spec, random_weights=False, weights_sha256=_files_hash(path),
                        architecture=type(model).__name__, path=path)
     return WordEncoder(model, tok, rec)

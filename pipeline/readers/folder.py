@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.readers.base import ReaderError, SourceRecord, abspath, add_caption, finish, read_bytes
+from pipeline.readers.base import ReaderError, SourceRecord, abspath, add_caption, finish, inside_root, read_bytes
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif"}
 
@@ -80,7 +80,10 @@ def read_folder(images: str | Path, captions: str | Path | None = None, split: s
     found = {f.relative_to(root).as_posix() for f in root.rglob("*") if f.suffix.lower() in IMAGE_EXTS and f.is_file()}
     names = sorted(found | {Path(n).as_posix() for n in caps})
     for name in names:
-        rec = SourceRecord(source_id=name, image=str(root / name), captions=[], split=split or "train")
+        image, outside = inside_root(root, name)
+        rec = SourceRecord(source_id=name, image=image, captions=[], split=split or "train")
+        if outside:
+            rec.problems.append((None, outside))
         for c in caps.get(name, []):
             add_caption(rec, c)
         yield finish(rec)

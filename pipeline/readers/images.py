@@ -5,6 +5,7 @@ import functools
 import io
 import os
 import re
+import stat
 import tarfile
 import warnings
 from pathlib import Path
@@ -21,6 +22,34 @@ class ImageError(ValueError):
 
 class ImageMissing(ImageError, FileNotFoundError):
     """The image (or the tar holding it) does not exist: a local file or an object (URL)."""
+
+
+# Byte ceiling of one image file (or tar member) read when the caller gives none (ingest passes its
+# manifest option stages.ingest.max_image_bytes): a file larger than this is refused from its size,
+# never read, so that a captions line naming a huge or endless file cannot fill the memory.
+DEFAULT_MAX_IMAGE_BYTES = 256 * 2**20
+
+
+class NotAFile(ImageError):
+    """The reference names a device, FIFO, socket or folder: never opened (it could block or not end)."""
+
+
+def _kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a character device"
+            if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+
+
+def _check_local(ref: str, path: str, max_bytes: int | None, what: str = "image") -> int:
+    """Size of the local regular file ``path`` (stat only, nothing opened); refuses a device, FIFO,
+    socket or folder, and a file over ``max_bytes``."""
+    st = os.stat(path)  # FileNotFoundError goes to the caller
+    if not stat.S_ISREG(st.st_mode):
+        raise NotAFile(f"{what} {ref}: {path} is {_kind(st.st_mode)}, not a regular file (not read)")
+    limit = DEFAULT_MAX_IMAGE_BYTES if max_bytes is None else max_bytes
+    if st.st_size > limit:
+        raise ImageTooLarge(f"{what} {ref}: {st.st_size:,} bytes > max_image_bytes {limit:,} (not read)")
+    return st.st_size
 
 
 def tar_ref(tar_path: str | Path, member: str) -> str:
@@ -60,19 +89,26 @@ def _stat(path: str) -> tuple[int, object]:
     return st.st_mtime_ns, st.st_size
 
 
-def read_image_bytes(ref: str) -> bytes:
+def read_image_bytes(ref: str, max_bytes: int | None = None) -> bytes:
     """Raw bytes of an image reference (file path or ``<tar>::<member>``; either may be a URL,
-    read through fsspec: :mod:`pipeline.io.storage`)."""
+    read through fsspec: :mod:`pipeline.io.storage`). Only regular files are opened, and none over
+    ``max_bytes`` (default :data:`DEFAULT_MAX_IMAGE_BYTES`) is read: :class:`NotAFile`,
+    :class:`ImageTooLarge`."""
     from pipeline.io import storage
 
+    limit = DEFAULT_MAX_IMAGE_BYTES if max_bytes is None else max_bytes
     if TAR_SEP in ref:
         tar_path, member = ref.split(TAR_SEP, 1)
         try:
+            if not storage.is_remote(tar_path):
+                _check_local(ref, tar_path, float("inf"), "image")  # the tar itself: a regular file of any size
             version, size = _stat(tar_path)
             index = _tar_index(tar_path, version, size)
             if member not in index:
                 raise ImageError(f"image {ref}: no member {member!r} in {tar_path}")
             offset, size = index[member]
+            if size > limit:
+                raise ImageTooLarge(f"image {ref}: member is {size:,} bytes > max_image_bytes {limit:,} (not read)")
             with storage.open_file(tar_path, "rb") as f:
                 f.seek(offset)
                 data = f.read(size)
@@ -84,6 +120,12 @@ def read_image_bytes(ref: str) -> bytes:
         except (tarfile.TarError, OSError, EOFError) as e:
             raise ImageError(f"image {ref}: cannot read tar ({e})") from None
     try:
+        if storage.is_remote(ref):
+            size = int(storage.url_info(ref)["size"] or 0)
+            if size > limit:
+                raise ImageTooLarge(f"image {ref}: {size:,} bytes > max_image_bytes {limit:,} (not read)")
+        else:
+            _check_local(ref, ref, limit)
         return storage.read_bytes(ref)
     except FileNotFoundError:
         raise ImageMissing(f"image {ref}: file not found") from None
@@ -116,9 +158,9 @@ def _open_header(ref: str, data: bytes, max_pixels: int | None) -> Image.Image:
     return img
 
 
-def image_header_size(ref: str, max_pixels: int | None = None) -> tuple[int, int]:
+def image_header_size(ref: str, max_pixels: int | None = None, max_bytes: int | None = None) -> tuple[int, int]:
     """(width, height) from the header only; raises :class:`ImageTooLarge` past ``max_pixels``."""
-    with _open_header(ref, read_image_bytes(ref), max_pixels) as im:
+    with _open_header(ref, read_image_bytes(ref, max_bytes), max_pixels) as im:
         return im.size
 
 
@@ -139,7 +181,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def open_image(ref: str, max_pixels: int | None = None) -> Image.Image:
+def open_image(ref: str, max_pixels: int | None = None, max_bytes: int | None = None) -> Image.Image:
     """Fully decoded RGB image; raises :class:`ImageError` on a missing, truncated or garbage file,
     :class:`ImageTooLarge` when it has more than ``max_pixels`` (default :data:`DEFAULT_MAX_PIXELS`)
     pixels: checked from the header, so an oversized image is never decoded.
@@ -150,7 +192,7 @@ def open_image(ref: str, max_pixels: int | None = None) -> Image.Image:
     """
     if not ref:
         raise ImageError("image reference is empty")
-    data = read_image_bytes(ref)
+    data = read_image_bytes(ref, max_bytes)
     img = _open_header(ref, data, max_pixels)
     try:
         img.load()

@@ -20,6 +20,7 @@ from pipeline.readers.base import (
     abspath,
     add_caption,
     finish,
+    inside_root,
     load_json,
 )
 
@@ -48,7 +49,9 @@ def read_karpathy(captions: str | Path, images: str | Path | None = None, split:
         if not fn:
             rec.problems.append((None, MISSING_IMAGE_FIELD))
         elif root is not None:
-            rec.image = str(root / im["filepath"] / fn) if im.get("filepath") else str(root / fn)
+            rec.image, outside = inside_root(root, f"{im['filepath']}/{fn}" if im.get("filepath") else fn)
+            if outside:
+                rec.problems.append((None, outside))
         for s in im.get("sentences") or []:
             add_caption(rec, s.get("raw") if isinstance(s, dict) else s)
         yield finish(rec)

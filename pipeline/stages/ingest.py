@@ -22,7 +22,7 @@ from pipeline.io.atomic import fingerprint
 from pipeline.loaders.samples import dataset_image_root, recorded_root, relative_ref
 from pipeline.masks import BadPolygon, deferred_to_rle
 from pipeline.readers.base import MISSING_IMAGE_FIELD
-from pipeline.readers.images import ImageTooLarge
+from pipeline.readers.images import DEFAULT_MAX_IMAGE_BYTES, ImageTooLarge, NotAFile
 from pipeline.stage import RunContext, StageConfig, StageError, describe_exception, unit_writer
 
 log = logging.getLogger("pipeline")
@@ -45,6 +45,11 @@ class Config(StageConfig):
         50_000_000, ge=1,
         description="reject images with more decoded pixels than this (read from the header, before decoding); "
         "the encoders resize to <= 1333 px sides, so 50 MP is far above anything they use",
+    )
+    max_image_bytes: int = Field(
+        DEFAULT_MAX_IMAGE_BYTES, ge=1,
+        description="reject image files (and tar members) larger than this many bytes, from their size, before "
+        "reading them; devices, FIFOs and folders named as images are rejected too (not_a_file)",
     )
 
 
@@ -125,15 +130,15 @@ def _record_payload(rec, sample_id: int, first_caption_id: int) -> dict:
     }
 
 
-def _image_size(ref: str, mode: str, max_pixels: int | None = None) -> tuple[int, int]:
+def _image_size(ref: str, mode: str, max_pixels: int | None = None, max_bytes: int | None = None) -> tuple[int, int]:
     from pipeline.readers.images import image_header_size, open_image
 
     path = ref.split("::", 1)[0]
     if "://" not in path and not os.path.exists(path):  # a URL's absence shows when it is read
         raise FileNotFoundError("file not found")
     if mode == "decode":
-        return open_image(ref, max_pixels=max_pixels).size
-    return image_header_size(ref, max_pixels=max_pixels)
+        return open_image(ref, max_pixels=max_pixels, max_bytes=max_bytes).size
+    return image_header_size(ref, max_pixels=max_pixels, max_bytes=max_bytes)
 
 
 def _reason(problem: str, default: str) -> str:
@@ -146,6 +151,8 @@ def _reason(problem: str, default: str) -> str:
         base.NO_CAPTIONS: "no_captions",
         base.MISSING_IMAGE_FIELD: "missing_image",
     }
+    if problem.startswith(base.PATH_OUTSIDE_ROOT):
+        return "path_outside_root"
     if problem.startswith("member ") and "max_member_bytes" in problem:
         return "member_too_large"
     return codes.get(problem, default)
@@ -170,12 +177,15 @@ def ingest_unit(payload: dict) -> dict:
                 continue
         elif mode != "none":
             try:
-                width, height = _image_size(r["image"], mode, payload.get("max_pixels"))
+                width, height = _image_size(r["image"], mode, payload.get("max_pixels"), payload.get("max_image_bytes"))
             except FileNotFoundError as e:
                 w.error("missing_image", f"{r['image']}: {e}", sample_id=sid, source_id=src)
                 continue
             except ImageTooLarge as e:
                 w.error("image_too_large", str(e), sample_id=sid, source_id=src)
+                continue
+            except NotAFile as e:
+                w.error("not_a_file", str(e), sample_id=sid, source_id=src)
                 continue
             except Exception as e:  # PIL raises many types for corrupt data
                 w.error("unreadable_image", f"{r['image']}: {describe_exception(e)}", sample_id=sid, source_id=src)
@@ -302,6 +312,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
             "records": chunk,
             "verify_images": verify,
             "max_pixels": cfg.max_pixels,
+            "max_image_bytes": cfg.max_image_bytes,
             "min_caption_chars": cfg.min_caption_chars,
             "has_annotations": has_ann or any(r["instances"] or r["relations"] or r["phrases"] for r in chunk),
             "image_root": str(image_root) if image_root else None,

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipeline.errors import describe_exception
 from pipeline.io.artifacts import ArtifactMissing
 from pipeline.io.shards import fits_in_memory
 from pipeline.loaders.clip_tokens import read_shard
@@ -100,7 +101,7 @@ class ConceptOTJob(ConceptOTBatches, ConceptOTScoring, Job):
         try:
             res.update(self._sugarcrepe(model))
         except (OSError, ValueError, RuntimeError) as e:  # e.g. the CLIP text tower cannot be loaded
-            res["sugarcrepe/error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            res["sugarcrepe/error"] = describe_exception(e, 160)
         try:
             for row in self._grounding(model):
                 res[f"grounding/{row.metric}"] = row.value
@@ -108,7 +109,7 @@ class ConceptOTJob(ConceptOTBatches, ConceptOTScoring, Job):
                 res["grounding/phrases"] = float(row.n)
                 res["grounding/skipped"] = float(row.skipped)
         except (OSError, ValueError, RuntimeError, KeyError) as e:  # NoScorableItems is a RuntimeError
-            res["grounding/error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            res["grounding/error"] = describe_exception(e, 160)
         return res
 
     def job_metrics(self, model: ConceptOTModel, out_dir: Path) -> list:
