@@ -14,7 +14,8 @@ offsets extract-clip-tokens stores come from its vocabulary in ``CLIPTokenizerFa
 ``projection_dim``) and, through :func:`encode_images` / :func:`encode_texts`, the same quantities:
 patch tokens = the vision transformer's last block output without the class token (before
 ``ln_post``, as HF's ``last_hidden_state``), image embedding = pooled, ``ln_post``, projected; text
-tokens = ``ln_final`` of the causal text transformer, text embedding pooled at EOT and projected.
+tokens = ``ln_final`` of the causal text transformer run on the caption's own tokens, text
+embedding pooled at EOT and projected.
 Supported: CLIP archs with a ViT image tower and open_clip's own text tower (ViT-B-16, ViT-B-32,
 ViT-L-14, ...); others fail in one line naming the arch.
 """
@@ -137,23 +138,20 @@ class OpenClip(torch.nn.Module):
 
     @torch.no_grad()
     def encode_texts(self, ids: torch.Tensor, mask: torch.Tensor, project_tokens: bool = False) -> dict[str, torch.Tensor]:
-        """``ids`` [B, M] (SOT..EOT, zeros after), M <= the context length: run at the full context
-        (the causal mask keeps the padding out of every valid position), return the first M."""
+        """``ids`` [B, M] (SOT..EOT, zeros after), M <= the context length: open_clip's ``encode_text``
+        on the first M positions (positional embeddings and causal mask cut to M: what the full
+        context computes at every valid position, tested equal), pooled at EOT."""
         from open_clip.transformer import text_global_pool
 
         m = self.model
-        B, M = ids.shape
-        full = torch.zeros((B, m.context_length), dtype=ids.dtype, device=ids.device)
-        full[:, :M] = ids * mask  # zeros after EOT, as open_clip pads
+        M = ids.shape[1]
+        ids = ids * mask  # zeros after EOT, as open_clip pads
         cast = m.transformer.get_cast_dtype()
-        x = m.token_embedding(full).to(cast) + m.positional_embedding.to(cast)
-        x = m.ln_final(m.transformer(x, attn_mask=m.attn_mask))
-        pooled = text_global_pool(x, full, m.text_pool_type, eos_token_id=getattr(m, "text_eos_id", None))
+        x = m.token_embedding(ids).to(cast) + m.positional_embedding[:M].to(cast)
+        x = m.ln_final(m.transformer(x, attn_mask=m.attn_mask[:M, :M]))
+        pooled = text_global_pool(x, ids, m.text_pool_type, eos_token_id=getattr(m, "text_eos_id", None))
         project = (lambda t: m.text_projection(t)) if isinstance(m.text_projection, torch.nn.Linear) else (lambda t: t @ m.text_projection)
-        tokens = x[:, :M]
-        if project_tokens:
-            tokens = project(tokens)
-        return {"text_tokens": tokens, "text_embed": project(pooled)}
+        return {"text_tokens": project(x) if project_tokens else x, "text_embed": project(pooled)}
 
 
 def load_open_clip(spec: str, seed: int):
