@@ -266,6 +266,19 @@ def plan_dims(row: Row) -> str:
     return f"hidden {S.text_model(row.spec)['hidden']}"
 
 
+NOT_RUN = "not run here"
+
+
+def not_run(text: str) -> dict[str, str]:
+    """configuration -> the reason the doc gives for not running it."""
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[3].startswith(NOT_RUN):
+            out[cells[0]] = cells[3]
+    return out
+
+
 def _fmt_shape(s) -> str:
     return "x".join(str(d) for d in s)
 
@@ -274,6 +287,10 @@ def table(results: list[dict]) -> str:
     lines = ["| configuration | spec | stage (adapter) | outputs per item | dtype | s / image | peak MB / image | plan's dims |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
+        if r.get("skipped"):
+            lines.append(f"| {r['name']} | `{r['spec']}` | {r['stage']} (`{r['call']}`) | {NOT_RUN}: {r['skipped']} | - | - | - | "
+                         f"{r['plan']} |")
+            continue
         outs = ", ".join(f"{k} {_fmt_shape(v)}" for k, v in r["shapes"].items())
         lines.append(f"| {r['name']} | `{r['spec']}` | {r['stage']} (`{r['call']}`) | {outs} | {r['dtype']} | "
                      f"{r['s_per_image']:.2f} | {r['peak_mb_per_image']:.0f} | {r['plan']} |")
@@ -285,7 +302,7 @@ def parse_table(text: str) -> dict[str, dict[str, tuple]]:
     out = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and cells[0] not in ("configuration", "---"):
+        if len(cells) == 8 and cells[0] not in ("configuration", "---") and not cells[3].startswith(NOT_RUN):
             shapes = {}
             for item in cells[3].split(", "):
                 k, _, dims = item.partition(" ")
@@ -316,10 +333,19 @@ def main(argv=None) -> None:
     ap.add_argument("--write", action="store_true", help=f"write {DOC.relative_to(REPO)}")
     ap.add_argument("--reduced", action="store_true", help="published widths at 1-2 blocks (the fast test's rows)")
     ap.add_argument("--only", nargs="*", help="configuration names")
+    ap.add_argument("--skip", nargs=2, action="append", default=[], metavar=("NAME", "REASON"),
+                    help="a slow configuration not run here, with the reason written in its row")
     a = ap.parse_args(argv)
+    skip = dict(a.skip)
     results = []
     for row in ROWS:
         if a.only and row.name not in a.only or a.reduced and row.name not in REDUCED:
+            continue
+        if row.name in skip:
+            if not row.slow:
+                ap.error(f"--skip {row.name!r}: only the slow configurations may be skipped")
+            results.append({"name": row.name, "spec": row.spec, "stage": row.stage, "call": row.call,
+                            "skipped": skip[row.name], "plan": plan_dims(row)})
             continue
         r = measure(row, a.reduced)
         r["plan"] = plan_dims(row)
