@@ -101,6 +101,25 @@ class SyntheticConfig(Section):
 DatasetKind = Literal["coco", "karpathy", "flickr30k_entities", "cc3m_tsv", "webdataset", "folder", "synthetic"]
 
 
+class SplitsConfig(Section):
+    """Held-out splits assigned per image from a hash of its stable key (pipeline/readers/splits.py):
+    the same image is in the same split whatever else the dataset holds or its order."""
+
+    by: Literal["key_hash"] = Field("key_hash", description="key_hash: blake2b of (seed, the image's stable key: the "
+                                    "folder's relative path, the TSV's image reference, the webdataset's url or key)")
+    val: float = Field(0.05, ge=0, le=1, description="fraction of images in split val")
+    test: float = Field(0.05, ge=0, le=1, description="fraction of images in split test")
+    seed: int = Field(0, description="another seed draws another partition of the same images")
+
+    @field_validator("test")
+    @classmethod
+    def _fractions_fit(cls, v, info):
+        val = info.data.get("val", 0.0)
+        if val + v > 1:
+            raise ValueError(f"val + test = {val + v:g} > 1 (fractions of the images)")
+        return v
+
+
 class DatasetConfig(Section):
     kind: DatasetKind = "synthetic"
     captions: str | None = Field(None, description="captions file (COCO JSON, Karpathy JSON, TSV, ...)")
@@ -108,7 +127,9 @@ class DatasetConfig(Section):
     path: str | None = Field(None, description="Flickr30k Entities root, or WebDataset tar folder/glob")
     instances: str | None = Field(None, description="optional COCO instances JSON (boxes, masks)")
     scene_graphs: str | None = Field(None, description="optional scene-graph JSON")
-    split: str | None = Field(None, description="keep only this split (Karpathy)")
+    split: str | None = Field(None, description="keep only this split (Karpathy; with `splits`: of the assigned ones)")
+    splits: SplitsConfig | None = Field(None, description="assign train/val/test by a hash of each image's key, "
+                                        "replacing the reader's own splits (`{val: 0.05, test: 0.05, seed: 0}`)")
     max_member_bytes: int = Field(
         64 * 1024**2, ge=1, description="webdataset: reject a sample with a tar member larger than this (bytes)"
     )

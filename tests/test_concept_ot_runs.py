@@ -165,6 +165,7 @@ def test_no_eval_images_is_a_one_line_error(oracle, tmp_path):
     assert r.exit_code == 2
     err = [x for x in r.output.splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "no eval images" in err[0] and "Karpathy" in err[0] and "eval_splits" in err[0]
+    assert "dataset.splits: {val: 0.05, test: 0.05}" in err[0]
 
 
 def test_coco_manifest_evaluates_the_karpathy_test_split():

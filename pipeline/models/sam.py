@@ -5,6 +5,8 @@ Specs accepted by :func:`load_sam`:
 * ``vit_h:/path/sam_vit_h_4b8939.pth`` (also ``vit_l:``, ``vit_b:``): the package's own
   ``sam_model_registry[type](checkpoint=path)`` loader; a bare path whose file name contains
   ``vit_h``/``vit_l``/``vit_b`` works too;
+* ``vit_b:random`` (``vit_l:``, ``vit_h:``): that registry model with ``checkpoint=None`` and seeded
+  random weights (recorded random; the compatibility matrix, tests/test_compat_matrix.py);
 * ``tiny-random``: a SAM of the same architecture built from the package's modules
   (ImageEncoderViT 256 px, patch 16, 64-d, 4 blocks with global attention at 1 and 3, window 4;
   PromptEncoder/MaskDecoder/TwoWayTransformer at width 64) with seeded random weights. SAM
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from pipeline.models.provenance import is_tiny_random, model_record, state_dict_hash, weights_hash
 
 RANDOM_SEED = 0
+RANDOM_CHECKPOINT = "random"  # models.sam: vit_b:random -- segment-anything's registry model, seeded random weights
 TINY = dict(img_size=256, patch=16, dim=64, depth=4, heads=2, global_attn=(1, 3), window=4, prompt_dim=64)
 SAM_GLOBAL_ATTN = {"vit_h": [7, 15, 23, 31], "vit_l": [5, 11, 17, 23], "vit_b": [2, 5, 8, 11]}
 
@@ -128,11 +131,17 @@ class SamModel:
             from segment_anything import sam_model_registry
 
             kind, path = parse_spec(spec)
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"SAM checkpoint {path} not found (models.sam = {spec!r})")
-            self.sam = sam_model_registry[kind](checkpoint=path).eval()
             global_attn = SAM_GLOBAL_ATTN["vit_h" if kind == "default" else kind]
-            self.record = model_record("sam", spec, random_weights=False, weights_sha256=weights_hash([path]))
+            if path == RANDOM_CHECKPOINT:  # the released architecture, seeded random weights (sizing, the compatibility matrix)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(RANDOM_SEED)
+                    self.sam = sam_model_registry[kind](checkpoint=None).eval()
+                self.record = model_record("sam", spec, random_weights=True, weights_sha256=None, seed=RANDOM_SEED)
+            else:
+                if not Path(path).is_file():
+                    raise FileNotFoundError(f"SAM checkpoint {path} not found (models.sam = {spec!r})")
+                self.sam = sam_model_registry[kind](checkpoint=path).eval()
+                self.record = model_record("sam", spec, random_weights=False, weights_sha256=weights_hash([path]))
         self.device = torch.device(device)
         self.sam.to(self.device)
         from segment_anything.utils.transforms import ResizeLongestSide

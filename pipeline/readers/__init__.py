@@ -34,7 +34,18 @@ def synthetic_root(ds, output_root: Path) -> Path:
 
 
 def read_dataset(ds: "DatasetConfig", output_root: Path, defer_masks: bool = False) -> Iterator[SourceRecord]:
-    """``defer_masks``: COCO segmentations stay as read, rasterised later (by the ingest workers)."""
+    """``defer_masks``: COCO segmentations stay as read, rasterised later (by the ingest workers).
+    With ``ds.splits`` every record's split is assigned from its key's hash (pipeline/readers/splits.py),
+    replacing the reader's own (read with ``split: None``), and ``ds.split`` keeps one assigned split."""
+    if getattr(ds, "splits", None) is None:
+        return _read_records(ds, output_root, defer_masks)
+    from pipeline.readers.splits import assign_splits
+
+    return assign_splits(_read_records(ds.model_copy(update={"split": None}), output_root, defer_masks),
+                         ds.splits, keep=ds.split)
+
+
+def _read_records(ds: "DatasetConfig", output_root: Path, defer_masks: bool) -> Iterator[SourceRecord]:
     kind = ds.kind
     if kind == "coco":
         from pipeline.readers.coco import read_coco

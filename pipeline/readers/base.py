@@ -60,6 +60,8 @@ class SourceRecord:
     phrases: list[Phrase] = field(default_factory=list)
     # (caption index, or None for the whole record; reason)
     problems: list[tuple[int | None, str]] = field(default_factory=list)
+    # the image's stable identity for dataset.splits (pipeline/readers/splits.py); None: source_id
+    split_key: str | None = None
 
 
 def decode_caption(raw: bytes | str) -> tuple[str, str | None]:

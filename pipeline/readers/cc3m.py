@@ -7,7 +7,8 @@ Relative paths resolve against ``images`` (default: the TSV's folder); ``file://
 paths; ``s3://`` / ``gs://`` references are kept (read through fsspec, pipeline/io/storage.py).
 http(s) URLs are not fetched (offline pipeline): the record keeps its caption, image None and a
 problem saying so -- download with img2dataset and use ``kind: webdataset`` instead.
-Each row is decoded on its own so one non-UTF-8 caption does not stop the file.
+Each row is decoded on its own so one non-UTF-8 caption does not stop the file. ``split_key`` (for
+``dataset.splits``) is the image reference as written: rows naming one image share its split.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def read_cc3m_tsv(captions: str | Path, images: str | Path | None = None, split:
             continue
         add_caption(rec, cells[cap_col])
         image_ref = cells[img_col].decode("utf-8", errors="replace")
+        rec.split_key = image_ref.strip() or None  # dataset.splits: the image as written, not the row number
         rec.image, problem = resolve_image(image_ref, root)
         if problem:
             rec.problems.append((None, problem))

@@ -5,7 +5,8 @@ be uncompressed, as img2dataset and WebDataset write them, because images are la
 Members of a sample are grouped by WebDataset's key rule (member name up to the first dot of its
 base name) and must be adjacent, as WebDataset writers produce them. ``source_id`` is the key
 (a key seen again in a later shard is flagged ``duplicate key``). The caption is the ``.txt``
-content (stripped); without a ``.txt``, the ``caption`` field of the ``.json`` is used. Images stay
+content (stripped); without a ``.txt``, the ``caption`` field of the ``.json`` is used; its ``url``
+(img2dataset writes one) is the ``split_key`` for ``dataset.splits``, else the key. Images stay
 in the tar: ``image`` is ``"<abs tar>::<member>"`` (see ``readers.images.open_image``).
 Tars are read header by header, so image bytes are skipped, not loaded. ``path`` may be a URL
 (``s3://bucket/shards/`` or ``s3://bucket/shards/*.tar``): tars are then read through fsspec by
@@ -69,16 +70,19 @@ def _make_record(tar: Path, key: str, members: dict[str, tuple[str, bytes | None
         rec.problems.append((None, MISSING_IMAGE_FIELD))
     else:
         rec.image = tar_ref(tar, img)
-    if "txt" in members:
-        add_caption(rec, members["txt"][1].strip())
-    elif "json" in members:
+    meta = None
+    if "json" in members:
         try:
             meta = json.loads(members["json"][1].decode("utf-8", errors="surrogateescape"))
         except json.JSONDecodeError:
-            meta = None
-            rec.problems.append((None, "sample .json is not valid JSON"))
-        if isinstance(meta, dict) and meta.get("caption") is not None:
-            add_caption(rec, meta["caption"])
+            if "txt" not in members:
+                rec.problems.append((None, "sample .json is not valid JSON"))
+    if isinstance(meta, dict) and isinstance(meta.get("url"), str) and meta["url"].strip():
+        rec.split_key = meta["url"].strip()  # dataset.splits: the image's source, stable across re-downloads
+    if "txt" in members:
+        add_caption(rec, members["txt"][1].strip())
+    elif isinstance(meta, dict) and meta.get("caption") is not None:
+        add_caption(rec, meta["caption"])
     return finish(rec)
 
 

@@ -4,7 +4,8 @@ Where the architecture comes from, in order: the adapters' random presets (``tin
 ``base-random``, ``random-bert-base``: the same configs the adapters build), a local folder or the
 Hugging Face cache holding the model's ``config.json`` (read with ``local_files_only``), else
 :data:`PUBLISHED`: the released checkpoints' configs, copied from each hub repository's
-``config.json`` (cited per entry). ``scene-oracle`` (the testbed instrument) is asked for its own
+``config.json`` (cited per entry); ``open_clip:<arch>`` specs from open_clip's own config of the arch
+(in the wheel, no download). ``scene-oracle`` (the testbed instrument) is asked for its own
 dims; it runs no network (FLOPs 0). SAM's three released encoders are segment-anything's own
 registry (``sam_model_registry``), built on the meta device.
 
@@ -104,6 +105,10 @@ def clip(spec: str) -> dict:
 
         rec = load_clip(spec)[3]
         return dict(_clip_dims(rec), flops_image=0, flops_text=0, text_len=0, tokenizer=None, source="scene-oracle instrument")
+    from pipeline.models.open_clip_adapter import is_open_clip_spec
+
+    if is_open_clip_spec(spec):
+        return _open_clip(spec)
     import torch
     from transformers import CLIPConfig, CLIPModel
 
@@ -143,6 +148,35 @@ def clip(spec: str) -> dict:
     flops_text = count_flops(lambda: model.get_text_features(input_ids=ids))
     counter = (lambda s: len(tok(s, truncation=False)["input_ids"])) if tok is not None else None
     return dict(rec, flops_image=flops_image, flops_text=flops_text, text_len=text_len, tokenizer=counter, source=source)
+
+
+def _open_clip(spec: str) -> dict:
+    """``open_clip:<arch>[/...]``: open_clip's own config of the arch (``get_model_config``, in the wheel),
+    the model built on the meta device and run through the adapter (pipeline/models/open_clip_adapter.py)."""
+    import open_clip
+    import torch
+    from open_clip.factory import get_model_config
+
+    from pipeline.models.clip_bpe import fast_clip_tokenizer
+    from pipeline.models.open_clip_adapter import OpenClip, parse_spec
+
+    arch, _ = parse_spec(spec)
+    cfg = get_model_config(arch)
+    if cfg is None:
+        raise UnknownModel(f"models.clip {spec!r}: open_clip has no arch {arch!r} (open_clip.list_models())")
+    wrapped = OpenClip(_on_meta(lambda: open_clip.CLIP(**cfg)), arch)
+    c = wrapped.config
+    v = c.vision_config
+    px = torch.empty(1, 3, v.image_size, v.image_size, device="meta")
+    flops_image = count_flops(lambda: wrapped.encode_images(px))
+    text_len = 16
+    ids = torch.zeros(1, text_len, dtype=torch.long, device="meta")
+    flops_text = count_flops(lambda: wrapped.encode_texts(ids, torch.ones_like(ids)))
+    tok = fast_clip_tokenizer(arch)
+    rec = dict(image_size=v.image_size, patch_size=v.patch_size, n_patches=(v.image_size // v.patch_size) ** 2,
+               vision_dim=v.hidden_size, text_dim=c.text_config.hidden_size, projection_dim=c.projection_dim)
+    return dict(rec, flops_image=flops_image, flops_text=flops_text, text_len=text_len,
+                tokenizer=lambda s: len(tok(s, truncation=False)["input_ids"]), source=f"open_clip config ({arch})")
 
 
 def _clip_dims(rec: dict) -> dict:

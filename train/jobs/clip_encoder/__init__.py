@@ -3,8 +3,8 @@ split, and exported as a Hugging Face checkpoint folder that ``models.clip`` poi
 
 The model is a plain :class:`transformers.CLIPModel` (defaults: 64 px images, 8 px patches -> 64 patch
 tokens, a 4-layer vision tower and a 3-layer text tower of width 128, projection 128; about 11M
-parameters, 6.3M of them CLIP's 49,408-token embedding table) with CLIP's own BPE tokenizer (built offline
-from open_clip's merge list, train/jobs/text_groups/tokenizer.py) and a ``CLIPImageProcessor`` (resize +
+parameters, 6.3M of them CLIP's 49,408-token embedding table) with CLIP's own BPE tokenizer (open_clip.get_tokenizer's
+vocabulary and merges, train/jobs/text_groups/tokenizer.py) and a ``CLIPImageProcessor`` (resize +
 centre crop to ``image_size``, OpenAI mean/std). Training: CLIP's symmetric InfoNCE loss with the learnt
 temperature (``CLIPModel(..., return_loss=True)``), one caption per image per step drawn at random from its
 captions, in the shared loop (AdamW, warmup + cosine, clipping, checkpoints, exact resume).

@@ -59,8 +59,9 @@ class ConceptOTJob(ConceptOTBatches, ConceptOTScoring, Job):
             present = ", ".join(f"{k}={v}" for k, v in sorted(zip(*np.unique(tab["split"], return_counts=True))))
             raise ValueError(
                 f"no eval images: 0 of {len(tab['ids'])} samples in {self.art.dir} are in eval_splits "
-                f"{list(cfg.eval_splits)} (splits: {present or 'none'}): ingest a split with held-out images (COCO: the "
-                f"Karpathy split JSON, dataset.kind: karpathy, see manifests/coco.yaml) or set train.concept_ot.eval_splits")
+                f"{list(cfg.eval_splits)} (splits: {present or 'none'}): hold images out at ingest (own data: "
+                f"dataset.splits: {{val: 0.05, test: 0.05}}, docs/manifests.md; COCO: the Karpathy split JSON, dataset.kind: "
+                f"karpathy, see manifests/coco.yaml) and rerun ingest, or set train.concept_ot.eval_splits")
         self.index_dir = resolve_artifact(manifest, cfg.index_artifact)
         self._nb: IndexNeighbours | None | bool = False  # False: not loaded yet
         if cfg.hard_negatives == "index":

@@ -1,12 +1,9 @@
-"""CLIP's BPE tokenizer (49,408 ids, SOT 49406, EOT 49407), built offline.
+"""CLIP's BPE tokenizer (49,408 ids, SOT 49406, EOT 49407): open_clip's own, with character offsets.
 
-The ``open_clip_torch`` wheel ships CLIP's merge list ``bpe_simple_vocab_16e6.txt.gz``. CLIP's
-vocabulary is a pure function of it (``SimpleTokenizer`` in openai/CLIP): the 256 byte symbols,
-the same with the end-of-word marker ``</w>``, one entry per merge (the first 48,894 merges) and
-the two special tokens. We rebuild both in memory and hand them to ``CLIPTokenizerFast`` (the same normalisation and pre-tokenisation as
-``openai/clip-vit-base-patch32``'s tokenizer; ids checked in tests/test_text_groups.py). The
-package is located with ``importlib.util.find_spec`` so open_clip (and its torch/timm imports) is
-never imported.
+The vocabulary and merges are those of ``open_clip.get_tokenizer("ViT-B-16")`` (CLIP's
+``SimpleTokenizer``), handed to ``CLIPTokenizerFast`` for the offsets phrase discovery needs
+(:func:`pipeline.models.clip_bpe.fast_clip_tokenizer`; its ids equal open_clip's on the testbed
+captions and SugarCrepe's text, tests/test_text_groups.py).
 
 A ``models.groupvit`` folder (a real GroupViT) brings its own tokenizer; :func:`load_tokenizer`
 takes it from there when the folder has tokenizer files.
@@ -19,59 +16,20 @@ token, which phrase discovery uses to map gold character spans onto tokens.
 from __future__ import annotations
 
 import functools
-import gzip
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 SOT, EOT, VOCAB_SIZE, MAX_LEN = 49406, 49407, 49408, 77
-N_MERGES = 49152 - 256 - 2  # CLIP keeps the first 48,894 merges of the file
-
-
-def bpe_vocab_path() -> Path:
-    spec = importlib.util.find_spec("open_clip")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the text-groups tokenizer needs CLIP's BPE merges from the open_clip_torch package "
-                           "(pip install open_clip_torch==3.3.0), or a models.groupvit folder with tokenizer files")
-    p = Path(list(spec.submodule_search_locations)[0]) / "bpe_simple_vocab_16e6.txt.gz"
-    if not p.exists():
-        raise RuntimeError(f"{p} is missing from the open_clip_torch installation")
-    return p
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP's reversible byte -> printable unicode map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs]))
-
-
-def clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """CLIP's vocabulary and merges, rebuilt from the open_clip merge file as CLIP's SimpleTokenizer does."""
-    src = bpe_vocab_path()
-    lines = gzip.decompress(src.read_bytes()).decode("utf-8").split("\n")
-    merges = [tuple(m.split()) for m in lines[1 : N_MERGES + 1]]
-    vocab = list(_bytes_to_unicode().values())
-    vocab = vocab + [v + "</w>" for v in vocab]
-    vocab += ["".join(m) for m in merges]
-    vocab += ["<|startoftext|>", "<|endoftext|>"]
-    if len(vocab) != VOCAB_SIZE:
-        raise RuntimeError(f"{src}: built {len(vocab)} vocabulary entries, CLIP has {VOCAB_SIZE}")
-    return {v: i for i, v in enumerate(vocab)}, merges
+OPEN_CLIP_ARCH = "ViT-B-16"  # any CLIP-tokenizer arch: they share one BPE
 
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(groupvit_spec: str | None = None):
-    """CLIP's tokenizer: from a ``models.groupvit`` folder holding tokenizer files, else built from
-    the open_clip merges. Returns ``(tokenizer, record)``; ``record`` goes into checkpoints."""
+    """CLIP's tokenizer: from a ``models.groupvit`` folder holding tokenizer files, else open_clip's
+    (:func:`pipeline.models.clip_bpe.fast_clip_tokenizer`). Returns ``(tokenizer, record)``; ``record``
+    goes into checkpoints."""
     from transformers import CLIPTokenizerFast
 
     if groupvit_spec and Path(groupvit_spec).is_dir() and (
@@ -80,11 +38,11 @@ def load_tokenizer(groupvit_spec: str | None = None):
         tok = CLIPTokenizerFast.from_pretrained(groupvit_spec)
         source = f"models.groupvit folder {groupvit_spec}"
     else:
-        vocab, merges = clip_vocab_and_merges()
-        tok = CLIPTokenizerFast(vocab=vocab, merges=merges, unk_token="<|endoftext|>", bos_token="<|startoftext|>", eos_token="<|endoftext|>",
-                                pad_token="<|endoftext|>")
-        source = f"CLIP BPE built from {bpe_vocab_path().name} (open_clip_torch)"
-    sot, eot = tok.convert_tokens_to_ids("<|startoftext|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+        from pipeline.models.clip_bpe import fast_clip_tokenizer
+
+        tok = fast_clip_tokenizer(OPEN_CLIP_ARCH)
+        source = f"open_clip.get_tokenizer({OPEN_CLIP_ARCH!r}) (open_clip_torch)"
+    sot, eot = tok.bos_token_id, tok.eos_token_id
     if (sot, eot, len(tok)) != (SOT, EOT, VOCAB_SIZE):
         raise RuntimeError(f"tokenizer ({source}) is not CLIP's: SOT {sot}, EOT {eot}, {len(tok)} ids "
                            f"(expected {SOT}, {EOT}, {VOCAB_SIZE})")
