@@ -33,9 +33,11 @@ def _invoke(*args: str):
 
 
 @pytest.mark.parametrize("command", [["run", "all"], ["run", "extract-clip-tokens"], ["plan"]])
-def test_run_and_plan_name_every_missing_encoder_and_its_command_before_ray(tmp_path, command):
+def test_run_and_plan_name_every_missing_encoder_and_its_command_before_ray(tmp_path, command, monkeypatch):
     import ray
 
+    started = []  # ray.init called (an earlier test of the session may have left a Ray running in this process)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append((a, k)))
     out = tmp_path / "px"
     r = _invoke(*command, "-m", PIXELS, "--set", f"output={out}")
     assert r.exit_code == 2
@@ -48,7 +50,7 @@ def test_run_and_plan_name_every_missing_encoder_and_its_command_before_ray(tmp_
     else:
         assert lines == [_expected(out, "")]
     assert "Repo id" not in r.output and "Traceback" not in r.output
-    assert not ray.is_initialized() and not out.exists()  # nothing started, no folder made
+    assert not started and not out.exists()  # nothing started, no folder made
 
 
 def test_status_lists_the_missing_encoders_and_complete_commands(tmp_path):
