@@ -83,6 +83,27 @@ def load_corpus(manifest, rel: str = "samples", job: str = "") -> Corpus:
     return corpus
 
 
+def images_in_common(manifest, rel_a: str, rel_b: str) -> dict:
+    """What two samples artifacts (``rel_a``, ``rel_b`` under the manifest's output, e.g. the testbed's ``samples`` and
+    the pretraining corpus's ``corpus/samples``) share: ``ids`` the source ids (image ids) in both, ``pixels`` the
+    SHA-256 of the decoded RGB pixels (as the encoders decode them) in both, and ``n`` each artifact's images."""
+    import hashlib
+
+    from pipeline.loaders.samples import image_resolver
+    from pipeline.readers.images import open_image
+    from train.job import open_artifact, resolve_artifact
+
+    ids, hashes, n = [], [], []
+    for rel in (rel_a, rel_b):
+        t = open_artifact(manifest, rel, "samples").read("samples", ["source_id", "image"])
+        resolve = image_resolver(resolve_artifact(manifest, rel), manifest)
+        refs = [resolve(r) for r in t["image"].to_pylist()]
+        ids.append({str(x) for x in t["source_id"].to_pylist()})
+        hashes.append({hashlib.sha256(np.asarray(open_image(r)).tobytes()).hexdigest() for r in refs if r})
+        n.append(len(refs))
+    return {"ids": sorted(ids[0] & ids[1]), "pixels": sorted(hashes[0] & hashes[1]), "n": n}
+
+
 def load_pixels(refs: list[str | None], processor) -> "torch.Tensor":  # noqa: F821
     """pixel_values [N, 3, H, W] of the images at ``refs``, decoded as the image stages decode them
     (:func:`pipeline.readers.images.open_image`: RGB) and prepared by ``processor`` (the one exported)."""
