@@ -84,3 +84,14 @@ def test_the_corpus_shares_no_image_with_the_testbed(tmp_path, ray_session):
     corpus = load_corpus(m, getattr(m.train, "clip_encoder").samples_artifact, "clip-encoder")
     assert all(Path(p).parent.parent.parent.parent.name == "corpus" for p in corpus.images)
     assert set(corpus.splits) == {"train", "val", "test"}
+
+
+def test_an_encoder_without_the_corpus_says_which_command_makes_it(tmp_path):
+    from pipeline.config import load_manifest
+    from train.encoders import load_corpus
+
+    m = load_manifest(REPO / "manifests" / "pixels.yaml", [f"output={tmp_path}/p"])
+    with pytest.raises(FileNotFoundError) as e:
+        load_corpus(m, "corpus/samples", "clip-encoder")
+    assert str(e.value) == (f"clip-encoder: samples artifact {tmp_path}/p/corpus/samples is missing (no _manifest.json): "
+                            "run `pipeline run ingest --corpus` (the manifest's pretraining corpus) first")

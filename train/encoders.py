@@ -58,7 +58,15 @@ def load_corpus(manifest, rel: str = "samples", job: str = "") -> Corpus:
     from pipeline.loaders.samples import image_resolver
     from train.job import Splits, open_artifact, resolve_artifact
 
-    art = open_artifact(manifest, rel, "samples", job)
+    from pipeline.config import CORPUS_DIR
+
+    try:
+        art = open_artifact(manifest, rel, "samples", job)
+    except FileNotFoundError as e:
+        if Path(rel).parts[:1] != (CORPUS_DIR,):
+            raise
+        raise FileNotFoundError(str(e).replace("`pipeline run ingest`", "`pipeline run ingest --corpus` (the manifest's "
+                                                "pretraining corpus)")) from None
     t = art.read("samples", ["sample_id", "image", "split"])
     sids = np.asarray(t["sample_id"].to_numpy(), np.int64)
     resolve = image_resolver(resolve_artifact(manifest, rel), manifest)
