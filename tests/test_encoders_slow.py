@@ -34,8 +34,8 @@ def pixels_manifest(tmp_path: Path, n_images: int = 400) -> Path:
     m["dataset"]["synthetic"]["n_images"] = n_images
     m["corpus"]["n_images"] = n_images
     m["eval"] = {"benchmarks": []}
-    m["train"]["clip_encoder"] = dict(SMALL_CLIP)
-    m["train"]["mlm_encoder"] = dict(SMALL_MLM)
+    m["train"]["clip_encoder"] = {**m["train"]["clip_encoder"], **SMALL_CLIP}  # samples_artifact: corpus/samples kept
+    m["train"]["mlm_encoder"] = {**m["train"]["mlm_encoder"], **SMALL_MLM}
     path = tmp_path / "pixels-small.yaml"
     path.write_text(yaml.safe_dump(m, sort_keys=False))
     return path
@@ -66,10 +66,12 @@ def test_clip_from_pixels_learns_and_the_stage_reads_its_export(tmp_path, ray_se
     m = yaml.safe_load(mp.read_text())
     _ingest_both(mp)
     rows, wall = train_run(mp, "clip-encoder", tmp_path / "clip")
+    out = Path(m["output"])
+    trained = json.loads((out / "encoders" / "clip" / "training.json").read_text())["trained_on"]
+    assert trained["samples_artifact"] == "corpus/samples" and trained["images"] == 320, trained  # the corpus's train split
     for metric in ("zeroshot_colour", "i2t_R@1"):
         r = rows[("clip-encoder", "held_out", metric)]
         assert r["ci_low"] > r["chance"], (metric, r)
-    out = Path(m["output"])
 
     run_stages(mp, ["extract-clip-tokens"])
     man = json.loads((out / "clip_tokens" / "_manifest.json").read_text())
@@ -102,6 +104,7 @@ def test_mlm_from_captions_learns_and_negative_captions_reads_its_export(tmp_pat
     out = Path(yaml.safe_load(mp.read_text())["output"])
     _ingest_both(mp)
     rows, wall = train_run(mp, "mlm-encoder", tmp_path / "mlm")
+    assert json.loads((tmp_path / "mlm" / "config.json").read_text())["samples_artifact"] == "corpus/samples"
     r = rows[("mlm-encoder", "held_out", "masked_token_acc")]
     assert r["ci_low"] > r["chance"], r
     run_stages(mp, ["negative-captions"])
