@@ -4,9 +4,10 @@ column with the oracle testbed's figure.
 * :func:`encoder_jobs`: the encoder jobs (``ENCODER = True`` in their package: clip-encoder, mlm-encoder)
   whose export folder a ``models.*`` slot of the manifest points at (``clip: "{output}/encoders/clip"``);
   none for the oracle testbed, so its run is unchanged.
-* :func:`run_encoders`: ``pipeline run ingest`` (the encoders' data: the train split's images and
-  captions), then ``train run <encoder job>`` for each, timed, as a user types them. Their own held-out
-  figures are rows of the table like any job's (expected outcomes: benchmarks/expectations/pixels.yaml).
+* :func:`run_encoders`: ``pipeline run ingest`` (the testbed) and, where the manifest has a ``corpus:`` block,
+  ``pipeline run ingest --corpus`` (the encoders' data: the generated pretraining corpus, ``<output>/corpus``),
+  then ``train run <encoder job>`` for each, timed, as a user types them. Their own held-out figures are rows
+  of the table like any job's (expected outcomes: benchmarks/expectations/pixels.yaml).
 * :func:`oracle_rows`: the same job's run folder under another manifest (``--compare``, by default
   manifests/testbed.yaml: the scene-oracle testbed), found as ``train run`` names it (the job's options
   there), and its final results rows, so each row of the pixels table shows the oracle testbed's value.
@@ -39,9 +40,16 @@ def run_encoders(cli, manifest: str, sets: list[str], jobs: list[str], pool=None
     """``pipeline run ingest`` then ``train run <job>`` for each of ``jobs`` through ``cli`` (benchmarks/testbed.py's
     ``_cli``), on ``pool`` (an executor: as many at once as it has workers) or one after another. Returns
     ([(job, result line, wall s, error, stderr)], ingest wall s)."""
+    from pipeline.config import load_manifest
+
     _, t_ingest, err, _ = cli("pipeline", "run", "ingest", "--manifest", manifest, *sets)
     if err:
         return [(j, None, 0.0, f"pipeline run ingest failed: {err}", "") for j in jobs], t_ingest
+    if load_manifest(manifest, [s for s in sets if s != "--set"]).corpus is not None:
+        _, t_corpus, err, _ = cli("pipeline", "run", "ingest", "--corpus", "--manifest", manifest, *sets)
+        t_ingest += t_corpus
+        if err:
+            return [(j, None, 0.0, f"pipeline run ingest --corpus failed: {err}", "") for j in jobs], t_ingest
     # --export: these runs make the folders the manifest's models.* load, whatever --set the testbed was given
     calls = [("train", "run", job, "--manifest", manifest, "--json", "--no-progress", "--export", *sets) for job in jobs]
     if pool is None:

@@ -73,6 +73,8 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug lines and the log file's detail lines "
                                           "on the terminal too; tracebacks of failures")] = False,
     report: Annotated[bool, typer.Option("--report/--no-report", help="`all`: write the HTML run report at the end")] = True,
+    corpus: Annotated[bool, typer.Option("--corpus", help="ingest: the manifest's `corpus:` (the encoders' generated "
+                                         "pretraining corpus) into <output>/corpus/samples, not its dataset")] = False,
 ) -> None:
     """Run one stage (or `all`) of a manifest; complete shards are skipped unless --force."""
     from pipeline.config import ManifestError, load_manifest
@@ -80,8 +82,14 @@ def run(
 
     if stage != "all" and stage not in registry():  # before any folder is made
         _fail(did_you_mean("stage", stage, ["all", *registry()]))
+    if corpus and stage != "ingest":
+        _fail(f"--corpus: only `pipeline run ingest` reads the corpus (got {stage!r}); the encoder jobs train on it")
     try:
         m = load_manifest(manifest, set_ or [])
+        if corpus:
+            from pipeline.config import corpus_manifest
+
+            m = corpus_manifest(m)
     except ManifestError as e:
         _fail(str(e))
     from pipeline.io import storage

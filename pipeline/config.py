@@ -96,6 +96,21 @@ class SyntheticConfig(Section):
     vocabulary: Literal["small", "large"] = Field(
         "small", description="captions' surface words: small = the templated grammar (~40 words); large = the same "
         "captions re-worded with synonyms and paraphrases (pipeline/synthetic/lexicon.py; issue 27)")
+    first_id: int = Field(1, ge=1, description="image index i has image id i + first_id (the scenes do not depend on it)")
+
+
+CORPUS_DIR = "corpus"
+
+
+class CorpusConfig(SyntheticConfig):
+    """The encoders' generated pretraining corpus, apart from the testbed (DESIGN.md, Models): the same generator
+    with another seed and other image ids, written and ingested under ``<output>/corpus/`` (its source under
+    ``corpus/source/synthetic``, its own ``corpus/samples`` artifact) by ``pipeline run ingest --corpus``; the
+    encoder jobs read it with ``samples_artifact: corpus/samples``. Never the testbed's images (tests/test_corpus.py)."""
+
+    n_images: int = Field(4000, ge=1)
+    seed: int = Field(1, description="the generator seed; must differ from dataset.synthetic.seed")
+    first_id: int = Field(10_000_001, ge=1, description="its image ids start here (the testbed's at 1): no id shared")
 
 
 DatasetKind = Literal["coco", "karpathy", "flickr30k_entities", "cc3m_tsv", "webdataset", "folder", "synthetic"]
@@ -245,6 +260,26 @@ def expand_output(manifest, source: str = "<defaults>"):
     return manifest
 
 
+def corpus_manifest(manifest):
+    """The manifest that ingests ``manifest.corpus``: output ``<output>/corpus``, dataset the corpus's generator
+    settings (its source at ``<output>/corpus/source/synthetic`` unless ``corpus.root``). ManifestError when the
+    manifest has no ``corpus`` block, or its corpus would be the testbed (same seed and ids)."""
+    c = manifest.corpus
+    if c is None:
+        raise ManifestError("--corpus: the manifest has no `corpus:` block (the encoders' pretraining corpus; see "
+                            "manifests/pixels.yaml)")
+    ds = manifest.dataset
+    if ds.kind == "synthetic" and c.seed == ds.synthetic.seed:
+        raise ManifestError(f"corpus.seed: {c.seed} is dataset.synthetic.seed: the corpus would repeat the testbed's "
+                            "scenes; give it another seed")
+    syn = SyntheticConfig(**c.model_dump())
+    out = manifest.model_copy(deep=True)
+    out.output = str(manifest.output).rstrip("/") + "/" + CORPUS_DIR
+    out.dataset = DatasetConfig(kind="synthetic", synthetic=syn)
+    out.corpus = None
+    return out
+
+
 @functools.cache
 def manifest_model() -> type[Section]:
     stages = _sections_model("StagesConfig", _discover("pipeline.stages"))
@@ -257,6 +292,7 @@ def manifest_model() -> type[Section]:
         storage=(StorageConfig, Field(default_factory=StorageConfig)),
         ray=(RayConfig, Field(default_factory=RayConfig)),
         dataset=(DatasetConfig, Field(default_factory=DatasetConfig)),
+        corpus=(CorpusConfig | None, None),
         models=(ModelsConfig, Field(default_factory=ModelsConfig)),
         stages=(stages, Field(default_factory=stages)),
         train=(train, Field(default_factory=train)),

@@ -206,6 +206,24 @@ def test_group_iou_against_brute_force():
     assert best_ious(np.zeros((16, 16), np.int64), masks[1:], 1)[0] == pytest.approx(masks[1].mean())
 
 
+def test_no_learning_partitions_grid_and_kmeans():
+    from train.jobs.groupvit_encoder.job import best_ious, grid_labels, kmeans_labels, patch_colours, upsample
+
+    g = grid_labels(8, 8)  # 2 x 4 blocks of 4 x 2 patches
+    assert sorted(np.unique(g).tolist()) == list(range(8)) and (np.bincount(g.reshape(-1)) == 8).all()
+    assert (g[:4, :2] == 0).all() and (g[4:, 6:] == 7).all()
+    # a planted two-colour image: a red square on grey; k-means on its patch colours recovers the square exactly
+    img = np.full((3, 32, 32), 0.5)
+    img[:, 8:24, 8:24] = np.asarray([1.0, 0.0, 0.0])[:, None, None]
+    cols = patch_colours(img, 4)
+    assert cols.shape == (16, 3) and np.allclose(cols[5], [1, 0, 0]) and np.allclose(cols[0], 0.5)
+    lab = upsample(kmeans_labels(cols, 2, seed=0).reshape(4, 4), (32, 32))
+    mask = np.zeros((32, 32), bool)
+    mask[8:24, 8:24] = True
+    assert best_ious(lab, [mask], 2)[0] == pytest.approx(1.0)
+    assert best_ious(upsample(grid_labels(4, 2), (32, 32)), [mask], 2)[0] == pytest.approx(128 / 640)  # a half: 128 of its 512 px in the 256-px mask
+
+
 def test_groupvit_encoder_exports_what_the_stage_and_text_groups_load(testbed_copy, tmp_path):
     import torch
     from transformers import GroupViTModel
@@ -232,6 +250,12 @@ def test_groupvit_encoder_exports_what_the_stage_and_text_groups_load(testbed_co
     rows = {r.metric: r for r in job.job_metrics(_final_model(job), tmp_path)}
     g = rows["group_mask_iou"]
     assert g.unit == "fraction" and 0 <= g.chance <= 1 and g.n > 0 and g.ci_low <= g.value <= g.ci_high
+    for key in ("one_group", "random", "grid", "kmeans"):  # the no-learning partitions, on the same images
+        b = rows[f"group_mask_iou_{key}"]
+        assert b.baseline_for == "held_out/group_mask_iou" and b.n == g.n and b.ci_low <= b.value <= b.ci_high, key
+        assert len(b.est.y) == len(g.est.y) == g.n
+    assert rows["group_mask_iou"].chance == pytest.approx(max(rows["group_mask_iou_one_group"].value,
+                                                              rows["group_mask_iou_random"].value))
 
 
 def _final_model(job):

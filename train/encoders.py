@@ -56,7 +56,15 @@ def load_corpus(manifest, rel: str = "samples", job: str = "") -> Corpus:
     from pipeline.loaders.samples import image_resolver
     from train.job import Splits, open_artifact, resolve_artifact
 
-    art = open_artifact(manifest, rel, "samples", job)
+    from pipeline.config import CORPUS_DIR
+
+    try:
+        art = open_artifact(manifest, rel, "samples", job)
+    except FileNotFoundError as e:
+        if Path(rel).parts[:1] != (CORPUS_DIR,):
+            raise
+        raise FileNotFoundError(str(e).replace("`pipeline run ingest`", "`pipeline run ingest --corpus` (the manifest's "
+                                                "pretraining corpus)")) from None
     t = art.read("samples", ["sample_id", "image", "split"])
     sids = np.asarray(t["sample_id"].to_numpy(), np.int64)
     resolve = image_resolver(resolve_artifact(manifest, rel), manifest)
@@ -79,6 +87,27 @@ def load_corpus(manifest, rel: str = "samples", job: str = "") -> Corpus:
     if not len(corpus.ids_in(["train"])) and not len(sids):
         raise ValueError(f"{job}: the samples artifact has no samples")
     return corpus
+
+
+def images_in_common(manifest, rel_a: str, rel_b: str) -> dict:
+    """What two samples artifacts (``rel_a``, ``rel_b`` under the manifest's output, e.g. the testbed's ``samples`` and
+    the pretraining corpus's ``corpus/samples``) share: ``ids`` the source ids (image ids) in both, ``pixels`` the
+    SHA-256 of the decoded RGB pixels (as the encoders decode them) in both, and ``n`` each artifact's images."""
+    import hashlib
+
+    from pipeline.loaders.samples import image_resolver
+    from pipeline.readers.images import open_image
+    from train.job import open_artifact, resolve_artifact
+
+    ids, hashes, n = [], [], []
+    for rel in (rel_a, rel_b):
+        t = open_artifact(manifest, rel, "samples").read("samples", ["source_id", "image"])
+        resolve = image_resolver(resolve_artifact(manifest, rel), manifest)
+        refs = [resolve(r) for r in t["image"].to_pylist()]
+        ids.append({str(x) for x in t["source_id"].to_pylist()})
+        hashes.append({hashlib.sha256(np.asarray(open_image(r)).tobytes()).hexdigest() for r in refs if r})
+        n.append(len(refs))
+    return {"ids": sorted(ids[0] & ids[1]), "pixels": sorted(hashes[0] & hashes[1]), "n": n}
 
 
 def load_pixels(refs: list[str | None], processor) -> "torch.Tensor":  # noqa: F821

@@ -17,7 +17,8 @@ Layout under ``root``::
                                            swaps) in other benchmarks' formats: see benchmarks.py
     _params.json                           parameters + ground truth of the injected errors
 
-Ids: image index i (0-based) has image id i + 1; its instance and caption annotation ids are
+Ids: image index i (0-based) has image id i + ``first_id`` (default 1; a pretraining corpus beside a
+testbed starts elsewhere, so no id is shared, manifest ``corpus``); its instance and caption annotation ids are
 ``image_id * 1000 + n`` (n = 1, 2, ...; the stride grows if max_objects or captions_per_image
 reach 1000), so they do not depend on other images. Splits by i % 20: with the default ``heldout``
 0.1, 18 -> val, 19 -> test, else train; ``heldout`` h (a multiple of 0.1) holds out the last 20h
@@ -157,7 +158,7 @@ def _render_range(cfg: dict, start: int, stop: int) -> dict:
     out["splits"] = {"train": [], "val": [], "test": []}
 
     for i in range(start, stop):
-        image_id = i + 1
+        image_id = i + cfg["first_id"]
         stem = f"{image_id:012d}"
         fname = f"{stem}.jpg"
         split = split_of(i, cfg["heldout"])
@@ -243,6 +244,7 @@ def generate(
     empty_captions: int = 0,
     heldout: float = 0.1,
     vocabulary: str = "small",
+    first_id: int = 1,
     *,
     workers: int | None = None,
 ) -> dict[str, Path]:
@@ -250,7 +252,8 @@ def generate(
     same parameters; return the paths of what was written. ``heldout``: the fraction of images in val + test
     (half each; module doc). ``workers``: processes to render with
     (default: all cores, up to 8, from 2000 images on); the output does not depend on it.
-    ``vocabulary``: the captions' surface words, ``small`` or ``large`` (:mod:`pipeline.synthetic.lexicon`)."""
+    ``vocabulary``: the captions' surface words, ``small`` or ``large`` (:mod:`pipeline.synthetic.lexicon`).
+    ``first_id``: image index i has image id i + first_id (the scenes do not depend on it)."""
     paths = output_paths(root)
     root = paths["root"]
     params = {
@@ -265,6 +268,8 @@ def generate(
         params["heldout"] = float(heldout)
     if vocabulary != "small":
         params["vocabulary"] = str(vocabulary)
+    if int(first_id) != 1:
+        params["first_id"] = int(first_id)
     if paths["params"].is_file():
         try:
             old = json.loads(paths["params"].read_text())
@@ -272,8 +277,8 @@ def generate(
             old = {}
         if old.get("params") == params and all(p.exists() for p in paths.values()):
             return paths
-    if n_images < 1 or captions_per_image < 1 or image_size < 32:
-        raise ValueError("synthetic: need n_images >= 1, captions_per_image >= 1, image_size >= 32")
+    if n_images < 1 or captions_per_image < 1 or image_size < 32 or first_id < 1:
+        raise ValueError("synthetic: need n_images >= 1, captions_per_image >= 1, image_size >= 32, first_id >= 1")
     if not 0 < max(min_objects, 1) <= max_objects:
         raise ValueError(f"synthetic: need 1 <= max_objects and min_objects <= max_objects (got {min_objects}, {max_objects})")
     if vocabulary not in VOCABULARIES:
@@ -300,7 +305,7 @@ def generate(
     blank = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images * cpi, empty_captions, replace=False)))}
     cfg = dict(root=str(root), seed=int(seed), S=int(image_size), cpi=cpi, min_objects=int(min_objects),
                max_objects=int(max_objects), stride=id_stride(max_objects, cpi), corrupt=corrupt, blank=blank,
-               heldout=float(heldout), vocabulary=str(vocabulary))
+               heldout=float(heldout), vocabulary=str(vocabulary), first_id=int(first_id))
 
     if workers is None:
         workers = min(os.cpu_count() or 1, 8) if n_images >= 2000 else 1

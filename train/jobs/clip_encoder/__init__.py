@@ -9,8 +9,9 @@ centre crop to ``image_size``, OpenAI mean/std). Training: CLIP's symmetric Info
 temperature (``CLIPModel(..., return_loss=True)``), one caption per image per step drawn at random from its
 captions, in the shared loop (AdamW, warmup + cosine, clipping, checkpoints, exact resume).
 
-Data: the ``samples`` artifact of ``pipeline run ingest``: images (decoded as the image stages decode them)
-and captions of ``train_splits`` only. The held-out images (``eval_splits``) are never trained on.
+Data: the ``samples`` artifact of ``pipeline run ingest`` (``samples_artifact``; manifests/pixels.yaml: ``corpus/samples``,
+the generated pretraining corpus apart from the testbed, ``pipeline run ingest --corpus``): images (decoded as the
+image stages decode them) and captions of ``train_splits`` only. The held-out images (``eval_splits``) are never trained on.
 
 Evaluation (each beside its chance level and a 95% interval; ``n`` images, ``skipped`` counted):
 

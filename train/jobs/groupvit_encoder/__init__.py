@@ -9,9 +9,11 @@ retrieval / zero-shot rows are the clip-encoder job's (train/jobs/clip_encoder/)
 Its own evaluation adds whether grouping emerged: on each held-out image the final groups' hard assignment of the
 patches (``pipeline.models.groupvit.encode_groups``' ``assign``, argmax over groups, upsampled to the image) is
 compared with the ground-truth instance masks: per instance the best IoU over the groups, averaged per image then
-over images (``group_mask_iou``, a fraction, bootstrap interval over images). Beside it two no-learning baselines:
-``one group`` (the whole image as the only segment) and ``random`` (each patch given to one of the K groups at
-random, seeded); chance is the larger of the two.
+over images (``group_mask_iou``, a fraction, bootstrap interval over images). Beside it four no-learning partitions,
+each a baseline row (``group_mask_iou_<name>``, ``baseline_for="held_out/group_mask_iou"``, per-image ``est``):
+``one_group`` (the whole image as the only segment), ``random`` (each patch given to one of the K groups at random,
+seeded), ``grid`` (a fixed grid of K blocks) and ``kmeans`` (k-means on the patches' mean colours); chance is the
+larger of one group and random.
 
 Export: ``<output>/encoders/groupvit/`` (model, processor, tokenizer: the text-groups job takes the tokenizer from
 the folder), checked through ``pipeline.models.groupvit.load_groupvit`` + ``encode_groups`` (image embeddings,

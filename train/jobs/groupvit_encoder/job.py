@@ -50,6 +50,46 @@ def upsample(grid_labels: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     return grid_labels[ys][:, xs]
 
 
+def grid_labels(side: int, k: int) -> np.ndarray:
+    """A fixed grid of ``k`` blocks over a [side, side] patch grid (rows: the largest divisor of k up to sqrt(k))."""
+    r = max(d for d in range(1, int(np.sqrt(k)) + 1) if k % d == 0)
+    c = k // r
+    ys, xs = np.mgrid[0:side, 0:side]
+    return (ys * r // side) * c + (xs * c // side)
+
+
+def kmeans_labels(x: np.ndarray, k: int, seed: int, iters: int = 20) -> np.ndarray:
+    """Lloyd's k-means of the rows of ``x`` [N, D] into ``k`` clusters (k-means++ seeding, ``seed``): labels [N]."""
+    rng = np.random.default_rng(seed)
+    k = min(k, len(x))
+    cent = [x[rng.integers(len(x))]]
+    for _ in range(1, k):
+        d = ((x[:, None] - np.asarray(cent)[None]) ** 2).sum(-1).min(1)
+        cent.append(x[rng.choice(len(x), p=d / d.sum())] if d.sum() > 0 else x[rng.integers(len(x))])
+    cent = np.asarray(cent, np.float64)
+    for _ in range(iters):
+        lab = ((x[:, None] - cent[None]) ** 2).sum(-1).argmin(1)
+        new = np.asarray([x[lab == j].mean(0) if (lab == j).any() else cent[j] for j in range(k)])
+        if np.allclose(new, cent):
+            break
+        cent = new
+    return ((x[:, None] - cent[None]) ** 2).sum(-1).argmin(1)
+
+
+def patch_colours(pixels: np.ndarray, side: int) -> np.ndarray:
+    """The mean of each channel over each patch of a [C, H, W] image cut into side x side patches: [side * side, C]."""
+    C, H, W = pixels.shape
+    ph, pw = H // side, W // side
+    return pixels[:, : ph * side, : pw * side].reshape(C, side, ph, side, pw).mean((2, 4)).reshape(C, -1).T
+
+
+# the no-learning partitions beside the model's groups: (key, label of the row's subset, description)
+NO_LEARNING = [("one_group", "one group", "the whole image as the only segment"),
+               ("random", "random", "each patch given to one of the K groups at random (seeded)"),
+               ("grid", "grid", "a fixed grid of K blocks of patches"),
+               ("kmeans", "kmeans", "k-means (K clusters, seeded) on the patches' mean colours")]
+
+
 class GroupViTEncoderJob(ClipEncoderJob):
     NAME = "groupvit-encoder"
 
@@ -73,7 +113,7 @@ class GroupViTEncoderJob(ClipEncoderJob):
         row, pv = self.pixels
         c = self.corpus
         rng = np.random.default_rng([self.cfg.seed, 5151])
-        res = {"model": [], "one_group": [], "random": []}
+        res = {"model": [], **{k: [] for k, _, _ in NO_LEARNING}}
         skipped = 0
         for s in range(0, len(self.eval_idx), 128):
             idx = self.eval_idx[s : s + 128]
@@ -93,6 +133,10 @@ class GroupViTEncoderJob(ClipEncoderJob):
                 res["model"].append(best_ious(lab, masks, K).mean())
                 res["random"].append(best_ious(rnd, masks, K).mean())
                 res["one_group"].append(best_ious(np.zeros(shape, np.int64), masks, 1).mean())
+                res["grid"].append(best_ious(upsample(grid_labels(side, K), shape), masks, K).mean())
+                cols = patch_colours(pv[row[int(i)]].float().numpy(), side)
+                km = kmeans_labels(cols.astype(np.float64), K, self.cfg.seed + int(i)).reshape(side, side)
+                res["kmeans"].append(best_ious(upsample(km, shape), masks, K).mean())
         return {k: np.asarray(v) for k, v in res.items()} | {"skipped": skipped, "groups": K}
 
     def job_metrics(self, model, out_dir) -> list:
@@ -100,13 +144,21 @@ class GroupViTEncoderJob(ClipEncoderJob):
                     r.ci_low, r.ci_high) for r in super().job_metrics(model, out_dir)]
         g = self.group_ious(model)
         if len(g["model"]):
-            base = {k: float(g[k].mean()) for k in ("one_group", "random")}
-            rows.append(Row(BENCH, "held_out", "group_mask_iou", float(g["model"].mean()), len(g["model"]), max(base.values()),
-                            g["skipped"], {"no_instance_masks": g["skipped"]} if g["skipped"] else {}, "fraction",
-                            f"per instance the best IoU over the {g['groups']} final groups' hard patch assignment, mean per image; "
-                            f"chance: the better baseline (one group {base['one_group']:.3f} [{mean_interval(g['one_group'])[0]:.3f}, "
-                            f"{mean_interval(g['one_group'])[1]:.3f}], random patches {base['random']:.3f}); bootstrap over images")
+            from train.eval import intervals
+
+            base = {k: float(g[k].mean()) for k, _, _ in NO_LEARNING}
+            skip = {"no_instance_masks": g["skipped"]} if g["skipped"] else {}
+            rows.append(Row(BENCH, "held_out", "group_mask_iou", float(g["model"].mean()), len(g["model"]),
+                            max(base["one_group"], base["random"]), g["skipped"], skip, "fraction",
+                            f"per instance the best IoU over the {g['groups']} final groups' hard patch assignment, mean per "
+                            "image; chance: the better of one group and random patches; the grid and k-means partitions are "
+                            "the baseline rows beside it; bootstrap over images", est=intervals.mean(g["model"]))
                         .with_ci(mean_interval(g["model"])))
+            for key, label, what in NO_LEARNING:  # the same images, one value each: intervals clustered by image
+                rows.append(Row(BENCH, "held_out", f"group_mask_iou_{key}", base[key], len(g[key]), None, g["skipped"], skip,
+                                "fraction", f"no-learning partition: {what}; the same images and scoring as group_mask_iou",
+                                baseline_for="held_out/group_mask_iou", est=intervals.mean(g[key]))
+                            .with_ci(mean_interval(g[key])))
         return rows
 
     def evaluate(self, model, out_dir):
@@ -118,7 +170,8 @@ class GroupViTEncoderJob(ClipEncoderJob):
         g = self.group_ious(model)
         if len(g["model"]):
             res.update({"group_mask_iou": float(g["model"].mean()), "group_mask_iou_one_group": float(g["one_group"].mean()),
-                        "group_mask_iou_random": float(g["random"].mean()),
+                        "group_mask_iou_random": float(g["random"].mean()), "group_mask_iou_grid": float(g["grid"].mean()),
+                        "group_mask_iou_kmeans": float(g["kmeans"].mean()),
                         "group_mask_iou_chance": float(max(g["one_group"].mean(), g["random"].mean()))})
         if out_dir.name == "final":
             res.update(self.export(model, emb, res, out_dir))
