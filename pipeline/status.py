@@ -77,8 +77,8 @@ def artifact_state(location, name: str, verify: bool = False, _seen: dict | None
                 lfs = (Path(storage.local_path(loc)) / "_manifest.json").open("rb").read(len(LFS_POINTER)) == LFS_POINTER
             except OSError:
                 lfs = False
-            what = "is a Git LFS pointer, not the file: fetch it with `git lfs pull`, or" if lfs else \
-                f"is not valid JSON ({e}):"
+            what = ("is a Git LFS pointer, not the file: fetch it with `git lfs pull`, or" if lfs else
+                    f"is not valid JSON ({e}):" if isinstance(e, json.JSONDecodeError) else f"is malformed ({e}):")
             st = ArtifactState(name, stage, "corrupt", f"_manifest.json {what} rerun `pipeline run {stage}{args}`")
         seen[name] = st
         return st

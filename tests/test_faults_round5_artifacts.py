@@ -126,3 +126,30 @@ def test_the_errors_table_and_layout_note_of_any_artifact_are_recorded_and_check
     r = CliRunner().invoke(app, ["verify", str(tmp_path / "samples")])
     assert r.exit_code == 1 and f"  {tmp_path / 'samples'}/{rel}: missing: rerun `pipeline run ingest` (it writes the " \
         "file again)" in r.output.splitlines(), r.output
+
+
+def test_a_manifest_rewritten_as_an_empty_object_or_a_list_is_corrupt_in_status_not_a_keyerror(tmp_path):
+    """`pipeline status` on an artifact whose _manifest.json is `{}` (or `[]`) printed a KeyError: 'shards'
+    traceback; it is now that artifact's corrupt line naming what the file lacks and the stage to rerun."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.io.artifact_reader import Artifact
+
+    from pathlib import Path
+
+    m = Path(__file__).resolve().parents[1] / "manifests" / "tiny.yaml"
+    out = tmp_path / "o"
+    r = CliRunner().invoke(app, ["run", "ingest", "-m", str(m), "--set", f"output={out}"])
+    assert r.exit_code == 0, r.output
+    for bad, why in (({}, "lacks tables, shards"), ([], "holds a list, not an object")):
+        (out / "samples" / "_manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=why):
+            Artifact(out / "samples").manifest
+        r = CliRunner().invoke(app, ["status", "-m", str(m), "--set", f"output={out}"])
+        assert "Traceback" not in r.output and "KeyError" not in r.output, r.output
+        line = next(x for x in r.output.splitlines() if x.lstrip().startswith("samples"))
+        assert "corrupt" in line and f"_manifest.json is malformed ({out / 'samples'}/_manifest.json {why})" in line, line
+        assert "rerun `pipeline run ingest" in line, line

@@ -39,6 +39,23 @@ ERROR_SCHEMA = pa.schema(
 ERRORS_PATH = "errors/errors.parquet"
 
 
+# the keys every reader of an artifact's _manifest.json relies on (pipeline/io/artifacts.py writes them)
+MANIFEST_KEYS = ("tables", "shards")
+
+
+def _checked_manifest(obj, where) -> dict:
+    """A parsed _manifest.json with the keys readers index; ValueError (one line) otherwise, so that a
+    manifest rewritten as ``{}`` or ``[]`` is reported as corrupt, not as a KeyError deep in a reader."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}/_manifest.json holds a {type(obj).__name__}, not an object")
+    missing = [k for k in MANIFEST_KEYS if k not in obj]
+    if missing:
+        raise ValueError(f"{where}/_manifest.json lacks {', '.join(missing)}")
+    if not isinstance(obj["shards"], list) or not isinstance(obj["tables"], (dict, list)):
+        raise ValueError(f"{where}/_manifest.json: shards is not a list or tables not a mapping")
+    return obj
+
+
 class CorruptArtifact(ValueError):
     """A file of a finished artifact cannot be read, is missing or is not the bytes _manifest.json
     records; the message names it, the artifact, its stage and how to redo it."""
@@ -73,7 +90,7 @@ class Artifact:
                 raise ArtifactMissing(
                     f"{loc} is not a finished artifact (no _manifest.json): run the stage that writes it first"
                 )
-            self.__dict__["manifest"] = json.loads(raw)
+            self.__dict__["manifest"] = _checked_manifest(json.loads(raw), loc)
             dst = self._local / "_manifest.json"
             if not dst.is_file() or dst.read_bytes() != raw:
                 write_bytes_atomic(dst, raw)
@@ -96,7 +113,7 @@ class Artifact:
 
     @cached_property
     def manifest(self) -> dict:
-        return json.loads((self._local / "_manifest.json").read_text())
+        return _checked_manifest(json.loads((self._local / "_manifest.json").read_text()), self._local)
 
     @property
     def name(self) -> str:
