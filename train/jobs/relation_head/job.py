@@ -135,7 +135,7 @@ class RelationHeadJob(Job):
         if getattr(self, "_boxes_only", None) is None:
             from train.jobs.relation_head.boxes_only import train_boxes_only
 
-            self._boxes_only = train_boxes_only(self.train_items, len(self.vocab), self.d, self.cfg.seed,
+            self._boxes_only = train_boxes_only(self.train_graphs, len(self.vocab), self.d, self.cfg.seed,
                                                 self.cfg.boxes_only_steps)
         return {"boxes-only": (self._boxes_only, "boxes-only classifier (MLP on the pair's 24 box numbers, no visual "
                                f"tokens; {self.cfg.boxes_only_steps} Adam steps on the training split)")}
