@@ -37,8 +37,6 @@ def progress(items: Iterable[T], desc: str, *, total: int | None = None, unit: s
 
         yield from tqdm(items, desc=desc, total=total, unit=unit, file=stream, dynamic_ncols=True, leave=leave)
         return
-    from pipeline.stage import format_seconds
-
     t0 = last = time.perf_counter()
     done = 0
     for x in items:
@@ -53,3 +51,15 @@ def progress(items: Iterable[T], desc: str, *, total: int | None = None, unit: s
         eta = f", ETA {format_seconds((total - done) / rate)}" if total is not None and rate > 0 else ""
         stream.write(f"{desc}: {done}{of} {unit}, {rate:,.2f} {unit}/s{eta}\n")
         stream.flush()
+
+
+def format_seconds(s: float) -> str:
+    """Seconds for people: 0.4s, 12s, 3m 05s, 2h 10m (never negative)."""
+    s = max(0.0, float(s))
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m {int(s % 60):02d}s"
+    return f"{int(s // 3600)}h {int(s % 3600 // 60):02d}m"

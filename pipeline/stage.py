@@ -41,7 +41,7 @@ from pipeline.io.artifacts import (
 )
 from pipeline.crashes import REASON as WORKER_CRASHED
 from pipeline.counts import unit_rows
-from pipeline.progress import LOG_FILE_ONLY
+from pipeline.progress import LOG_FILE_ONLY, format_seconds  # noqa: F401 (format_seconds: the stages' API)
 from pipeline.crashes import SampleSplit
 from pipeline.errors import RayStartError, StageError, describe_exception, model_key, shorten  # noqa: F401 (the stages' API)
 from pipeline.runtime import ensure_ray, map_units  # noqa: F401 (ensure_ray: tests patch it here)
@@ -282,18 +282,6 @@ def check_error_rate(artifact: str, stage: str, errors, input_rows: int | None, 
     else:
         head = f"{stage}: rejected {rejected} of {total} samples ({100 * rate:.1f}% > max_error_rate {100 * max_rate:g}%)"
     raise StageError(f"{head}: {reasons}; see {where}")
-
-
-def format_seconds(s: float) -> str:
-    """Seconds for people: 0.4s, 12s, 3m 05s, 2h 10m (never negative)."""
-    s = max(0.0, float(s))
-    if s < 10:
-        return f"{s:.1f}s"
-    if s < 60:
-        return f"{s:.0f}s"
-    if s < 3600:
-        return f"{int(s // 60)}m {int(s % 60):02d}s"
-    return f"{int(s // 3600)}h {int(s % 3600 // 60):02d}m"
 
 
 class _Progress:

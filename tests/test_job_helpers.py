@@ -107,7 +107,7 @@ def test_in_job_swaps_are_the_harness_scores(tmp_path, monkeypatch):
     with torch.no_grad():
         res = job.evaluate(model, tmp_path / "ev")
         table, errors = run_harness(job, model, m, tmp_path / "h", job_metrics=False)
-    ref = {r["subset"]: r for r in table if r["benchmark"] == "sc"}
+    ref = {r["subset"]: r for r in table if r["benchmark"] == "sc" and not r["baseline_for"]}  # not [frozen] / [text-only]
     assert not errors and ref["swap_att"]["n"] == 12 - 3  # samples 3, 5, 11 skipped (8 has no captions: scorable)
     assert res["generated_swaps/swap_att/pairwise_acc"] == ref["swap_att"]["value"]
     assert np.isnan(res["generated_swaps/replace_rel/pairwise_acc"]) and "replace_rel" not in ref

@@ -225,7 +225,7 @@ def test_every_user_path_is_made_absolute_against_the_working_directory(tmp_path
         m = load_manifest(path, over)
         assert Path(m.output) == expect
         assert m.eval.benchmarks[0].path == str((cwd / "data" / "sc").resolve())  # the manifest's relative path: the user's folder
-        assert m.eval.benchmarks[1].path == "{output}/source/sc"  # under output: left as it is
+        assert m.eval.benchmarks[1].path == str(expect / "source" / "sc")  # {output} expands in every path (issue 49)
         if "sugarcrepe" in " ".join(sets):
             assert m.train.concept_ot.sugarcrepe_dirs == [str((tmp_path / "proj" / "sc").resolve())]
 

@@ -49,7 +49,7 @@ def worker_batch_size(batch_size: int | None, workers: int) -> int | None:
         return batch_size
     if batch_size % workers:
         lo, hi = batch_size // workers * workers, (batch_size // workers + 1) * workers
-        sizes = sorted({b for b in (lo, hi, 2 * workers) if b >= 2 * workers})[:2]  # 2 samples a worker at least
+        sizes = [b for b in (lo, hi) if b >= 2 * workers] or [2 * workers]  # 2 samples a worker at least
         divisors = [w for w in range(2, min(batch_size, 64) + 1) if batch_size % w == 0][:6]
         raise PreflightError(
             f"batch_size {batch_size} does not split exactly over {workers} workers: set batch_size to a multiple of "

@@ -51,9 +51,14 @@ def local_path(spec: str | None, output: str | None = None) -> str | None:
     if not isinstance(spec, str) or not spec.strip():
         return None
     s = spec.strip()
-    m = _PREFIX.match(s)
-    if m and not os.path.exists(s):
-        s = m.group(2).strip()
+    if s.startswith("open_clip:"):  # open_clip:<arch>[/<checkpoint file or tag>]: the part after the arch
+        rest = s[len("open_clip:"):]
+        s = rest.split("/", 1)[1].strip() if "/" in rest else ""
+        if not s:
+            return None
+    else:  # clip-pool:<spec>, vit_b:<path>, torchvision:<arch>:<weights file>: each prefix stripped in turn
+        while (m := _PREFIX.match(s)) and not os.path.exists(s):
+            s = m.group(2).strip()
     if "://" in s:
         return None
     out = str(output).rstrip("/") + "/" if output and "://" not in str(output) else None
