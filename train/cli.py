@@ -202,7 +202,8 @@ def run(
         _fail(f"--resume {resume_from}: expected last or previous (and not with --fresh)")
     _, cfg, m, j = build_job(job, manifest, set_, export=export)
     typer.echo(f"run folder: {j.run_dir}", err=True)
-    if getattr(j, "export_path", None) is not None:  # the workers export where this process decided
+    if "export_dir" in type(cfg).model_fields and getattr(j, "export_path", None) is not None:
+        # an encoder job's workers export where this process decided (relation-head's export_path is its run's own file)
         set_ = set_ + [f"{key}.export_dir={j.export_path}"]
     if getattr(j, "export_note", ""):
         typer.echo(j.export_note, err=True)
