@@ -22,12 +22,25 @@ app = typer.Typer(
 log = logging.getLogger("pipeline")
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged, not the stream of the moment
+    logging was set up (an in-process caller, a test's capture, may have replaced and closed it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def setup_logging(output: Path | None = None, name: str = "pipeline", verbose: bool = False) -> None:
     root = logging.getLogger()
     if getattr(root, "_vlpipe_configured", False):
         return
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(fmt)
     from pipeline.progress import terminal_filter
 

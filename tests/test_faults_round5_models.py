@@ -90,6 +90,46 @@ def test_a_config_with_one_more_layer_is_refused_not_half_random(clip_folder, tm
     assert "LOAD REPORT" not in capfd.readouterr().err  # the library's table went to the log
 
 
+def test_the_load_report_stays_in_the_log_when_transformers_propagation_is_on(clip_folder, tmp_path, caplog, capfd):
+    """Another library may turn transformers' propagation on (CI's full suite met it): the table
+    still goes to ``pipeline.models.load`` only, never to the root logger's terminal handler."""
+    from transformers.utils import logging as hf_logging
+
+    from pipeline.models.clip import load_clip
+
+    d = _copy(clip_folder, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["num_hidden_layers"] += 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.DEBUG), pytest.raises(ModelFolderError):
+            load_clip(str(d))
+    finally:
+        hf_logging.disable_propagation()
+    assert not [r for r in caplog.records if r.name.startswith("transformers") and "LOAD REPORT" in r.getMessage()]
+    assert [r for r in caplog.records if r.name == "pipeline.models.load" and "LOAD REPORT" in r.getMessage()]
+    assert "LOAD REPORT" not in capfd.readouterr().err
+    assert logging.getLogger("transformers").propagate is False  # restored as found
+
+
+def test_the_terminal_handler_writes_to_the_stderr_of_the_moment(monkeypatch):
+    """A handler set up under one stderr (a test's capture, since closed) writes to today's."""
+    import io
+    import sys
+
+    from pipeline.cli import _Stderr
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    h = _Stderr()
+    first.close()
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)
+    h.emit(logging.LogRecord("pipeline", logging.WARNING, __file__, 1, "a line", (), None))
+    assert now.getvalue() == "a line\n"
+
+
 def test_a_config_with_one_layer_fewer_is_refused_naming_the_dropped_weights(clip_folder, tmp_path):
     from pipeline.models.clip import load_clip
 

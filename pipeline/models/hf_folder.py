@@ -67,7 +67,8 @@ def report_to_log():
         def emit(self, record):
             target.debug("%s", record.getMessage())
 
-    saved = lib.handlers[:]
+    saved, propagate = lib.handlers[:], lib.propagate
+    lib.propagate = False  # another library may have turned transformers' propagation on
     progress = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     for h in saved:
@@ -82,6 +83,7 @@ def report_to_log():
             target.debug("%s: %s", w.category.__name__, w.message)
     finally:
         lib.removeHandler(fwd)
+        lib.propagate = propagate
         for h in saved:
             lib.addHandler(h)
         if progress:
