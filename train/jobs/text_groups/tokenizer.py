@@ -35,7 +35,9 @@ def load_tokenizer(groupvit_spec: str | None = None):
     if groupvit_spec and Path(groupvit_spec).is_dir() and (
         (Path(groupvit_spec) / "tokenizer.json").exists() or (Path(groupvit_spec) / "vocab.json").exists()
     ):
-        tok = CLIPTokenizerFast.from_pretrained(groupvit_spec)
+        from pipeline.models.hf_folder import load_tokenizer as load_checked
+
+        tok = load_checked(groupvit_spec, VOCAB_SIZE, CLIPTokenizerFast)  # LFS pointers, size: one line
         source = f"models.groupvit folder {groupvit_spec}"
     else:
         from pipeline.models.clip_bpe import fast_clip_tokenizer
