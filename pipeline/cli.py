@@ -122,7 +122,9 @@ def run(
     except OutputPathError as e:
         _fail(str(e))
     setup_logging(local, f"run-{stage}", verbose)
-    ctx = RunContext(m, force=force, limit=limit)
+    from pipeline.models.required import command_args
+
+    ctx = RunContext(m, force=force, limit=limit, args=command_args(manifest, set_) + (" --corpus" if corpus else ""))
     from pipeline.report.build import record_stage
 
     try:

@@ -210,3 +210,15 @@ def test_a_grid_that_is_a_fifo_is_refused_not_read(tmp_path):
         read_grid(tmp_path / "grid.yaml", "concept-ot")
     assert str(e.value) == f"grid {tmp_path / 'grid.yaml'}: is a FIFO (named pipe), not a regular file"
 
+
+
+def test_a_stage_without_its_input_names_the_command_with_the_manifest_and_sets(tmp_path, monkeypatch):
+    """The suggested command runs on the same manifest and overrides (it was `pipeline run ingest`, bare)."""
+    from pipeline.cli import app
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    out = tmp_path / "empty"
+    r = CliRunner().invoke(app, ["run", "mine-concepts", "-m", "manifests/tiny.yaml", "--set", f"output={out}"])
+    assert r.exit_code != 0
+    assert (f"error: input artifact 'samples' not found under {out}: run `pipeline run ingest -m manifests/tiny.yaml "
+            f"--set output={out}` first") in r.output

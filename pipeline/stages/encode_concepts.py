@@ -127,7 +127,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     try:
         vocab_files = [str(f) for f in concepts.files("vocab")]
     except KeyError:
-        raise StageError(f"{concepts.dir}: the concepts artifact has no vocab table; rerun `pipeline run mine-concepts`") from None
+        raise StageError(f"{concepts.dir}: the concepts artifact has no vocab table; rerun `pipeline run mine-concepts{ctx.args}`") from None
     vocab = _vocab(vocab_files, cfg.min_df)
     U = vocab.num_rows
     if U == 0:
