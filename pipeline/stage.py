@@ -123,6 +123,7 @@ class RunContext:
     summaries: dict = field(default_factory=dict)
     stage_cfg: object = None  # the running stage's Config, for options run_units applies to every stage
     units_run: int = 0  # units the running stage computed (0: a no-op rerun; the report keeps the earlier times)
+    hint_flags: str = ""  # the command's own flags a suggested `pipeline run` needs too (" --corpus")
 
     def __post_init__(self):
         from pipeline.io import storage
@@ -159,7 +160,7 @@ class RunContext:
             return art
         except ArtifactMissing:
             producers = [s.name for s in registry().values() if name in s.writes]
-            hint = f"run `pipeline run {producers[0]}` first" if producers else "it is not produced by any stage"
+            hint = f"run `pipeline run {producers[0]}{self.hint_flags}` first" if producers else "it is not produced by any stage"
             raise StageError(f"input artifact '{name}' not found under {self.location}: {hint}") from None
 
     def writer(self, artifact: str, stage: str, params: dict, inputs=None, models=None) -> ArtifactWriter:
