@@ -192,3 +192,32 @@ def test_models_relation_head_may_name_the_export_folder(tmp_path):
         loaded, ck = load_relation_checkpoint(where)
         x, b = torch.randn(1, 3, 6), torch.rand(1, 3, 8)
         torch.testing.assert_close(loaded(x, b), model.eval()(x, b))
+
+
+def test_the_testbed_runs_the_relation_encoder_after_the_corpus_stage_it_learns_from():
+    """benchmarks/testbed.py on manifests/pixels-nogt.yaml: relation-encoder is an encoder job of it (models.relation_head
+    names its export) and none of pixels.yaml; it runs after the others, each corpus stage first, as typed."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.testbed import corpus_encoders, run_corpus_encoders
+    from benchmarks.testbed_encoders import encoder_jobs
+
+    jobs = encoder_jobs("manifests/pixels-nogt.yaml", [])
+    assert "relation-encoder" in jobs and "relation-encoder" not in encoder_jobs("manifests/pixels.yaml", [])
+    assert corpus_encoders(jobs) == ["relation-encoder"]
+    calls = []
+
+    def cli(*args):
+        calls.append(args)
+        return ({"run_dir": "r"} if args[0] == "train" else None), 1.0, "", ""
+
+    sets = ["--set", "output=/x"]
+    out = run_corpus_encoders(cli, "M.yaml", sets, ["relation-encoder"])
+    assert calls == [("pipeline", "run", "extract-visual-tokens", "--corpus", "--manifest", "M.yaml", *sets,
+                      "--set", "stages.extract_visual_tokens.relations=geometric"),
+                     ("train", "run", "relation-encoder", "--manifest", "M.yaml", "--json", "--no-progress", "--export", *sets)]
+    assert out == [("relation-encoder", {"run_dir": "r"}, 1.0, "", "")]
+    calls.clear()
+    failing = lambda *a: (calls.append(a), (None, 2.0, "error: boom", "log"))[1]  # noqa: E731
+    out = run_corpus_encoders(failing, "M.yaml", [], ["relation-encoder"])
+    assert len(calls) == 1 and out == [("relation-encoder", None, 2.0,
+                                        "pipeline run extract-visual-tokens --corpus failed: error: boom", "")]
