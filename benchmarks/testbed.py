@@ -221,6 +221,39 @@ def benchmark_errors(run: Path) -> list[str]:
     return [str(e) for e in errs if "does not implement the scoring interface" not in str(e)]
 
 
+def corpus_encoders(jobs: list[str]) -> list[str]:
+    """The encoder jobs among ``jobs`` that learn from stage outputs on the corpus (``CORPUS_STAGES`` in their package:
+    relation-encoder, on the corpus's visual tokens), so they run after the other encoders, whose exports those
+    stages load."""
+    from train.registry import registry
+
+    return [j for j in jobs if getattr(registry().get(j), "CORPUS_STAGES", None)]
+
+
+def run_corpus_encoders(cli, manifest: str, sets: list[str], jobs: list[str]) -> list[tuple[str, dict | None, float, str, str]]:
+    """For each of ``jobs`` (:func:`corpus_encoders`): ``pipeline run <stage> --corpus`` for every stage its
+    ``CORPUS_STAGES`` names (with the ``--set`` it lists there), then ``train run <job> --export``, timed, as a user
+    types them; [(job, result line, wall s (the job's; the corpus stages' in its stderr column), error, stderr)]."""
+    from train.registry import registry
+
+    out = []
+    for job in jobs:
+        err, t_stages = "", 0.0
+        for stage, extra in registry()[job].CORPUS_STAGES.items():
+            _, wall, err, _ = cli("pipeline", "run", stage, "--corpus", "--manifest", manifest, *sets,
+                                  *sum((["--set", x] for x in extra), []))
+            t_stages += wall
+            if err:
+                err = f"pipeline run {stage} --corpus failed: {err}"
+                break
+        if err:
+            out.append((job, None, t_stages, err, ""))
+            continue
+        res, wall, err, log = cli("train", "run", job, "--manifest", manifest, "--json", "--no-progress", "--export", *sets)
+        out.append((job, res, wall, err, log))
+    return out
+
+
 def job_rows(job: str, run: Path, control: Path | None, all_rows: bool) -> list[dict]:
     from train.eval.controls import control_test, includes_frozen
     from train.summary import result_rows
@@ -340,7 +373,10 @@ def main(argv=None) -> int:
     cli = _finished_run if args.table_only else _cli
     compare = None if Path(args.compare).resolve() == Path(args.manifest).resolve() else args.compare
     encoders = [] if args.no_encoders else encoders
-    enc_runs, t_ingest = run_encoders(cli, args.manifest, sets, encoders, pool) if encoders else ([], 0.0)
+    later = corpus_encoders(encoders)  # after the others: they learn from corpus stages that load the others' exports
+    first = [j for j in encoders if j not in later]
+    enc_runs, t_ingest = run_encoders(cli, args.manifest, sets, first, pool) if encoders else ([], 0.0)
+    enc_runs += run_corpus_encoders(cli, args.manifest, sets, later) if later else []
     t_encoders = time.perf_counter() - t_start  # elapsed: the encoder runs may overlap
     t_stages = 0.0
     if not args.no_stages:

@@ -86,8 +86,9 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug lines and the log file's detail lines "
                                           "on the terminal too; tracebacks of failures")] = False,
     report: Annotated[bool, typer.Option("--report/--no-report", help="`all`: write the HTML run report at the end")] = True,
-    corpus: Annotated[bool, typer.Option("--corpus", help="ingest: the manifest's `corpus:` (the encoders' generated "
-                                         "pretraining corpus) into <output>/corpus/samples, not its dataset")] = False,
+    corpus: Annotated[bool, typer.Option("--corpus", help="run the stage on the manifest's `corpus:` (the encoders' "
+                                         "generated pretraining corpus), output <output>/corpus (ingest: "
+                                         "<output>/corpus/samples), models.* as the manifest names them")] = False,
 ) -> None:
     """Run one stage (or `all`) of a manifest; complete shards are skipped unless --force."""
     from pipeline.config import ManifestError, load_manifest
@@ -95,13 +96,16 @@ def run(
 
     if stage != "all" and stage not in registry():  # before any folder is made
         _fail(did_you_mean("stage", stage, ["all", *registry()]))
-    if corpus and stage != "ingest":
-        _fail(f"--corpus: only `pipeline run ingest` reads the corpus (got {stage!r}); the encoder jobs train on it")
     try:
-        m = load_manifest(manifest, set_ or [])
+        m = main_m = load_manifest(manifest, set_ or [])
         if corpus:
-            from pipeline.config import corpus_manifest
+            from pipeline.config import corpus_manifest, corpus_refusal
 
+            from pipeline.models.required import command_args
+
+            why = corpus_refusal(m, stage, command_args(manifest, set_))
+            if why:
+                _fail(why)
             m = corpus_manifest(m)
     except ManifestError as e:
         _fail(str(e))
@@ -113,7 +117,9 @@ def run(
         names = dependency_order([s for s in reg if getattr(m.stages, reg[s].key).enabled])
     else:
         names = [stage]
-    _require_models(m, names, manifest, set_)  # every missing model folder at once, before Ray or a folder is made
+    # every missing model folder at once, before Ray or a folder is made (--corpus: the same models.*, whose encoder
+    # exports lie under the manifest's own output, not under <output>/corpus)
+    _require_models(main_m, names, manifest, set_)
     storage.configure_from(m)
     local = storage.local_path(m.output)  # an object-storage output: its mirror in the cache (logs stay local)
     try:  # a file where the output folder should be, or no write permission: one line, exit 2

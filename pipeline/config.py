@@ -260,10 +260,29 @@ def expand_output(manifest, source: str = "<defaults>"):
     return manifest
 
 
+def corpus_refusal(manifest, stage: str, args: str = " -m <manifest>") -> str | None:
+    """Why ``pipeline run <stage> --corpus`` makes no sense for this manifest (one line), or None. ``args``: the
+    command's `` -m M --set ...``, for the suggested command."""
+    if stage == "all":
+        return ("--corpus runs one stage at a time: `all` would build every artifact of the testbed's pipeline on the "
+                "encoders' pretraining data; name the stage the corpus needs, e.g. "
+                f"`pipeline run extract-visual-tokens{args} --corpus`")
+    if stage == "extract-visual-tokens" and manifest.stages.extract_visual_tokens.relations == "learned":
+        return ("--corpus: stages.extract_visual_tokens.relations is learned, but the relation model learns from the "
+                "corpus's visual tokens (`train run relation-encoder`), so it cannot predict them; add --set "
+                "stages.extract_visual_tokens.relations=geometric (the relation encoder's labels are the corpus's "
+                "scene graphs, not these triplets)")
+    return None
+
+
 def corpus_manifest(manifest):
-    """The manifest that ingests ``manifest.corpus``: output ``<output>/corpus``, dataset the corpus's generator
-    settings (its source at ``<output>/corpus/source/synthetic`` unless ``corpus.root``). ManifestError when the
-    manifest has no ``corpus`` block, or its corpus would be the testbed (same seed and ids)."""
+    """The manifest that runs a stage on ``manifest.corpus`` (``pipeline run <stage> --corpus``): output
+    ``<output>/corpus`` (its artifacts ``<output>/corpus/<artifact>``), dataset the corpus's generator settings (its
+    source at ``<output>/corpus/source/synthetic`` unless ``corpus.root``), everything else the manifest's own. Its
+    ``{output}`` keys were expanded before (:func:`expand_output`), so they keep standing for the manifest's output:
+    ``models.clip: "{output}/encoders/clip"`` still loads ``<output>/encoders/clip``, the encoder the corpus trained,
+    not ``<output>/corpus/encoders/clip``. ManifestError when the manifest has no ``corpus`` block, or its corpus
+    would be the testbed (same seed and ids)."""
     c = manifest.corpus
     if c is None:
         raise ManifestError("--corpus: the manifest has no `corpus:` block (the encoders' pretraining corpus; see "

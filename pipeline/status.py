@@ -149,7 +149,13 @@ def require_fresh(manifest, names, who: str, args: str = "") -> None:
     seen: dict = {}
     location = storage.location(manifest.output)
     for n in names:
-        st = artifact_state(location, n, False, seen, args)
+        # an artifact of the pretraining corpus (`corpus/visual_tokens`): its inputs are the corpus's, under corpus/
+        parent, _, leaf = n.rpartition("/")
+        from pipeline.config import CORPUS_DIR
+
+        more = " --corpus" if parent == CORPUS_DIR else ""
+        st = artifact_state(storage.join(location, parent) if parent else location, leaf, False,
+                            seen.setdefault(parent, {}), args + more)
         if st.state in ("stale", "corrupt", "incomplete"):
             raise StaleArtifact(f"{who}: input artifact {n} is {st.state}: {st.detail}")
 

@@ -61,8 +61,14 @@ def open_artifact(manifest, rel: str, expected: str | None = None, job: str = ""
         art = Artifact(path)
     except FileNotFoundError:
         stage = WRITER.get(expected or "", "the stage that writes it")
+        from pipeline.config import CORPUS_DIR
+
+        if Path(rel).parts[:1] == (CORPUS_DIR,):  # an artifact of the pretraining corpus: the stage run with --corpus
+            stage = f"{stage} --corpus` (the manifest's pretraining corpus)"
+        else:
+            stage += "`"
         raise FileNotFoundError(f"{who}{expected or rel} artifact {path} is missing (no _manifest.json): "
-                                f"run `pipeline run {stage}` first") from None
+                                f"run `pipeline run {stage} first") from None
     if expected is not None and art.name != expected:
         raise ValueError(f"{who}{path} holds a {art.name!r} artifact, expected {expected!r}")
     return art

@@ -195,11 +195,24 @@ def build_relation_head(**cfg):
     return RelationHead(**cfg)
 
 
+RELATION_FILE = "relation_head.pt"  # the checkpoint's name in an export folder (`train run relation-encoder`)
+
+
+def relation_checkpoint_file(path: str | Path) -> Path:
+    """The checkpoint file ``models.relation_head`` names: the file itself (``train run relation-head``'s
+    ``<run>/relation_head.pt``), or, for a folder (``train run relation-encoder``'s export
+    ``<output>/encoders/relations/``), its ``relation_head.pt``."""
+    p = Path(path)
+    return p / RELATION_FILE if p.is_dir() else p
+
+
 def load_relation_checkpoint(path: str | Path):
-    """(model, checkpoint dict) of a `train run relation-head` export; loaded with weights_only=True
-    (pipeline.io.checkpoint): a file carrying pickled objects is refused, not run."""
+    """(model, checkpoint dict) of a `train run relation-head` / `relation-encoder` export (a file, or a folder
+    holding ``relation_head.pt``); loaded with weights_only=True (pipeline.io.checkpoint): a file carrying
+    pickled objects is refused, not run."""
     from pipeline.io.checkpoint import load_checkpoint
 
+    path = relation_checkpoint_file(path)
     ck = load_checkpoint(path)
     for key in ("config", "state_dict"):
         if key not in ck:
@@ -218,8 +231,8 @@ class LearnedRelations(RelationPredictor):
         super().__init__(vocabulary, mapper)
         if not checkpoint:
             raise ValueError("relations: learned needs models.relation_head = <checkpoint of `train run relation-head`>")
-        if not Path(checkpoint).is_file():
-            raise FileNotFoundError(f"relation head checkpoint {checkpoint} not found")
+        if not relation_checkpoint_file(checkpoint).is_file():
+            raise FileNotFoundError(f"relation head checkpoint {relation_checkpoint_file(checkpoint)} not found")
         self.model, ck = load_relation_checkpoint(checkpoint)
         if list(ck["predicates"]) != list(vocabulary):
             raise ValueError(f"relation head {checkpoint} was trained on another predicate vocabulary ({len(ck['predicates'])} predicates)")

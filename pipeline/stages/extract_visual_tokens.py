@@ -340,7 +340,10 @@ def model_records(cfg: Config, models: dict) -> dict:
         ck = models.get("relation_head")
         if not ck:
             raise StageError("relations: learned needs models.relation_head (a `train run relation-head` checkpoint); or set stages.extract_visual_tokens.relations to geometric/annotations")
-        if not Path(ck).is_file():
+        from pipeline.models.relations import relation_checkpoint_file
+
+        ck = relation_checkpoint_file(ck)  # a file, or an export folder's relation_head.pt
+        if not ck.is_file():
             raise StageError(f"models.relation_head: checkpoint {ck} not found")
         from pipeline.io.checkpoint import CheckpointError, load_checkpoint
 
@@ -349,7 +352,7 @@ def model_records(cfg: Config, models: dict) -> dict:
         except CheckpointError as e:
             raise StageError(f"models.relation_head: {e}") from None
         recs["relation_head"] = model_record(
-            "relation_head", ck, random_weights=False, weights_sha256=weights_hash([ck]), trained_on=meta
+            "relation_head", str(ck), random_weights=False, weights_sha256=weights_hash([ck]), trained_on=meta
         )
     return recs
 

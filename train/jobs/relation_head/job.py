@@ -49,8 +49,10 @@ def shuffle_graphs(items: list, seed: int) -> list:
     return out
 
 
-def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_man: dict, art_dir: Path, cfg: TrainerConfig, metrics: dict) -> None:
-    """The file ``models.relation_head`` points at (what the stage's ``learned`` backend loads)."""
+def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_man: dict, art_dir: Path, cfg: TrainerConfig,
+                      metrics: dict, provenance: dict | None = None) -> None:
+    """The file ``models.relation_head`` points at (what the stage's ``learned`` backend loads); ``provenance``:
+    more of what trained it (relation-encoder: the corpus, its labels)."""
     ck = {
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "config": head_cfg,
@@ -62,6 +64,7 @@ def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_m
             "artifact_fingerprint": art_man.get("fingerprint"),
             "trained_on_random_features": bool(art_man.get("random_weights")),
             "job_config": cfg.model_dump(mode="json"),
+            **(provenance or {}),
         },
     }
     from pipeline.io.checkpoint import save_checkpoint_file
@@ -76,13 +79,10 @@ class RelationHeadJob(Job):
         super().__init__(cfg, manifest, run_dir, device)
         self.art_dir = resolve_artifact(manifest, self.cfg.artifact)
         open_artifact(manifest, self.cfg.artifact, "visual_tokens", self.NAME)  # missing: one line naming the stage
-        items, self.art_man = load_graphs(self.art_dir)
+        items, self.art_man = self.load_items()
         self.vocab = self.art_man.get("predicates")
         if not self.vocab:
             raise ValueError(f"{self.art_dir}: no predicate vocabulary in _manifest.json (not a visual_tokens artifact?)")
-        rel = self.art_man.get("parameters", {}).get("relations")
-        if rel != "annotations":
-            print(f"warning: {self.art_dir} was extracted with relations={rel!r}, not ground-truth annotations")
         items = [it for it in items if len(it[1]) > 0]
         if not items:
             raise ValueError(f"{self.art_dir}: no image with instances")
@@ -99,6 +99,15 @@ class RelationHeadJob(Job):
                              n_predicates=len(self.vocab), use_boxes=self.cfg.use_boxes, dropout=self.cfg.dropout,
                              unit_tokens=self.cfg.unit_tokens)  # fmt: skip
         self.export_path = Path(run_dir) / "relation_head.pt"
+
+    def load_items(self) -> tuple[list, dict]:
+        """(items (sample_id, tangible, box features, triplets), the artifact's manifest): the graphs the artifact
+        stores (extracted with ``relations: annotations``: the dataset's scene graphs)."""
+        items, man = load_graphs(self.art_dir)
+        rel = man.get("parameters", {}).get("relations")
+        if rel != "annotations":
+            print(f"warning: {self.art_dir} was extracted with relations={rel!r}, not ground-truth annotations")
+        return items, man
 
     def build_model(self):
         return build_relation_head(**self.head_cfg)
@@ -123,7 +132,7 @@ class RelationHeadJob(Job):
         model = model.cpu()
         try:
             return recall_rows(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k, self.pred_rank,
-                               baselines=self.baselines())
+                               baselines=self.baselines(), benchmark=self.NAME)
         finally:
             model.to(self.device)
 
@@ -140,6 +149,10 @@ class RelationHeadJob(Job):
         return {"boxes-only": (self._boxes_only, "boxes-only classifier (MLP on the pair's 24 box numbers, no visual "
                                f"tokens; {self.cfg.boxes_only_steps} Adam steps on the training split)")}
 
+    def export(self, model, metrics: dict) -> None:
+        """Write the checkpoint the stage loads (``relation_head.pt`` in the run folder)."""
+        export_checkpoint(self.export_path, model, self.head_cfg, self.vocab, self.art_man, self.art_dir, self.cfg, metrics)
+
     def evaluate(self, model, out_dir):
         model = model.cpu()
         ks, n_pred, rank = self.cfg.recall_k, len(self.vocab), self.pred_rank
@@ -148,7 +161,7 @@ class RelationHeadJob(Job):
         model.to(self.device)
         out_dir = Path(out_dir)
         if out_dir.name == "final":  # the loop's final evaluation: export the trained model for the stage
-            export_checkpoint(self.export_path, model, self.head_cfg, self.vocab, self.art_man, self.art_dir, self.cfg, res)
+            self.export(model, res)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "relation_head_metrics.json").write_text(json.dumps(res, indent=1))
         return res

@@ -94,7 +94,7 @@ def evaluate_model(model, items, n_pred: int, d: int, ks: list[int], pred_rank: 
 
 
 def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.ndarray, batch_size: int = 64,
-                baselines: dict | None = None) -> list[Row]:
+                baselines: dict | None = None, benchmark: str = "relation-head") -> list[Row]:
     """recall@k of ``items`` (percent) per k, the image-blind prior ranking's recall as chance, a
     95% bootstrap interval over images; images without a ground-truth triple are counted as skipped.
     ``baselines``: {name: (a model with the head's call signature, note)} scored on the same images,
@@ -103,7 +103,7 @@ def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.
     n = len(res[ks[0]])
     skipped = len(items) - n
     if n == 0:
-        raise NoScorableItems(f"relation-head: none of the {len(items)} held-out images has a ground-truth relation")
+        raise NoScorableItems(f"{benchmark}: none of the {len(items)} held-out images has a ground-truth relation")
     reasons = {"no_ground_truth_relation": skipped} if skipped else {}
     images = np.array([it[0] for it in items if len(it[3])])  # the images recall_at_k scores, in its order
     rows = []
@@ -111,14 +111,14 @@ def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.
             for name, (m, note) in (baselines or {}).items()}
     for k in ks:
         est = mean(res[k], images)
-        rows.append(Row("relation-head", "held_out", f"recall@{k}", 100.0 * float(np.mean(res[k])), n,
+        rows.append(Row(benchmark, "held_out", f"recall@{k}", 100.0 * float(np.mean(res[k])), n,
                         100.0 * float(np.mean(prior[k])), skipped, reasons, "%",
                         "RAM recall@K of (subject, object, predicate) triples; chance: the image-blind ranking "
                         f"(predicates by training frequency); a random ranking: {100.0 * float(np.mean(rand[k])):.2f}",
                         est=est).with_ci(interval(est, 100.0)))
         for name, (br, note) in base.items():
             e0 = mean(br[k], images)
-            rows.append(Row("relation-head", "held_out", f"recall@{k}[{name}]", 100.0 * float(np.mean(br[k])), n,
+            rows.append(Row(benchmark, "held_out", f"recall@{k}[{name}]", 100.0 * float(np.mean(br[k])), n,
                             100.0 * float(np.mean(prior[k])), skipped, reasons, "%", note,
                             baseline_for=f"held_out/recall@{k}", est=e0).with_ci(interval(e0, 100.0)))
     return rows

@@ -1,0 +1,85 @@
+"""The `relation-encoder` job (train/jobs/relation_encoder/__init__.py): relation-head's job on the corpus's predicted
+instances, labelled by the corpus's scene graphs through the mask matching, exported as an encoder folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from train.jobs.relation_head.job import RelationHeadJob, export_checkpoint
+from train.jobs.relation_encoder.labels import LabelStats, load_labelled_graphs
+
+PROVENANCE = "trained here on the corpus"
+
+
+class RelationEncoderJob(RelationHeadJob):
+    NAME = "relation-encoder"
+
+    def __init__(self, cfg, manifest, run_dir, device):
+        super().__init__(cfg, manifest, run_dir, device)
+        from train.encoders import export_dir
+
+        # the folder models.relation_head points at; its relation_head.pt is the file the stage loads
+        self.export_path = export_dir(manifest, cfg.EXPORT, cfg.control, cfg.export_dir)
+        train_ids = {it[0] for it in self.train_graphs}
+        held = {it[0] for it in self.eval_items}
+        self.label_stats = {}
+        for name, ids in (("train", train_ids), ("held_out", held)):
+            total = LabelStats()
+            for sid in ids:
+                total.add(self.stats[sid])
+            self.label_stats[name] = total.as_dict()
+        kept = self.label_stats["train"]["relations_kept_fraction"]
+        print(f"{self.NAME}: labels: {self.label_stats['train']['triplets']} triplets on {len(train_ids)} training "
+              f"images ({'-' if kept is None else f'{100 * kept:.1f}%'} of their mapped relations kept by the matching "
+              f"at IoU >= {cfg.match_iou})")
+
+    def load_items(self):
+        from train.job import open_artifact, resolve_artifact
+
+        open_artifact(self.manifest, self.cfg.samples_artifact, "samples", self.NAME)  # missing: the command that makes it
+        items, man, self.stats = load_labelled_graphs(self.art_dir, resolve_artifact(self.manifest, self.cfg.samples_artifact),
+                                                      self.cfg.match_iou)
+        return items, man
+
+    def export(self, model, metrics: dict) -> None:
+        """``<export folder>/relation_head.pt`` and ``training.json``; an identical model leaves the folder untouched
+        (a rewrite would change the fingerprint of every artifact extracted with it)."""
+        from pipeline.models.provenance import state_dict_hash
+        from pipeline.models.relations import RELATION_FILE
+        from train.job import resolve_artifact
+
+        digest = state_dict_hash(model)
+        dest = Path(self.export_path)
+        try:
+            if json.loads((dest / "training.json").read_text()).get("weights_state_sha256") == digest \
+                    and (dest / RELATION_FILE).is_file():
+                return
+        except (OSError, ValueError, AttributeError):
+            pass
+        from pipeline.io.artifacts import Artifact
+
+        samples = resolve_artifact(self.manifest, self.cfg.samples_artifact)
+        prov = {
+            "trained": PROVENANCE,
+            "job": self.NAME,
+            "samples_artifact": str(samples),
+            "samples_fingerprint": Artifact(samples).manifest.get("fingerprint"),
+            "labels": (f"the samples' scene graphs on the predicted instances: masks matched one to one at IoU >= "
+                       f"{self.cfg.match_iou}"),
+            "label_stats": self.label_stats,
+            "train_images": len(self.train_graphs),
+            "held_out_images": len(self.eval_items),
+        }
+        dest.mkdir(parents=True, exist_ok=True)
+        export_checkpoint(dest / RELATION_FILE, model, self.head_cfg, self.vocab, self.art_man, self.art_dir, self.cfg,
+                          metrics, provenance=prov)
+        from pipeline.io.atomic import write_json_atomic
+
+        write_json_atomic(dest / "training.json", {**prov, "config": self.cfg.model_dump(mode="json"), "metrics": metrics,
+                                                   "weights_state_sha256": digest})
+
+    def evaluate(self, model, out_dir):
+        res = super().evaluate(model, out_dir)
+        (Path(out_dir) / "relation_labels.json").write_text(json.dumps(self.label_stats, indent=1))
+        return res
