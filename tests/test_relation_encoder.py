@@ -143,7 +143,7 @@ def test_a_corpus_stage_before_the_corpus_is_ingested_names_ingest_corpus(tmp_pa
                    "--set", "corpus.seed=5")
     assert rc == 2
     assert err[-1] == (f"error: input artifact 'samples' not found under {tmp_path}/t/corpus: run `pipeline run ingest "
-                       "--corpus` first"), err
+                       f"-m manifests/tiny.yaml --set output={tmp_path}/t --set corpus.seed=5 --corpus` first"), err
 
 
 def test_what_makes_no_sense_on_the_corpus_is_refused_in_one_line(tmp_path):
