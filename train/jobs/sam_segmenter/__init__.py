@@ -46,7 +46,7 @@ ENCODER = True  # makes a stage input (models.sam): not one of `train run all`'s
 
 class Config(TrainerConfig):
     EXPORT = "sam"  # <output>/encoders/sam (train/encoders.py: export_dir)
-    max_steps: int | None = Field(500, ge=0, description="optimizer steps (500 of 4 images: 2000 of the 3200 training images)")
+    max_steps: int | None = Field(300, ge=0, description="optimizer steps (300 of 4 images: 1200 of the 3200 training images; the budget of a shared 2-core machine)")
     batch_size: int = Field(4, ge=2, description="images per step (each with up to max_masks prompted masks)")
     lr: float = Field(2e-3, gt=0, description="SAM: 8e-4 at batch 256 for a ViT-H; a small model from scratch here")
     weight_decay: float = Field(0.1, ge=0, description="SAM: 0.1")
@@ -78,10 +78,12 @@ class Config(TrainerConfig):
     mask_only_rounds: int = Field(0, ge=0, description="final rounds with only the previous mask as new input (SAM: 2)")
     mask_prompt: bool = Field(True, description="feed the previous round's low-res logits as the mask prompt (SAM)")
     focal_weight: float = Field(20.0, ge=0, description="SAM: focal : dice = 20 : 1")
+    focal_alpha: float = Field(0.25, description="focal loss alpha (DETR / MaskFormer: 0.25; the SAM paper gives none); <0: none")
+    focal_gamma: float = Field(2.0, ge=0, description="focal loss gamma")
     dice_weight: float = Field(1.0, ge=0)
     iou_weight: float = Field(1.0, ge=0, description="IoU head MSE weight")
     # evaluation
-    eval_images: int | None = Field(200, ge=1, description="held-out images the AMG is measured on (None: all)")
+    eval_images: int | None = Field(100, ge=1, description="held-out images the AMG is measured on (None: all)")
     baseline_min_area: int = Field(16, ge=1, description="connected-components baseline: smallest component kept")
     export_dir: str | None = Field(None, description="default <output>/encoders/sam")
     EVAL_ONLY = TrainerConfig.EVAL_ONLY | {"export_dir", "eval_images", "baseline_min_area"}

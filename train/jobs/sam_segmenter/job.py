@@ -154,7 +154,7 @@ class SamSegmenterJob(Job):
             low, iou = model.mask_decoder(image_embeddings=e, image_pe=pe, sparse_prompt_embeddings=sparse,
                                           dense_prompt_embeddings=dense, multimask_output=multi)
             logits = F.interpolate(low, (cfg.img_size, cfg.img_size), mode="bilinear", align_corners=False)[..., :h, :w]
-            ml = mask_loss(logits, gt, cfg.focal_weight, cfg.dice_weight)  # [n, k]
+            ml = mask_loss(logits, gt, cfg.focal_weight, cfg.dice_weight, cfg.focal_alpha, cfg.focal_gamma)  # [n, k]
             sel = ml.detach().argmin(1)  # the least-loss output of a multimask prompt (k = 1 otherwise)
             rows = torch.arange(n, device=self.device)
             chosen = logits[rows, sel]
