@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -130,12 +131,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train.jobs.sam_segmenter.measure", description=__doc__.split("\n\n")[0])
     ap.add_argument("--manifest", "-m", required=True)
     ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument("--corpus", metavar="SAM_FOLDER", default=None,
+                    help="measure SAM_FOLDER on the corpus's held-out images (the job's final evaluation) instead of "
+                         "the stages' outputs on the testbed")
     a = ap.parse_args(argv)
+    import torch
+
     from pipeline.config import ManifestError, load_manifest
 
+    torch.set_num_threads(1)  # kind to a shared CPU, and reproducible
     try:
         m = load_manifest(a.manifest, a.sets)
-        res = measure_stage_outputs(m)
+        if a.corpus:
+            import tempfile
+
+            from train.jobs.sam_segmenter.job import SamSegmenterJob
+
+            job = SamSegmenterJob(m.train.sam_segmenter, m, Path(tempfile.mkdtemp()), torch.device("cpu"))
+            res = measure_corpus(job, a.corpus)
+        else:
+            res = measure_stage_outputs(m)
     except (ManifestError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
