@@ -4,17 +4,17 @@ on the pretraining corpus's training images, exported as a SAM folder that ``mod
 Model: ``segment_anything.modeling.Sam`` built by :func:`pipeline.models.sam_checkpoint.build_sam` (the
 registry's ``_build_sam`` with its sizes as options): an ``ImageEncoderViT`` of ``img_size`` 128 (the corpus's
 128 px images, no resize), patch 8 (a 16 x 16 grid: the decoder's masks are 64 x 64, upscaled to 128; patch 16
-would give 8 x 8 cells, coarser than the corpus's small objects), width 96, 4 blocks (windowed attention of
+would give 8 x 8 cells, coarser than the corpus's small objects), width 64, 4 blocks (windowed attention of
 4 x 4 cells, global at blocks 1 and 3, as the released models alternate), 4 heads; ``PromptEncoder`` and
-``MaskDecoder`` (``TwoWayTransformer`` depth 2) at width 64. About 0.6M parameters: one step of 8 images
-with their prompts and rounds takes well under a second on one CPU thread (docs/jobs/sam-segmenter.md).
+``MaskDecoder`` (``TwoWayTransformer`` depth 2) at width 64. About 0.47M parameters: one step of 4 images
+with their prompts and rounds takes about 0.6 CPU-seconds on one thread (docs/jobs/sam-segmenter.md).
 
 Training (SAM's recipe, Kirillov et al. 2023, App. A; each departure an option, docs/jobs/sam-segmenter.md):
 per image up to ``max_masks`` ground-truth instances; each mask's first prompt a foreground point or a noisy
 box (``box_prob``), then ``point_rounds`` rounds each adding a point from the previous prediction's error
 region (foreground in a false negative, background in a false positive), the previous low-res logits fed
 back as the mask prompt (``mask_prompt``), then ``mask_only_rounds`` rounds with no new point (SAM: 8
-point rounds and 2 mask-only rounds; here 2 and 1 by default, for the CPU budget). A single-point prompt
+point rounds and 2 mask-only rounds; here 1 and 0 by default, for the CPU budget). A single-point prompt
 gets the three multimask outputs and only the one of least loss is trained (SAM's ambiguity handling);
 every other prompt the single output. Loss per mask: ``focal_weight`` focal + ``dice_weight`` dice (20 : 1)
 + ``iou_weight`` times the IoU head's squared error (all outputs' IoU predictions), averaged over masks
