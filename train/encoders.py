@@ -136,13 +136,15 @@ def export_dir(manifest, name: str, control: str = "none", override: str | None 
     return encoder_export_dir(manifest.output, name, control, override)
 
 
-def export_folder(dest: Path, model, *savers, provenance: dict | None = None) -> bool:
+def export_folder(dest: Path, model, *savers, provenance: dict | None = None, write=None) -> bool:
     """``save_pretrained`` of ``model`` and each of ``savers`` (tokenizer, processor) into ``dest``, written
     in a temporary folder beside it and renamed into place (an older export is replaced whole).
     ``provenance`` goes to ``dest/training.json`` (what trained it: job, config, data, metrics) with the
     hash of the weights: a re-evaluation of the same model leaves an identical export untouched (a
     rewrite would change the files' mtimes, and with them the fingerprints of every artifact made
-    from the folder). Returns whether it wrote."""
+    from the folder). ``write(folder)``: writes the model instead of its ``save_pretrained`` (a model of
+    another library: sam-segmenter's SAM folder, :func:`pipeline.models.sam_checkpoint.write_sam_folder`).
+    Returns whether it wrote."""
     from pipeline.models.provenance import state_dict_hash
 
     dest = Path(dest)
@@ -153,10 +155,12 @@ def export_folder(dest: Path, model, *savers, provenance: dict | None = None) ->
     except (OSError, ValueError, AttributeError):
         pass
     provenance = {**(provenance or {}), "weights_state_sha256": digest}
-    savers = (model, *savers)
+    savers = savers if write is not None else (model, *savers)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
+        if write is not None:
+            write(tmp)
         for s in savers:
             s.save_pretrained(str(tmp))
         (tmp / "training.json").write_text(json.dumps(provenance, indent=1, default=str))

@@ -11,7 +11,11 @@ Specs accepted by :func:`load_sam`:
   (ImageEncoderViT 256 px, patch 16, 64-d, 4 blocks with global attention at 1 and 3, window 4;
   PromptEncoder/MaskDecoder/TwoWayTransformer at width 64) with seeded random weights. SAM
   initialises its absolute position embedding to zeros (a trained checkpoint overwrites it); the
-  random model draws it from N(0, 0.02) instead so that its features are not translation invariant.
+  random model draws it from N(0, 0.02) instead so that its features are not translation invariant;
+* a folder with ``sam_config.json`` and ``sam.pth`` (:mod:`pipeline.models.sam_checkpoint`; what ``train run
+  sam-segmenter`` exports): segment-anything's ``_build_sam`` with the architecture from the config, the
+  weights loaded strictly as the registry loads them; the record says trained here (``random_weights``
+  false, ``trained_here``: the job, its data and run folder from ``training.json``).
 
 What this module adds to the package:
 
@@ -50,50 +54,55 @@ TINY = dict(img_size=256, patch=16, dim=64, depth=4, heads=2, global_attn=(1, 3)
 SAM_GLOBAL_ATTN = {"vit_h": [7, 15, 23, 31], "vit_l": [5, 11, 17, 23], "vit_b": [2, 5, 8, 11]}
 
 
+TINY_ARCH = dict(
+    img_size=TINY["img_size"], patch_size=TINY["patch"], encoder_embed_dim=TINY["dim"], encoder_depth=TINY["depth"],
+    encoder_num_heads=TINY["heads"], encoder_global_attn_indexes=list(TINY["global_attn"]), window_size=TINY["window"],
+    prompt_embed_dim=TINY["prompt_dim"], mask_in_chans=4, decoder_depth=2, decoder_mlp_dim=128, decoder_num_heads=2,
+    iou_head_depth=3, iou_head_hidden_dim=64, num_multimask_outputs=3,
+    pixel_mean=[123.675, 116.28, 103.53], pixel_std=[58.395, 57.12, 57.375],
+)
+
+
 def build_tiny_sam():
-    from segment_anything.modeling import ImageEncoderViT, MaskDecoder, PromptEncoder, Sam, TwoWayTransformer
-
-    t = TINY
-    grid = t["img_size"] // t["patch"]
-
-    def build():
-        sam = Sam(
-            image_encoder=ImageEncoderViT(
-                img_size=t["img_size"],
-                patch_size=t["patch"],
-                embed_dim=t["dim"],
-                depth=t["depth"],
-                num_heads=t["heads"],
-                mlp_ratio=4,
-                norm_layer=partial(torch.nn.LayerNorm, eps=1e-6),
-                qkv_bias=True,
-                use_rel_pos=True,
-                global_attn_indexes=t["global_attn"],
-                window_size=t["window"],
-                out_chans=t["prompt_dim"],
-            ),
-            prompt_encoder=PromptEncoder(
-                embed_dim=t["prompt_dim"],
-                image_embedding_size=(grid, grid),
-                input_image_size=(t["img_size"], t["img_size"]),
-                mask_in_chans=4,
-            ),
-            mask_decoder=MaskDecoder(
-                num_multimask_outputs=3,
-                transformer=TwoWayTransformer(depth=2, embedding_dim=t["prompt_dim"], mlp_dim=128, num_heads=2),
-                transformer_dim=t["prompt_dim"],
-                iou_head_depth=3,
-                iou_head_hidden_dim=64,
-            ),
-            pixel_mean=[123.675, 116.28, 103.53],
-            pixel_std=[58.395, 57.12, 57.375],
-        )
-        torch.nn.init.normal_(sam.image_encoder.pos_embed, std=0.02)
-        return sam
+    from pipeline.models.sam_checkpoint import build_sam
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(RANDOM_SEED)
-        return build().eval()
+        sam = build_sam(TINY_ARCH)
+        torch.nn.init.normal_(sam.image_encoder.pos_embed, std=0.02)
+        return sam.eval()
+
+
+def load_sam(spec: str):
+    """(Sam in eval mode, its global-attention block indexes, provenance record) for a ``models.sam`` spec
+    (module docstring): ``tiny-random``, a SAM folder (:mod:`pipeline.models.sam_checkpoint`), ``vit_b:random``
+    or a released checkpoint through ``sam_model_registry``."""
+    from pipeline.models.sam_checkpoint import WEIGHTS, is_sam_folder, load_sam_folder
+
+    if is_tiny_random(spec):
+        sam = build_tiny_sam()
+        rec = model_record("sam", spec, random_weights=True, weights_sha256=state_dict_hash(sam), seed=RANDOM_SEED)
+        return sam, list(TINY["global_attn"]), rec
+    if is_sam_folder(spec):
+        folder = Path(spec.strip()).expanduser()
+        sam, arch, training = load_sam_folder(folder)
+        rec = model_record("sam", spec, random_weights=False, weights_sha256=weights_hash([folder / WEIGHTS]),
+                           architecture=arch, trained_here={k: training.get(k) for k in ("job", "trained_on", "run_dir",
+                                                                                          "weights_state_sha256")})
+        return sam, list(arch["encoder_global_attn_indexes"]), rec
+    from segment_anything import sam_model_registry
+
+    kind, path = parse_spec(spec)
+    global_attn = SAM_GLOBAL_ATTN["vit_h" if kind == "default" else kind]
+    if path == RANDOM_CHECKPOINT:  # the released architecture, seeded random weights (sizing, the compatibility matrix)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_SEED)
+            sam = sam_model_registry[kind](checkpoint=None).eval()
+        return sam, global_attn, model_record("sam", spec, random_weights=True, weights_sha256=None, seed=RANDOM_SEED)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"SAM checkpoint {path} not found (models.sam = {spec!r})")
+    sam = sam_model_registry[kind](checkpoint=path).eval()
+    return sam, global_attn, model_record("sam", spec, random_weights=False, weights_sha256=weights_hash([path]))
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -105,7 +114,8 @@ def parse_spec(spec: str) -> tuple[str, str]:
     m = re.search(r"vit_[hlb]", Path(spec).name)
     if m:
         return m.group(0), spec
-    raise ValueError(f"SAM spec {spec!r}: expected 'tiny-random', 'vit_h:/path/ckpt.pth' or a checkpoint named sam_vit_[hlb]_*.pth")
+    raise ValueError(f"SAM spec {spec!r}: expected 'tiny-random', a SAM folder (sam_config.json + sam.pth, train run "
+                     "sam-segmenter), 'vit_h:/path/ckpt.pth' or a checkpoint named sam_vit_[hlb]_*.pth")
 
 
 def _select(t: torch.Tensor, multimask: bool) -> torch.Tensor:
@@ -123,25 +133,7 @@ class Encoded:
 class SamModel:
     def __init__(self, spec: str, device: str = "cpu", feature_layers: list[int] | None = None):
         self.spec = spec
-        if is_tiny_random(spec):
-            self.sam = build_tiny_sam()
-            global_attn = list(TINY["global_attn"])
-            self.record = model_record("sam", spec, random_weights=True, weights_sha256=state_dict_hash(self.sam), seed=RANDOM_SEED)
-        else:
-            from segment_anything import sam_model_registry
-
-            kind, path = parse_spec(spec)
-            global_attn = SAM_GLOBAL_ATTN["vit_h" if kind == "default" else kind]
-            if path == RANDOM_CHECKPOINT:  # the released architecture, seeded random weights (sizing, the compatibility matrix)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(RANDOM_SEED)
-                    self.sam = sam_model_registry[kind](checkpoint=None).eval()
-                self.record = model_record("sam", spec, random_weights=True, weights_sha256=None, seed=RANDOM_SEED)
-            else:
-                if not Path(path).is_file():
-                    raise FileNotFoundError(f"SAM checkpoint {path} not found (models.sam = {spec!r})")
-                self.sam = sam_model_registry[kind](checkpoint=path).eval()
-                self.record = model_record("sam", spec, random_weights=False, weights_sha256=weights_hash([path]))
+        self.sam, global_attn, self.record = load_sam(spec)
         self.device = torch.device(device)
         self.sam.to(self.device)
         from segment_anything.utils.transforms import ResizeLongestSide

@@ -14,6 +14,13 @@ generated dataset only, ``backend: annotations`` only): each ground-truth box's 
 oracle's object vector (colour + shape embedding + the sample's seeded noise) instead of a
 detector's box-head output; no detector is loaded.
 
+``backend: sam``: class-agnostic boxes from a segmenter, no ground truth: ``models.sam`` (e.g. the SAM folder
+``train run sam-segmenter`` exports) runs its automatic mask generator (:meth:`pipeline.models.sam.SamModel.generate`,
+unchanged, with the AMG options of ``stages.extract_visual_tokens``: the same masks that stage's ``segmenter:
+sam`` makes); each mask's tight box (x1, y1 exclusive, as the annotations' boxes) is a region, scored by SAM's
+predicted IoU, the ``max_boxes`` best kept; ``models.detector`` pools their features (``clip-pool:<CLIP>``:
+the trained CLIP's projected patch grid, :mod:`pipeline.models.clip_grid`; any detector's ``pool`` works).
+
 Fields of each WebDataset sample (R regions, D feature width, in ``_manifest.json`` ``dims``)::
 
     boxes.npy         float32 [R, 4]  x0, y0, x1, y1 in original image pixels (float32: fp16
@@ -56,7 +63,8 @@ SCHEMA = {
 
 
 class Config(StageConfig):
-    backend: Literal["detector", "annotations"] = Field("detector", description="detector boxes, or ground-truth boxes from `instances`")
+    backend: Literal["detector", "annotations", "sam"] = Field(
+        "detector", description="detector boxes, ground-truth boxes from `instances`, or the boxes of models.sam's automatic masks")
     max_boxes: int = Field(30, ge=1, description="InfoGround Sec. 2.5: at most 30 top-scoring boxes per image")
     score_thresh: float | None = Field(None, ge=0, le=1, description="detection score threshold; null: the model's default")
     min_size: int | None = Field(None, ge=32, description="torchvision: shorter side the detector resizes to; null: its default (800)")
@@ -72,8 +80,10 @@ class Config(StageConfig):
 class RegionWorker(ImageActor):
     """Ray actor: loads the detector once, then finds (or pools) the regions of whole units."""
 
-    def __init__(self, spec: str, device: str, threads: int, batch_size: int, backend: str, max_boxes: int, score_thresh, min_size):
+    def __init__(self, spec: str, device: str, threads: int, batch_size: int, backend: str, max_boxes: int, score_thresh, min_size,
+                 sam: str | None = None, amg: dict | None = None):
         self.backend, self.max_boxes, self.score_thresh, self.min_size = backend, max_boxes, score_thresh, min_size
+        self.sam_spec, self.amg = sam, amg or {}
         super().__init__(spec, device, threads, batch_size)
 
     def load(self, spec: str, device: str) -> None:
@@ -84,6 +94,22 @@ class RegionWorker(ImageActor):
         if self.oracle is not None:
             return
         self.det = load_detector(spec, device, score_thresh=self.score_thresh, min_size=self.min_size, max_boxes=self.max_boxes)
+        if self.backend == "sam":
+            from pipeline.models.sam import SamModel
+
+            self.sam = SamModel(self.sam_spec, device=device)
+
+    def sam_boxes(self, images: list) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(boxes [R, 4] xyxy with x1, y1 exclusive, scores [R] decreasing) of each image's automatic masks."""
+        enc = self.sam.encode([np.asarray(im.convert("RGB")) for im in images])
+        out = []
+        for b in range(len(images)):
+            g = self.sam.generate(enc.embeddings[b : b + 1], enc.input_sizes[b], enc.original_sizes[b], **self.amg)
+            boxes = g["boxes"].numpy().astype(np.float32).reshape(-1, 4) + np.asarray([0, 0, 1, 1], np.float32)
+            scores = g["scores"].numpy().astype(np.float32)
+            order = np.argsort(-scores, kind="stable")[: self.max_boxes]
+            out.append((boxes[order], scores[order]))
+        return out
 
     def encode(self, kept: list[dict], images: list) -> list[dict]:
         """The fields of each image of a batch. An image the model cannot take (e.g. 1x300,
@@ -99,6 +125,13 @@ class RegionWorker(ImageActor):
                     "image_size.npy": np.asarray(im.size, np.int32),
                 }
                 results.append(fields)
+            return results
+        if self.backend == "sam":
+            found = self.sam_boxes(images)
+            feats = self.det.pool(images, [b for b, _ in found])
+            for im, (b, sc), f in zip(images, found, feats):
+                results.append({"boxes.npy": b, "scores.npy": sc, "labels.npy": np.full(len(b), -1, np.int64),
+                                "features.npy": f.astype(np.float16), "image_size.npy": np.asarray(im.size, np.int32)})
             return results
         gts = [r["instances"] for r in kept]
         boxes = [np.asarray(g["boxes"][: self.max_boxes], np.float32).reshape(-1, 4) for g in gts]
@@ -148,7 +181,10 @@ def run(ctx: RunContext, cfg: Config) -> dict:
         if cfg.backend != "annotations":
             raise StageError("models.detector: scene-oracle gives features of ground-truth boxes only: "
                              "set stages.extract_regions.backend: annotations")
-    if not oracle and cfg.backend != "annotations":
+    if oracle and cfg.backend == "sam":
+        raise StageError("models.detector: scene-oracle gives features of ground-truth boxes only: "
+                         "set stages.extract_regions.backend: annotations")
+    if not oracle and cfg.backend == "detector":
         from pipeline.models.detector import proposes_boxes
 
         with model_key("models.detector", spec):  # a malformed spec: the same one-line error as a failed load
@@ -168,11 +204,22 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     with model_key("models.detector", spec):  # cached: a rerun with nothing to do loads no model
         det = SimpleNamespace(**cached_info(ctx.output, "detector", {"detector": spec}, probe, score_thresh=cfg.score_thresh,
                                             min_size=cfg.min_size, max_boxes=cfg.max_boxes))
+    records = {"detector": det.record}
+    sam_kw = {}
+    if cfg.backend == "sam":  # the segmenter's boxes: its record in the fingerprint, the visual-token stage's AMG options
+        from pipeline.models.sam import SamModel
+        from pipeline.stages.extract_visual_tokens import amg_options
+
+        sspec = ctx.manifest.models.sam
+        with model_key("models.sam", sspec):
+            records["sam"] = cached_info(ctx.output, "sam", {"sam": sspec}, lambda: {"record": SamModel(sspec).record})["record"]
+        sam_kw = dict(sam=sspec, amg=amg_options(ctx.manifest.stages.extract_visual_tokens))
+        records["sam"]["amg"] = sam_kw["amg"]
     extra = {"dims": {"feature_dim": det.dim, "max_boxes": cfg.max_boxes}, "backend": cfg.backend, "categories": det.categories}
     m, summary = run_image_stage(
-        ctx, cfg, artifact="regions", stage=NAME, plan=plan, actor=RegionWorker, models={"detector": det.record},
+        ctx, cfg, artifact="regions", stage=NAME, plan=plan, actor=RegionWorker, models=records,
         constructor_kwargs=dict(spec=spec, device=cfg.device, batch_size=cfg.batch_size, backend=cfg.backend,
-                                max_boxes=cfg.max_boxes, score_thresh=cfg.score_thresh, min_size=cfg.min_size),
+                                max_boxes=cfg.max_boxes, score_thresh=cfg.score_thresh, min_size=cfg.min_size, **sam_kw),
         extra=extra, schema=SCHEMA,
     )
     return {**summary, "boxes": m["stats"].get("boxes", 0)}

@@ -96,6 +96,16 @@ class Config(StageConfig):
     device: str = device_field()
 
 
+AMG_KEYS = ("points_per_side", "points_per_batch", "pred_iou_thresh", "stability_score_thresh", "stability_score_offset",
+            "box_nms_thresh", "dedup_iou", "score_threshold", "min_mask_area")
+
+
+def amg_options(c: Config) -> dict:
+    """The automatic mask generator's options (:meth:`pipeline.models.sam.SamModel.generate`) of a stage config:
+    what ``segmenter: sam`` runs (also what train/jobs/sam_segmenter measures, so its numbers are this path's)."""
+    return {k: getattr(c, k) for k in AMG_KEYS}
+
+
 def _pred_vocab(cfg: Config) -> list[str]:
     from pipeline.visual_tokens.predicates import resolve_vocabulary
 
@@ -141,14 +151,8 @@ class VisualTokenWorker:
             self.sam = ClipMaskEncoder(spec, device=resolve_device(c.device))
         else:
             self.sam = SamModel(spec, device=resolve_device(c.device), feature_layers=c.feature_layers)
-        amg = dict(
-            points_per_side=c.points_per_side, points_per_batch=c.points_per_batch, pred_iou_thresh=c.pred_iou_thresh,
-            stability_score_thresh=c.stability_score_thresh, stability_score_offset=c.stability_score_offset,
-            box_nms_thresh=c.box_nms_thresh, dedup_iou=c.dedup_iou, score_threshold=c.score_threshold,
-            min_mask_area=c.min_mask_area,
-        )  # fmt: skip
         self.segmenter = make_segmenter(
-            c.segmenter, self.sam, embedding=c.embedding, width=c.width, seed=c.seed, **(amg if c.segmenter == "sam" else {})
+            c.segmenter, self.sam, embedding=c.embedding, width=c.width, seed=c.seed, **(amg_options(c) if c.segmenter == "sam" else {})
         )
 
     def _decode(self, records):
@@ -292,6 +296,7 @@ def model_records(cfg: Config, models: dict) -> dict:
     from pipeline.models.scene_oracle import record as oracle_record
 
     from pipeline.models.clip_grid import ClipMaskEncoder, is_clip_pool
+    from pipeline.models.sam_checkpoint import is_sam_folder
 
     recs = {}
     if is_oracle(models["sam"]):
@@ -301,7 +306,7 @@ def model_records(cfg: Config, models: dict) -> dict:
                                     image_feature="pooled scene embedding (bag of colours and shapes) + noise")
     elif is_clip_pool(models["sam"]):
         recs["sam"] = ClipMaskEncoder(models["sam"]).record
-    elif is_tiny_random(models["sam"]):
+    elif is_tiny_random(models["sam"]) or is_sam_folder(models["sam"]):  # small: built (tiny) or loaded (a folder)
         from pipeline.models.sam import SamModel
 
         recs["sam"] = SamModel(models["sam"], feature_layers=cfg.feature_layers).record
