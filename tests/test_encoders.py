@@ -305,3 +305,20 @@ def test_groupvit_multi_label_loss_against_a_loop():
     p2i = [-math.log(sum(math.exp(s[i][p]) for i in range(4) if y[i, p]) / sum(math.exp(s[i][p]) for i in range(4)))
            for p in range(3)]
     assert got == pytest.approx(sum(i2p) / len(i2p) + sum(p2i) / len(p2i), rel=1e-5)
+
+
+def test_groupvit_multi_label_trains_on_its_captions_nouns(testbed_copy, tmp_path):
+    """multi_label: true: every step's batch carries one prompt per shape noun of its captions, labelled by the
+    captions that name it, and the logged loss adds the multi-label term (positive: a softmax share below 1)."""
+    out, mp = testbed_copy
+    job, res = _train(mp, "groupvit-encoder", [*TINY_GROUPVIT, "multi_label=true", "log_every=1"], tmp_path / "gv-ml")
+    batch = next(iter(job.batches(0, 0)))
+    from train.jobs.groupvit_encoder.job import caption_nouns
+
+    texts = job.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
+    vocab = sorted({n for t in texts for n in caption_nouns(t)})
+    assert batch["prompt_ids"].shape[0] == len(vocab) > 0
+    assert batch["prompt_labels"].tolist() == [[n in caption_nouns(t) for n in vocab] for t in texts]
+    logged = [json.loads(x) for x in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    ml = [x["multi_label_loss"] for x in logged if x.get("kind") == "train" and "multi_label_loss" in x]
+    assert ml and all(v > 0 for v in ml)
