@@ -95,3 +95,18 @@ def test_an_encoder_without_the_corpus_says_which_command_makes_it(tmp_path):
         load_corpus(m, "corpus/samples", "clip-encoder")
     assert str(e.value) == (f"clip-encoder: samples artifact {tmp_path}/p/corpus/samples is missing (no _manifest.json): "
                             "run `pipeline run ingest --corpus` (the manifest's pretraining corpus) first")
+
+
+def test_corpus_shape_signal_reads_the_scenes_it_describes():
+    """benchmarks/corpus_shape_signal.py (the diagnosis in docs/jobs/encoders.md): every shape and colour word a caption
+    names is one of its scene's objects', the words single out an image more often together than either alone, and an
+    object spans the same patches at 128 px / 16 px patches as at 64 / 8, twice as many at 128 / 8."""
+    from benchmarks.corpus_shape_signal import shape_words, signal
+
+    assert shape_words("Two red circles and a star, a circle.") == {"circle", "star"}
+    s = signal(n_images=60, batch=16, batches=10)
+    assert s["captions"] == 300 and s["captions_true"] == 1.0
+    assert 0.5 < s["name_shape"] <= 1 and 0.5 < s["name_colour"] <= 1
+    assert s["unique_by_both"] >= max(s["unique_by_shape"], s["unique_by_colour"])
+    d = s["diameter_patches"]
+    assert d["128/16"][0] == pytest.approx(d["64/8"][0]) and d["128/8"][0] == pytest.approx(2 * d["64/8"][0])

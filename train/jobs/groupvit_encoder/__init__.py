@@ -15,6 +15,13 @@ each a baseline row (``group_mask_iou_<name>``, ``baseline_for="held_out/group_m
 seeded), ``grid`` (a fixed grid of K blocks) and ``kmeans`` (k-means on the patches' mean colours); chance is the
 larger of one group and random.
 
+With ``multi_label: true`` the loss adds GroupViT's multi-label image-text contrastive term (Xu et al. 2022, Sec.
+3.2): the nouns of each image's step caption (the generator's shape words, singular or plural: the captions' object
+nouns) prompted as "a photo of a {noun}.", one prompt per distinct noun in the batch; an image's positives are the
+prompts of its caption's nouns, a prompt's positives the images whose caption names it (``multi_label_loss``). It
+trains the text tower on prompts close to the zero-shot shape probe's ("a {noun}"), so that probe is then not
+zero-shot in the strict sense; the group-to-mask IoU is what it is for.
+
 Export: ``<output>/encoders/groupvit/`` (model, processor, tokenizer: the text-groups job takes the tokenizer from
 the folder), checked through ``pipeline.models.groupvit.load_groupvit`` + ``encode_groups`` (image embeddings,
 cosine >= 0.9999).
@@ -37,6 +44,9 @@ class Config(ClipEncoderConfig):
     depths: list[int] = Field(default_factory=lambda: [2, 2, 1], description="layers per grouping stage")
     group_tokens: list[int] = Field(default_factory=lambda: [16, 8], description="group tokens of the first two stages")
     projection_intermediate_dim: int = Field(256, ge=4)
+    multi_label: bool = Field(False, description="add GroupViT's multi-label image-text contrastive loss (Xu et al. 2022, "
+                              "Sec. 3.2): each image against the prompts 'a photo of a {noun}.' of the shape nouns its "
+                              "caption names, every noun in the batch one prompt")
     export_dir: str | None = Field(None, description="default <output>/encoders/groupvit (<output>/encoders/groupvit-shuffled "
                                    "for the control)")
 

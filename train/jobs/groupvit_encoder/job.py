@@ -32,6 +32,29 @@ def groupvit_config(cfg, tok):
                           projection_intermediate_dim=cfg.projection_intermediate_dim)
 
 
+def caption_nouns(text: str) -> list[str]:
+    """The shape nouns a caption names (singular; plurals mapped back), in order of first mention."""
+    import re
+
+    from pipeline.synthetic.scene import PLURALS, SHAPES
+
+    word = {s: s for s in SHAPES} | {p: s for s, p in PLURALS.items()}
+    return list(dict.fromkeys(word[w] for w in re.findall(r"[a-z]+", text.lower()) if w in word))
+
+
+def multi_label_loss(image_embeds: torch.Tensor, prompt_embeds: torch.Tensor, labels: torch.Tensor,
+                     scale: torch.Tensor) -> torch.Tensor:
+    """GroupViT's multi-label contrastive loss (Xu et al. 2022, Sec. 3.2) of normalised ``image_embeds`` [B, D] and
+    ``prompt_embeds`` [P, D] with 0/1 ``labels`` [B, P]: -log of the positives' share of the softmax, image -> prompts
+    (the images with a positive) plus prompts -> images (every prompt has one), each averaged."""
+    logits = scale * image_embeds @ prompt_embeds.T
+    pos = labels.bool()
+    has = pos.any(1)
+    i2p = torch.logsumexp(logits[has], 1) - torch.logsumexp(logits[has].masked_fill(~pos[has], float("-inf")), 1)
+    p2i = torch.logsumexp(logits.T, 1) - torch.logsumexp(logits.T.masked_fill(~pos.T, float("-inf")), 1)
+    return i2p.mean() + p2i.mean()
+
+
 def best_ious(labels: np.ndarray, masks: list[np.ndarray], k: int) -> np.ndarray:
     """Per instance mask, the best IoU over the segments of ``labels`` (an int map of the mask's size, values < k)."""
     out = []
@@ -90,6 +113,19 @@ NO_LEARNING = [("one_group", "one group", "the whole image as the only segment")
                ("kmeans", "kmeans", "k-means (K clusters, seeded) on the patches' mean colours")]
 
 
+def paired_vs_partitions(g: dict) -> dict:
+    """The model's group-to-mask IoU minus each no-learning partition's on the same images, with the paired 95% interval
+    (train.eval.intervals.paired_difference: the images resampled together): ``group_mask_iou_minus_<key>`` and its
+    ``_low`` / ``_high``. Grouping forms where the interval against the strongest partition is above 0."""
+    from train.eval import intervals
+
+    out = {}
+    for key, _, _ in NO_LEARNING:
+        d, lo, hi = intervals.paired_difference(intervals.mean(g["model"]), intervals.mean(g[key]))
+        out |= {f"group_mask_iou_minus_{key}": d, f"group_mask_iou_minus_{key}_low": lo, f"group_mask_iou_minus_{key}_high": hi}
+    return out
+
+
 class GroupViTEncoderJob(ClipEncoderJob):
     NAME = "groupvit-encoder"
 
@@ -102,6 +138,31 @@ class GroupViTEncoderJob(ClipEncoderJob):
 
         torch.manual_seed(self.cfg.seed)
         return GroupViTModel(groupvit_config(self.cfg, self.tokenizer))
+
+    def batches(self, epoch, start):
+        """The clip-encoder job's batches; with ``multi_label`` each also carries the prompts of its captions' nouns."""
+        for batch in super().batches(epoch, start):
+            if self.cfg.multi_label:
+                texts = self.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
+                nouns = [caption_nouns(t) for t in texts]
+                vocab = sorted({n for ns in nouns for n in ns})
+                if vocab:
+                    enc = self.tokens([f"a photo of a {n}." for n in vocab])
+                    labels = torch.tensor([[n in ns for n in vocab] for ns in nouns], dtype=torch.bool)
+                    batch = {**batch, "prompt_ids": enc["input_ids"].to(self.device),
+                             "prompt_mask": enc["attention_mask"].to(self.device), "prompt_labels": labels.to(self.device)}
+            yield batch
+
+    def loss(self, model, batch):
+        if "prompt_ids" not in batch:
+            return super().loss(model, batch)
+        out = model(pixel_values=batch["pixel_values"], input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    return_loss=True)
+        prompts = model.get_text_features(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"])
+        prompts = getattr(prompts, "pooler_output", prompts)
+        ml = multi_label_loss(out.image_embeds, prompts / prompts.norm(dim=-1, keepdim=True), batch["prompt_labels"],
+                              model.logit_scale.exp())
+        return out.loss + ml, {"logit_scale": float(model.logit_scale.detach().exp()), "multi_label_loss": float(ml.detach())}
 
     @torch.no_grad()
     def group_ious(self, model) -> dict:
@@ -173,6 +234,7 @@ class GroupViTEncoderJob(ClipEncoderJob):
                         "group_mask_iou_random": float(g["random"].mean()), "group_mask_iou_grid": float(g["grid"].mean()),
                         "group_mask_iou_kmeans": float(g["kmeans"].mean()),
                         "group_mask_iou_chance": float(max(g["one_group"].mean(), g["random"].mean()))})
+            res.update(paired_vs_partitions(g))
         if out_dir.name == "final":
             res.update(self.export(model, emb, res, out_dir))
         out_dir.mkdir(parents=True, exist_ok=True)
