@@ -80,4 +80,4 @@ def test_an_unreadable_items_file_is_one_line_naming_it(tmp_path):
         read_items(p)
     msg = str(e.value)
     assert msg.startswith(f"{p}: cannot be read as per-item estimates") and "\n" not in msg
-    assert "train eval <job> --checkpoint RUN_DIR --out RUN_DIR/eval/final" in msg
+    assert "train eval <job> --manifest M --checkpoint RUN_DIR --out RUN_DIR/eval/final" in msg

@@ -109,7 +109,7 @@ def read_items(path: Path) -> dict[tuple[str, str, str], object]:
              else t.column(c).to_numpy(zero_copy_only=False) for c in ITEM_COLUMNS}
     except (OSError, ValueError) as e:
         raise CorruptRunFile(f"{path}: cannot be read as per-item estimates ({type(e).__name__}: {e}); "
-                             "re-evaluate the run with `train eval <job> --checkpoint RUN_DIR --out RUN_DIR/eval/final`") from None
+                             "re-evaluate the run with `train eval <job> --manifest M --checkpoint RUN_DIR --out RUN_DIR/eval/final`") from None
     keys = list(zip(d["benchmark"], d["subset"], d["metric"]))
     out: dict[tuple[str, str, str], object] = {}
     start = 0
