@@ -177,3 +177,14 @@ def test_the_page_fills_its_placeholders_from_the_code_and_refuses_unknown_ones(
     assert text == f"1 of 1; agrees; {t.sentence()}"
     with pytest.raises(PaperTableError, match=r"^x.yaml: unknown placeholder \{\{mean:nope:R@1\}\}"):
         fill("{{mean:nope:R@1}}", table, got, t, "x.yaml")
+
+
+def test_markdown_without_a_paper_is_one_line_saying_what_to_give(tmp_path):
+    from typer.testing import CliRunner
+
+    from train.cli import app
+
+    r = CliRunner().invoke(app, ["compare", "--markdown", str(tmp_path)])
+    assert r.exit_code != 0
+    assert r.output.strip().splitlines()[-1].endswith("--markdown prints a paper's page: give --paper <paper> "
+                                                       "(train/papers/*.yaml)")

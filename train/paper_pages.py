@@ -269,4 +269,4 @@ def page(table: PaperTable, got: Collected, t: Tally) -> str:
               *prose("results_intro"), *result_lines(table, got, t, "###"), "", *prose("discussion")]
     for s in pg.get("sections") or []:
         lines += [f"## {s['title']}", "", fill(s["text"], table, got, t, f"{where} page.sections[{s['title']}]"), ""]
-    return "\n".join(lines).rstrip() + "\n"
+    return "\n".join(lines).rstrip()

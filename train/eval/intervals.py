@@ -35,7 +35,10 @@ paired AUC (:func:`auc_estimate`)  Wilson on the AUC's effective number of pairs
 
 :func:`paired_difference` gives the interval of (result - baseline) over the same items: the same
 bootstrap draws for both, the percentile interval widened as a mean's (the harness's ``diff_low`` /
-``diff_high``, :mod:`train.eval.paired`).
+``diff_high``, :mod:`train.eval.paired`). :func:`seeds_difference` extends it to two rows of a grid
+(several seeds each, every run on the same items): the between-seed variance of the difference plus
+the bootstrap's, the same images resampled for every run (``train compare --paper``,
+:mod:`train.paper_orderings`).
 
 ``tests/test_eval_intervals.py`` simulates each kind with a known truth and image clustering
 (1,000 replications at small n, the degenerate cases included: 0 hits, all hits, one-item groups;
