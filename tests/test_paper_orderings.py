@@ -188,3 +188,22 @@ def test_markdown_without_a_paper_is_one_line_saying_what_to_give(tmp_path):
     assert r.exit_code != 0
     assert r.output.strip().splitlines()[-1].endswith("--markdown prints a paper's page: give --paper <paper> "
                                                        "(train/papers/*.yaml)")
+
+
+def test_runs_scored_on_other_items_are_not_resolved_saying_which_item_differs(tmp_path):
+    from train.paper_pages import compare_paper
+
+    rng = np.random.default_rng(0)
+    runs = [_run(tmp_path, f"{neg}-{s}", {"negatives": neg}, {"pointing accuracy": rng.random(IMG.size) < p}, s)
+            for neg, p in (("none", 0.6), ("random", 0.3)) for s in range(2)]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = runs[2] / "eval" / "final" / "items.parquet"  # random-0: its items on other images
+    t = pq.read_table(f)
+    t = t.set_column(t.column_names.index("cluster"), "cluster",
+                     pa.array([f"x{c}" for c in t["cluster"].to_pylist()]).dictionary_encode())
+    pq.write_table(t, f)
+    v = _cell(compare_paper("infoground", runs), "pointing_accuracy", "random")[-1]
+    assert v == ("not resolved: the runs were not scored on the same items (item 0's image differs ('x0' in the "
+                 "result, '0' in the baseline): the two are not over the same items in the same order)")

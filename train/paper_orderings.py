@@ -62,7 +62,12 @@ def row_interval(got: Collected, row: str, col: str):
     key = ("row", row, col)
     if key not in got.cache:
         c = got.cells.get((row, col))
-        got.cache[key] = seeds_difference(c.ests, scale=c.est_scale) if c is not None and c.has_items else None
+        got.cache[key] = None
+        if c is not None and c.has_items:
+            try:
+                got.cache[key] = seeds_difference(c.ests, scale=c.est_scale)
+            except ValueError:  # its seeds were scored on other items (the difference says why)
+                pass
     return got.cache[key]
 
 
@@ -82,8 +87,13 @@ def difference(got: Collected, row: str, ref: str, col: str):
     key = ("diff", row, ref, col)
     if key not in got.cache:
         c, cr = got.cells.get((row, col)), got.cells.get((ref, col))
-        got.cache[key] = (seeds_difference(c.ests, cr.ests, c.est_scale, result_seeds=_seeds(c), ref_seeds=_seeds(cr))
-                          if c is not None and cr is not None and c.has_items and cr.has_items else None)
+        got.cache[key] = None
+        if c is not None and cr is not None and c.has_items and cr.has_items:
+            try:
+                got.cache[key] = seeds_difference(c.ests, cr.ests, c.est_scale, result_seeds=_seeds(c),
+                                                  ref_seeds=_seeds(cr))
+            except ValueError as e:  # the runs were not scored on the same items: no paired difference
+                got.cache[("why", row, ref, col)] = str(e).removeprefix("paired_difference: ")
     return got.cache[key]
 
 
@@ -125,6 +135,9 @@ def verdict(table: PaperTable, got: Collected, row: Row, col: Column) -> Verdict
     if _sign(dp) == 0:
         return Verdict("not resolved", "the paper's rows tie")
     d = difference(got, row.id, ref.id, col.id)
+    if d is None:
+        return Verdict("not resolved", "the runs were not scored on the same items ("
+                       + got.cache.get(("why", row.id, ref.id, col.id), "") + ")")
     if not (math.isfinite(d.low) and math.isfinite(d.high)):
         return Verdict("not resolved", f"{min(d.seeds)} seed(s) in a row: the variance between seeds is not measured")
     if d.excludes_zero:
