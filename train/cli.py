@@ -421,6 +421,8 @@ def compare(
     paper: Annotated[Optional[str], typer.Option("--paper", help="the paper's ablation table (train/papers/<paper>"
                                                  ".yaml): run folders grouped by its rows, published numbers beside, "
                                                  "ordering against the paper's")] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="with --paper: the whole docs/papers/<paper>.md page "
+                                           "(train/paper_pages.py)")] = False,
     bench: Annotated[Optional[list[str]], typer.Option("--bench", help="only this benchmark's rows (repeatable)")] = None,
     subset: Annotated[Optional[list[str]], typer.Option("--subset", help="only rows of this subset, e.g. all "
                                                         "(repeatable)")] = None,
@@ -428,16 +430,19 @@ def compare(
 ) -> None:
     """One table across runs (jobs, variants, seeds), chance level beside each metric; --bench,
     --subset and --min-n keep a part of it. With --paper: the paper's ablation table on the runs
-    (train/paper_tables.py)."""
+    (train/paper_tables.py), --markdown its whole page."""
     from pipeline.io.run_files import CorruptRunFile
     from train.eval.compare import compare as _compare
-    from train.paper_tables import PaperTableError, compare_paper
+    from train.paper_pages import compare_paper
+    from train.paper_tables import PaperTableError
     from train.seeds_table import seeds_table
 
     try:
         if (bench or subset or min_n) and (paper or over_seeds):
             _fail("--bench, --subset and --min-n filter the table of runs side by side, not --paper or --over-seeds")
-        typer.echo(compare_paper(paper, runs) if paper else seeds_table(runs) if over_seeds else
+        if markdown and not paper:
+            _fail("--markdown prints a paper's page: give --paper <paper> (train/papers/*.yaml)")
+        typer.echo(compare_paper(paper, runs, markdown) if paper else seeds_table(runs) if over_seeds else
                    _compare(runs, bench or (), subset or (), min_n))
     except (FileNotFoundError, PaperTableError, CorruptRunFile) as e:  # CorruptRunFile: every run was skipped
         _fail(str(e))

@@ -14,19 +14,10 @@ the runs set beyond their row's defaults (a sweep's ``--set``: steps, batch size
 across the table: the set shared by the runs of most rows is kept and printed, runs with other ones
 (a control, another learning rate) are listed and not counted, as are runs that match no row.
 
-Per row and column the table prints the testbed's mean +- sample std over the row's seeds, the seeds
-counted, chance, and the 95% interval: the mean over the seeds of each run's own interval
-(``ci_low``/``ci_high`` of the harness: the evaluation-sampling interval of one run, the interval
-every metric carries beside chance), not an interval of the mean over seeds (with 3 seeds that one
-is mostly the t quantile); seed-to-seed spread is the std. Then the published number, the row's rank
-among the rows with both numbers (testbed / paper, 1 = highest), and against the reference row:
-``agrees`` when the testbed's difference row - reference is resolved and has the paper's sign,
-``disagrees`` when it is resolved and has the opposite sign, ``unresolved: ...`` otherwise: the
-difference is no larger than the larger of the two rows' std over seeds (``within the seeds' spread``),
-or, with a single seed on either side (no std), the two rows' 95% intervals overlap (``intervals
-overlap``); the way it leans is said (``would agree`` / ``would disagree``). An exact testbed tie,
-or a paper tie with a testbed difference, is unresolved too. A closing table counts the agreeing,
-unresolved and disagreeing columns per row: only resolved columns are counted as agreements.
+Each run's per-item estimates (``eval/final/items.parquet``, :mod:`train.eval.items`) are collected
+beside its values, so that rows can be differenced over the same items: the differences, verdicts,
+Kendall's tau and the tally are :mod:`train.paper_orderings`; the printed table and the whole
+``docs/papers/<paper>.md`` page (``--markdown``) are :mod:`train.paper_pages`.
 
 The grid ``grids/<paper>.yaml`` for ``train sweep`` is :func:`grid_of` of the table (the runnable
 rows as ``configurations``).
@@ -81,6 +72,7 @@ class PaperTable:
     columns: list[Column]
     rows: list[Row]
     notes: list[str]
+    page: dict = field(default_factory=dict)  # the page's prose (train/paper_pages.py), with {{...}} placeholders
 
     @property
     def keys(self) -> list[str]:
@@ -110,7 +102,7 @@ def load_table(paper: str | Path) -> PaperTable:
         rows = [Row(r["id"], r.get("paper", r["id"]), r.get("options"), dict(r.get("published") or {}),
                     dict(r.get("published_std") or {}), r.get("no_option", ""), r.get("note", "")) for r in d["rows"]]
         t = PaperTable(d["paper"], d.get("title", ""), d["job"], d.get("tables", ""), d["reference"], cols, rows,
-                       list(d.get("notes") or []))
+                       list(d.get("notes") or []), dict(d.get("page") or {}))
     except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
         raise PaperTableError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
     col_ids = [c.id for c in cols]
@@ -160,15 +152,19 @@ def _finite(x) -> bool:
 
 
 def column_value(col: Column, rows: list[dict]) -> dict | None:
-    """The run's results row for ``col`` (the first of the column's subsets the run has), scaled."""
+    """The run's results row for ``col`` (the first of the column's subsets the run has), scaled; ``key``
+    its (benchmark, subset, metric) and ``est_scale`` what its per-item estimate's value is multiplied by."""
     for sub in col.subset:
         hit = [r for r in rows if fnmatch.fnmatchcase(str(r.get("benchmark")), col.benchmark)
                and fnmatch.fnmatchcase(str(r.get("subset") or ""), sub) and r.get("metric") == col.metric
                and _finite(r.get("value"))]
         if hit:
             r = hit[0]
-            return {k: (float(r[k]) * col.scale if _finite(r.get(k)) else None)
-                    for k in ("value", "chance", "ci_low", "ci_high")}
+            out = {k: (float(r[k]) * col.scale if _finite(r.get(k)) else None)
+                   for k in ("value", "chance", "ci_low", "ci_high")}
+            out["key"] = (str(r.get("benchmark")), str(r.get("subset") or ""), str(r.get("metric")))
+            out["est_scale"] = (100.0 if r.get("unit") == "%" else 1.0) * col.scale
+            return out
     return None
 
 
@@ -178,6 +174,10 @@ class Cell:
     chance: list[float] = field(default_factory=list)
     ci_low: list[float] = field(default_factory=list)
     ci_high: list[float] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)
+    ests: list = field(default_factory=list)  # each run's per-item Estimate (items.parquet), None where it has none
+    est_scale: float = 1.0                    # an estimate's value times this is the cell's value
+    no_items: list[str] = field(default_factory=list)  # why a run has no per-item estimate
 
     @property
     def n(self) -> int:
@@ -199,8 +199,12 @@ class Cell:
         return sum(xs) / len(xs) if xs else None
 
     @property
-    def interval(self) -> tuple[float | None, float | None]:
-        return self._avg(self.ci_low), self._avg(self.ci_high)
+    def chance_level(self) -> float | None:
+        return self._avg(self.chance)
+
+    @property
+    def has_items(self) -> bool:
+        return bool(self.ests) and all(e is not None for e in self.ests)
 
 
 @dataclass
@@ -213,6 +217,7 @@ class Collected:
     shared: dict = field(default_factory=dict)      # the options the counted runs set outside the rows' keys
     not_runs: list[str] = field(default_factory=list)  # folders without config.json
     corrupt: list[str] = field(default_factory=list)   # "<file>: <problem>": run folders skipped (issue 40)
+    cache: dict = field(default_factory=dict, repr=False)  # intervals computed once (train/paper_orderings.py)
 
 
 def _defaults(table: PaperTable) -> tuple[dict[str, dict], frozenset[str]]:
@@ -242,7 +247,7 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
     share the options they set outside the rows' keys (``--set`` of the sweep: steps, batch size):
     the set shared by the runs of most rows (then most runs) is kept, runs with other ones (a
     control, another learning rate) are listed in ``other`` and not counted."""
-    from pipeline.io.run_files import CorruptRunFile
+    from pipeline.io.run_files import CorruptRunFile, read_config_file
     from train.seeds_table import _options, final_rows
 
     out = Collected({}, {}, [], [])
@@ -283,139 +288,38 @@ def collect(table: PaperTable, runs: list[str | Path]) -> Collected:
             out.without_eval.append(str(run))
             continue
         out.runs.setdefault(row, []).append(str(run))
+        try:
+            items, why = _items(run)
+        except CorruptRunFile as e:
+            items, why = {}, str(e)
+        seed = read_config_file(run / "config.json").get("seed")
         for col in table.columns:
             v = column_value(col, results)
             if v is None:
                 continue
             cell = out.cells.setdefault((row, col.id), Cell())
             cell.values.append(v["value"])
+            cell.seeds.append(seed if isinstance(seed, int) else None)
             for k in ("chance", "ci_low", "ci_high"):
                 if v[k] is not None:
                     getattr(cell, k).append(v[k])
+            est = items.get(v["key"])
+            cell.est_scale = v["est_scale"]
+            if est is None:
+                cell.no_items.append(f"{run.name}: {why or 'no items of ' + '/'.join(v['key'])}")
+            elif abs(v["est_scale"] * est.value - v["value"]) > 1e-6 * max(1.0, abs(v["value"])):
+                cell.no_items.append(f"{run.name}: its items of {'/'.join(v['key'])} do not give its value")
+                est = None
+            cell.ests.append(est)
     return out
 
 
-def _sign(x: float) -> int:
-    return (x > 0) - (x < 0)
+def _items(run: Path) -> tuple[dict, str]:
+    """The run's per-item estimates of its final evaluation ({} and why when it has none)."""
+    from train.eval.items import ITEMS_FILE, read_items
 
-
-def verdict(table: PaperTable, got: Collected, row: Row, col: Column) -> str:
-    """The row's ordering against the reference row in one column (see the module docstring)."""
-    if row.options is None:
-        return "no job option"
-    if row.id == table.reference:
-        return "reference"
-    ref = table.row(table.reference)
-    c, cr = got.cells.get((row.id, col.id)), got.cells.get((ref.id, col.id))
-    p, pr = row.published.get(col.id), ref.published.get(col.id)
-    if c is None or cr is None:
-        return "not run" if row.id not in got.runs or ref.id not in got.runs else "no result"
-    if p is None or pr is None:
-        return "no published number"
-    d, dp = c.mean - cr.mean, p - pr
-    if _sign(d) == 0 and _sign(dp) != 0:
-        return f"unresolved: tie (paper: {'higher' if dp > 0 else 'lower'})"
-    if _sign(dp) == 0 and _sign(d) != 0:
-        return "unresolved: paper tie"
-    direction = "agrees" if _sign(d) == _sign(dp) else "disagrees"
-    if c.n > 1 and cr.n > 1:
-        if abs(d) <= max(c.std, cr.std):
-            return f"unresolved: within the seeds' spread (would {direction[:-1]})"
-    elif _overlap(c.interval, cr.interval):
-        return f"unresolved: intervals overlap (would {direction[:-1]})"
-    return direction
-
-
-def _overlap(a: tuple[float | None, float | None], b: tuple[float | None, float | None]) -> bool:
-    """Two 95% intervals share a point (a single seed has no std: its evaluation interval is the yardstick)."""
-    return None not in (*a, *b) and a[0] <= b[1] and b[0] <= a[1]
-
-
-def ranks(values: dict[str, float]) -> dict[str, int]:
-    """1 = highest; ties share the better rank."""
-    return {k: 1 + sum(1 for w in values.values() if w > v) for k, v in values.items()}
-
-
-def _f(x, digits: int = 2) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
-
-
-def column_table(table: PaperTable, got: Collected, col: Column) -> list[str]:
-    """One column of the paper's table: a line per row."""
-    both = [r.id for r in table.rows if (r.id, col.id) in got.cells and r.published.get(col.id) is not None]
-    t_rank = ranks({r: got.cells[(r, col.id)].mean for r in both})
-    p_rank = ranks({r: table.row(r).published[col.id] for r in both})
-    where = f"{col.benchmark} / {'|'.join(col.subset)} / {col.metric}" + (f" x {col.scale:g}" if col.scale != 1 else "")
-    lines = [f"### {col.id}: {col.paper} ({where})", *([f"note: {col.note}"] if col.note else []), "",
-             "| row | paper's row | testbed mean +- std | seeds | chance | 95% interval | published | "
-             "rank testbed/paper | vs reference |",
-             "|---|---|---:|---:|---:|---|---:|---|---|"]
-    for r in table.rows:
-        c = got.cells.get((r.id, col.id))
-        pub = r.published.get(col.id)
-        pub_s = _f(pub) + (f" +- {_f(r.published_std[col.id])}" if col.id in r.published_std else "")
-        if c is None:
-            mean, n, chance, ci = "-", "0", "-", "-"
-        else:
-            lo, hi = c.interval
-            mean, n = f"{_f(c.mean)} +- {_f(c.std)}", str(c.n)
-            chance = _f(Cell._avg(c.chance))
-            ci = f"[{_f(lo)}, {_f(hi)}]" if lo is not None and hi is not None else "-"
-        rank = f"{t_rank[r.id]}/{p_rank[r.id]}" if r.id in t_rank else "-"
-        lines.append(f"| {r.id} | {r.paper} | {mean} | {n} | {chance} | {ci} | {pub_s} | {rank} | "
-                     f"{verdict(table, got, r, col)} |")
-    return lines
-
-
-def summary_lines(table: PaperTable, got: Collected) -> list[str]:
-    """Per row: the columns where its order against the reference agrees with the paper's."""
-    lines = ["### ordering against the reference row, per row", "",
-             "agrees / disagrees: the testbed's difference from the reference row is resolved (beyond the seeds' "
-             "spread, or disjoint intervals for one seed) and its sign matches / opposes the paper's; "
-             "unresolved: not resolved (or a tie), whichever way it leans.", "",
-             "| row | agrees | unresolved | disagrees | columns that disagree | columns unresolved |",
-             "|---|---:|---:|---:|---|---|"]
-    for r in table.rows:
-        if r.options is None or r.id == table.reference:
-            what = "no job option: " + " ".join(r.no_option.split()) if r.options is None else "reference"
-            lines.append(f"| {r.id} | - | - | - | {what} | |")
-            continue
-        v = {c.id: verdict(table, got, r, c) for c in table.columns}
-        ok = [k for k, x in v.items() if x == "agrees"]
-        bad = [k for k, x in v.items() if x == "disagrees"]
-        open_ = [k for k, x in v.items() if x.startswith("unresolved")]
-        lines.append(f"| {r.id} | {len(ok)} | {len(open_)} | {len(bad)} | {', '.join(bad) or '-'} | "
-                     f"{', '.join(open_) or '-'} |")
-    return lines
-
-
-def compare_paper(paper: str, runs: list[str | Path]) -> str:
-    """Markdown: the paper's table on the runs (``train compare --paper``)."""
-    table = load_table(paper)
-    got = collect(table, runs)
-    seeds = {row: len(rs) for row, rs in got.runs.items()}
-    lines = [f"## {table.paper}: {table.title}", "",
-             f"{table.tables}; job `{table.job}`; reference row `{table.reference}`; "
-             f"runs per row: {', '.join(f'{k} {v}' for k, v in seeds.items()) or 'none matched'}.",
-             "options the counted runs set besides the rows': "
-             + (", ".join(f"{k}={v}" for k, v in sorted(got.shared.items())) or "none (job defaults)") + ".",
-             "mean +- std over seeds (sample std); 95% interval: mean over the seeds of each run's own interval; "
-             "rank 1 = highest.", ""]
-    for col in table.columns:
-        lines += column_table(table, got, col) + [""]
-    lines += summary_lines(table, got)
-    if got.unmatched:
-        lines += ["", f"runs matching no row of the table (not counted; rows set {', '.join(table.keys)}): "
-                  + ", ".join(got.unmatched)]
-    if got.other:
-        lines += ["", "runs whose options outside the table's rows differ from the other runs' (not counted): "
-                  + "; ".join(got.other)]
-    if got.not_runs:
-        lines += ["", "not run folders (no config.json), skipped: " + ", ".join(got.not_runs)]
-    if got.without_eval:
-        lines += ["", "runs without a final evaluation (not counted): " + ", ".join(got.without_eval)]
-    if got.corrupt:
-        from pipeline.io.run_files import skipped_line
-
-        lines += ["", skipped_line(got.corrupt)]
-    return "\n".join(lines)
+    path = run / "eval" / "final" / ITEMS_FILE
+    if not path.is_file():
+        return {}, (f"no {ITEMS_FILE} (evaluated before per-item estimates were kept: `train eval <job> --manifest M "
+                    f"--checkpoint {run} --out {run}/eval/final` writes it)")
+    return read_items(path), ""

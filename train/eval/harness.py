@@ -20,8 +20,8 @@ evaluations, :meth:`train.loop.Job.job_metrics`):
 4. writes ``<run_dir>/eval/<step>/results.parquet`` (job, variant, checkpoint, step, benchmark,
    subset, metric, value, n, chance, ci_low, ci_high, skipped, skip_reasons, unit, note, baseline_for,
    and diff_vs, diff, diff_low, diff_high: each result row against its strongest baseline row,
-   :mod:`train.eval.paired`) and ``results.md``; a row whose scorer gave no interval gets NaN and a
-   note saying so.
+   :mod:`train.eval.paired`), ``results.md`` and ``items.parquet`` (each row's per-item outcomes,
+   :mod:`train.eval.items`); a row whose scorer gave no interval gets NaN and a note saying so.
 
 ``train compare RUN_DIR...`` (:func:`compare`) puts the latest results of several runs side by side.
 """
@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from train.eval.interface import RESULT_COLUMNS, BenchData, Item, NoScorableItems, Pair, Row
+from train.eval.items import write_items
 from train.eval.intervals import interval, proportion
 
 # ------------------------------------------------------------------------------------ chance
@@ -518,6 +519,7 @@ def run_harness(job, model, manifest, out_dir: Path, *, checkpoint: str = "", st
         table.append({"job": jname, "variant": variant, "checkpoint": str(checkpoint),
                       "step": -1 if step is None else int(step), **d})
     write_results(table, out_dir, errors)
+    write_items(rows, out_dir)  # each row's per-item outcomes beside it (train/eval/items.py)
     (out_dir / BENCH_LOG).write_text("".join(f"{line}\n" for line in details))
     log(tally.line(len(specs), len(table), out_dir) if specs else f"results: {len(table)} rows: {out_dir / 'results.md'}")
     return table, errors

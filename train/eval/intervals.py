@@ -35,7 +35,10 @@ paired AUC (:func:`auc_estimate`)  Wilson on the AUC's effective number of pairs
 
 :func:`paired_difference` gives the interval of (result - baseline) over the same items: the same
 bootstrap draws for both, the percentile interval widened as a mean's (the harness's ``diff_low`` /
-``diff_high``, :mod:`train.eval.paired`).
+``diff_high``, :mod:`train.eval.paired`). :func:`seeds_difference` extends it to two rows of a grid
+(several seeds each, every run on the same items): the between-seed variance of the difference plus
+the bootstrap's, the same images resampled for every run (``train compare --paper``,
+:mod:`train.paper_orderings`).
 
 ``tests/test_eval_intervals.py`` simulates each kind with a known truth and image clustering
 (1,000 replications at small n, the degenerate cases included: 0 hits, all hits, one-item groups;
@@ -429,3 +432,95 @@ def auc_interval(pos, neg, resamples: int = RESAMPLES, seed=SEED, clusters=None,
     if np.asarray(pos).size == 0:
         return NAN2
     return auc_wilson(auc_estimate(pos, neg, clusters, clusters2), 1.0, resamples, seed)
+
+
+# ------------------------------------------------------------- differences over seeds (paper orderings)
+
+
+@dataclass
+class SeedsDifference:
+    """(mean over a row's seeds) - (mean over the reference's seeds, or a constant), with its 95% interval
+    combining the two sources of noise (:func:`seeds_difference`)."""
+
+    diff: float
+    low: float
+    high: float
+    var_seeds: float  # the between-seed variance of the mean difference
+    var_eval: float   # the evaluation bootstrap's variance of the mean difference (the same images for every run)
+    df: float         # Satterthwaite's degrees of freedom of the sum
+    seeds: tuple[int, int]  # (the row's seeds, the reference's)
+    paired: bool      # the row's and the reference's runs paired seed by seed
+    clusters: int     # images resampled
+
+    @property
+    def excludes_zero(self) -> bool:
+        return bool(np.isfinite(self.low) and np.isfinite(self.high) and (self.low > 0 or self.high < 0))
+
+
+def seeds_difference(results: Sequence[Estimate], refs: Sequence[Estimate] = (), scale: float = 1.0,
+                     constant: float = 0.0, result_seeds: Sequence[int] | None = None,
+                     ref_seeds: Sequence[int] | None = None, resamples: int = RESAMPLES, seed=SEED) -> SeedsDifference:
+    """The difference between two rows of a grid (several seeds each, every run evaluated on the same
+    items) or between one row and ``constant`` (e.g. chance, ``refs`` empty), times ``scale``:
+
+    D = mean over the row's seeds of its values - mean over the reference's (or ``constant``), and
+    Var(D) = V_seeds + V_eval, the two noises a grid's difference carries:
+
+    - V_seeds, training noise: with the same seeds in both rows, the sample variance of the per-seed
+      differences d_s over S seeds / S (S - 1 degrees of freedom); otherwise var(row) / S_r +
+      var(ref) / S_ref (Welch's degrees of freedom);
+    - V_eval, evaluation noise: every run is scored on the same images, so their sampling is shared
+      by all seeds and no number of seeds averages it away: the cluster bootstrap of D itself, each
+      draw resampling the images once for every run of both rows (:func:`item_weights`, the draw
+      :func:`paired_difference` makes for one pair), its variance times C / (C - 1) (C - 1 degrees
+      of freedom).
+
+    The two are estimated independently and added (conservative: the seed-by-image interaction is in
+    both, at 1 / (S C) of its size); the interval is D +- t_nu sqrt(V), nu by Satterthwaite,
+    V^2 / (V_seeds^2 / df_seeds + V_eval^2 / (C - 1)): near S - 1 when the seeds dominate (3 seeds: t
+    4.30), near C - 1 when the evaluation does. Fewer than 2 seeds in a row: V_seeds is not measured and
+    the interval is NaN (one run cannot tell training noise from a difference). Raises ValueError (one
+    line) when the runs are not over the same items and images."""
+    results, refs = list(results), list(refs)
+    runs = results + refs
+    if not results:
+        raise ValueError("seeds_difference: no runs")
+    for e in runs[1:]:
+        _same_items(runs[0], e)
+    vr = np.array([scale * e.value for e in results])
+    vf = np.array([scale * e.value for e in refs])
+    d = float(vr.mean() - (vf.mean() if refs else constant))
+    nc = n_clusters(runs[0])
+    paired = bool(refs and result_seeds is not None and ref_seeds is not None and len(results) >= 2
+                  and sorted(result_seeds) == sorted(ref_seeds) and len(set(result_seeds)) == len(results)
+                  and len(ref_seeds) == len(refs))
+    if paired:
+        pos = {s: k for k, s in enumerate(ref_seeds)}
+        ds = np.array([vr[k] - vf[pos[s]] for k, s in enumerate(result_seeds)])
+        v_s, df_s = float(np.var(ds, ddof=1)) / ds.size, float(ds.size - 1)
+    elif refs:
+        if min(vr.size, vf.size) < 2:
+            v_s = df_s = float("nan")
+        else:
+            a, b = float(np.var(vr, ddof=1)) / vr.size, float(np.var(vf, ddof=1)) / vf.size
+            v_s = a + b
+            df_s = v_s * v_s / (a * a / (vr.size - 1) + b * b / (vf.size - 1)) if v_s > 0 else float(vr.size + vf.size - 2)
+    else:
+        v_s, df_s = (float(np.var(vr, ddof=1)) / vr.size, float(vr.size - 1)) if vr.size >= 2 else (float("nan"),) * 2
+    v_e = float("nan")
+    if nc >= 2:
+        draws = []
+        for k in item_weights(runs[0], resamples, seed):
+            a = np.mean([_stat(e, k) for e in results], axis=0)
+            draws.append(a - (np.mean([_stat(e, k) for e in refs], axis=0) if refs else constant / scale))
+        b = scale * np.concatenate(draws)
+        b = b[np.isfinite(b)]
+        v_e = float(np.var(b, ddof=1)) * nc / (nc - 1) if b.size > 1 else float("nan")
+    v = v_s + v_e
+    lo = hi = df = float("nan")
+    if np.isfinite(v):
+        parts = (v_s * v_s / df_s if v_s > 0 else 0.0) + (v_e * v_e / (nc - 1) if v_e > 0 else 0.0)
+        df = v * v / parts if parts > 0 else float(nc - 1)
+        half = _t975(max(df, 1.0)) * float(np.sqrt(v))
+        lo, hi = d - half, d + half
+    return SeedsDifference(d, lo, hi, v_s, v_e, df, (len(results), len(refs)), paired, nc)
