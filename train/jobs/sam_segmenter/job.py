@@ -14,21 +14,8 @@ import torch.nn.functional as F
 from train.encoders import export_dir, export_folder, load_corpus
 from train.job import Job
 from train.jobs.sam_segmenter.losses import iou_loss, mask_iou, mask_loss
+from train.jobs.sam_segmenter.masks import decode_masks
 from train.jobs.sam_segmenter.prompts import error_points, first_prompts
-
-
-def decode_masks(rles: list, hw: tuple[int, int], where: str) -> np.ndarray:
-    """bool [K, H, W] of an image's COCO RLE instance masks (non-empty ones)."""
-    from pipeline.masks import rle_decode
-
-    out = []
-    for r in rles:
-        m = rle_decode(r)
-        if m.shape != tuple(hw):
-            raise ValueError(f"{where}: instance mask {m.shape} does not match its image {tuple(hw)}")
-        if m.any():
-            out.append(m)
-    return np.stack(out) if out else np.zeros((0, *hw), bool)
 
 
 class SamSegmenterJob(Job):

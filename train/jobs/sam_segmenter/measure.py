@@ -74,7 +74,7 @@ def measure_stage_outputs(manifest, splits=("val", "test"), min_area: int = 16) 
     from pipeline.readers.images import open_image
     from train.encoders import load_corpus
     from train.job import resolve_artifact
-    from train.jobs.sam_segmenter.job import decode_masks
+    from train.jobs.sam_segmenter.masks import decode_masks
 
     corpus = load_corpus(manifest, "samples", "sam-segmenter measure")
     row = {int(s): i for i, s in enumerate(corpus.sample_ids.tolist())}
@@ -145,9 +145,9 @@ def main(argv=None) -> int:
         if a.corpus:
             import tempfile
 
-            from train.jobs.sam_segmenter.job import SamSegmenterJob
+            from train.registry import registry  # the job as `train run` makes it (job.py imports this module)
 
-            job = SamSegmenterJob(m.train.sam_segmenter, m, Path(tempfile.mkdtemp()), torch.device("cpu"))
+            job = registry()["sam-segmenter"].make_job(m.train.sam_segmenter, m, Path(tempfile.mkdtemp()), torch.device("cpu"))
             res = measure_corpus(job, a.corpus)
         else:
             res = measure_stage_outputs(m)
