@@ -31,7 +31,8 @@ def encoder_jobs(manifest: str, sets: list[str]) -> list[str]:
     for name, mod in registry().items():
         if getattr(mod, "ENCODER", False):
             cfg = getattr(m.train, name.replace("-", "_"))
-            if os.path.abspath(export_dir(m, mod.EXPORT, cfg.control, cfg.export_dir)) in specs:
+            control = getattr(cfg, "control", "none")  # a segmenter has no shuffled control
+            if os.path.abspath(export_dir(m, mod.EXPORT, control, cfg.export_dir)) in specs:
                 out.append(name)
     return out
 
