@@ -54,6 +54,7 @@ def test_relations_from_pixels_through_the_commands(tmp_path):
     m["dataset"]["synthetic"]["n_images"] = 30
     m["corpus"]["n_images"] = 80
     m["models"]["sam"] = "clip-pool:tiny-random"
+    m["stages"]["extract_visual_tokens"]["segmenter"] = "annotations"  # the trained SAM: tests/test_sam_segmenter_slow.py
     m["models"]["predicate_encoder"] = "tiny-random"
     m["eval"] = {"benchmarks": []}
     m["stages"]["extract_visual_tokens"]["shard_size"] = 40

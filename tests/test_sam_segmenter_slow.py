@@ -44,6 +44,8 @@ def test_trained_segmenter_through_the_stages(tmp_path):
     m["models"]["predicate_encoder"] = "tiny-random"     # no CLIP is trained here: the masks and boxes do not use it
     m["models"]["detector"] = "clip-pool:tiny-random"
     m["stages"]["extract_visual_tokens"].update(AMG_OFF)
+    m["stages"]["extract_visual_tokens"]["relations"] = "geometric"  # the relation encoder: tests/test_relation_encoder_slow.py
+    del m["models"]["relation_head"]
     m["train"]["sam_segmenter"].update(max_steps=60, batch_size=4, log_every=10, eval_images=4)
     path = tmp_path / "nogt.yaml"
     path.write_text(yaml.safe_dump(m, sort_keys=False))
