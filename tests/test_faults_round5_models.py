@@ -14,6 +14,19 @@ import pytest
 from pipeline.models.hf_folder import ModelFolderError
 
 
+@pytest.fixture(autouse=True)
+def _no_terminal_handler_left_by_another_test():
+    """An in-process CLI test earlier in the suite may leave its terminal handler (with -v: DEBUG) on the root
+    logger; these tests check what a plain load prints, so they run without it."""
+    root = logging.getLogger()
+    saved = [h for h in root.handlers if type(h).__name__ == "_Stderr"]
+    for h in saved:
+        root.removeHandler(h)
+    yield
+    for h in saved:
+        root.addHandler(h)
+
+
 @pytest.fixture(scope="module")
 def clip_folder(tmp_path_factory) -> Path:
     """A hub-layout CLIP folder: save_pretrained of the tiny random CLIP, its processor and tokenizer."""
@@ -107,8 +120,9 @@ def test_the_load_report_stays_in_the_log_when_transformers_propagation_is_on(cl
         def emit(self, record):
             got.append(record)
 
-    keep, level, disabled = Keep(level=logging.DEBUG), target.level, target.disabled
+    keep, level, disabled, propagate = Keep(level=logging.DEBUG), target.level, target.disabled, target.propagate
     target.addHandler(keep)
+    target.propagate = False  # an earlier in-process `-v` CLI may have left a DEBUG terminal handler on the root
     target.setLevel(logging.DEBUG)  # whatever an earlier test left on the `pipeline` loggers (a level, or a
     target.disabled = False         # library's logging.config call that disabled the loggers existing then)
     hf_logging.enable_propagation()
@@ -120,6 +134,7 @@ def test_the_load_report_stays_in_the_log_when_transformers_propagation_is_on(cl
         target.removeHandler(keep)
         target.setLevel(level)
         target.disabled = disabled
+        target.propagate = propagate
     assert not [r for r in caplog.records if r.name.startswith("transformers") and "LOAD REPORT" in r.getMessage()]
     assert [r for r in got if "LOAD REPORT" in r.getMessage()]
     assert "LOAD REPORT" not in capfd.readouterr().err
