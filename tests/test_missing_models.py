@@ -121,3 +121,16 @@ def test_what_counts_as_a_local_path():
         assert local_path(spec) == spec.split(":", 1)[-1], spec
     assert local_path("out/clip", output="out") == "out/clip"  # under the output ({output}/clip), one slash or not
     assert local_path("org/clip", output="out") is None
+
+
+def test_regions_from_the_segmenter_name_the_missing_sam_folder(tmp_path):
+    """extract-regions with ``backend: sam`` loads models.sam as well as models.detector: both are named."""
+    out = tmp_path / "ng"
+    r = _invoke("run", "extract-regions", "-m", "manifests/pixels-nogt.yaml", "--set", f"output={out}")
+    assert r.exit_code == 2
+    cmd = f"-m manifests/pixels-nogt.yaml --set output={out}"
+    assert r.stderr.strip().splitlines() == [
+        f"error: 2 model folders the manifest names do not exist: {out}/encoders/clip (models.detector): make it with "
+        f"`train run clip-encoder {cmd}`; {out}/encoders/sam (models.sam): make it with `train run sam-segmenter {cmd}`; "
+        f"the encoder jobs train on the samples artifact: run `pipeline run ingest {cmd}` first"]
+    assert not out.exists()

@@ -89,6 +89,8 @@ def slots_of(manifest, stages) -> dict[str, str]:
         cfg = getattr(manifest.stages, name.replace("-", "_"), None)
         for slot in STAGE_SLOTS.get(name, ()):
             out.setdefault(f"models.{slot}", getattr(m, slot))
+        if name == "extract-regions" and getattr(cfg, "backend", None) == "sam":  # boxes from models.sam's masks
+            out.setdefault("models.sam", m.sam)
         if name == "extract-visual-tokens" and getattr(cfg, "relations", None) == "learned" and m.relation_head:
             out.setdefault("models.relation_head", m.relation_head)
         if name == "mine-concepts" and getattr(cfg, "hard_negatives", False):

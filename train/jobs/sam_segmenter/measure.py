@@ -90,7 +90,7 @@ def measure_stage_outputs(manifest, splits=("val", "test"), min_area: int = 16) 
     tau = _tau(fit_ims, [gt(i, im.shape[:2]) for i, im in zip(fit, fit_ims)], min_area)
     held = set(corpus.sample_ids[np.isin(corpus.splits, list(splits))].tolist())
     vt = Artifact(resolve_artifact(manifest, "visual_tokens"))
-    out = {"segmenter": vt.manifest.get("params", {}).get("segmenter"), "baseline_tau": tau}
+    out = {"segmenter": vt.manifest.get("parameters", {}).get("segmenter"), "baseline_tau": tau}
     m_sam, m_cc, b_cc, ids, boxes_cc = [], [], [], [], {}
     for p in shard_paths(vt):
         for s in iter_samples(p):
