@@ -208,6 +208,26 @@ def test_a_forged_tuner_pkl_with_a_recomputed_sha256_line_is_refused_and_never_u
         assert not marker.exists()
 
 
+def test_a_checksum_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """An I/O or permission error on the sweep's checksum file is refused in one line, never a traceback
+    (as root a chmod 000 file stays readable, so the read itself is made to fail)."""
+    from train.sweep_state import FIX, SUMS, StateError, check
+
+    monkeypatch.setenv("VLPIPE_STATE_KEY", str(tmp_path / "state.key"))
+    exp = _sealed(tmp_path)
+    real = Path.read_bytes
+
+    def failing(self):
+        if self.name == SUMS:
+            raise PermissionError(13, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", failing)
+    with pytest.raises(StateError) as e:
+        check(exp)
+    assert str(e.value) == f"sweep state {exp}: {SUMS} cannot be read (Permission denied): it is not read; {FIX}"
+
+
 def test_train_sweep_checks_the_signature_before_tune_reads_the_state(tmp_path, monkeypatch):
     """`sweep()` up to the restore, with Tune's ``Tuner.can_restore`` replaced by what restoring does
     to tuner.pkl (pickle.loads): the forged state is refused first, so the pickle is never loaded."""

@@ -120,7 +120,10 @@ def check(exp: Path) -> None:
 
     if (what := not_regular(sums)) is not None:
         raise StateError(f"{where}: {SUMS} is {what}, not a regular file: it is not read; {FIX}")
-    raw = sums.read_bytes()
+    try:
+        raw = sums.read_bytes()
+    except OSError as e:  # a permission, an I/O error: one line, as every other refusal here
+        raise StateError(f"{where}: {SUMS} cannot be read ({e.strerror or type(e).__name__}): it is not read; {FIX}") from None
     body, _, last = raw.rstrip(b"\n").rpartition(b"\n")
     body = body + b"\n" if body else b""
     m = _SIGNED.fullmatch(last.decode("utf-8", "replace"))
