@@ -190,6 +190,7 @@ def test_train_two_workers_on_two_nodes(tmp_path, testbed_copy, cluster):
     assert "global/avg_R@1" in json.loads((run / "eval" / "final" / "metrics.json").read_text())
 
 
+@pytest.mark.heavy
 def test_multinode_cluster_matches_single_node_with_a_killed_node(tmp_path, cluster):
     single, multi = tmp_path / "single", tmp_path / "multi"
     for st in STAGES:

@@ -164,6 +164,7 @@ def _run_tour(tour: str, cwd: Path, env: dict, failed: list[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(2400)
 def test_demo_commands_run_as_written(tmp_path):
     """Every shell command of README.md and docs/ that names manifests/demo.yaml, as written, in a
@@ -303,6 +304,7 @@ def test_report_figure_comes_from_a_demo_run():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(3600)
 def test_demo_docs_match_a_demo_run(tmp_path):
     """docs/performance.md's demo table is what benchmarks/demo_docs.py makes of a demo run, to the digit,

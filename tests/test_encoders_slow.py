@@ -17,7 +17,7 @@ import yaml
 
 from tests.testbed_reduced import run_stages, train_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 REPO = Path(__file__).resolve().parents[1]
 # held out: the reduced corpus's val + test (80 images; manifests/pixels.yaml reports its test split only). Zero-shot

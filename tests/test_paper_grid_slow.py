@@ -29,7 +29,7 @@ import yaml
 
 from tests.test_testbed_infoground import _env, _sets, copy_stages
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the stages alone took over 10 min at load ~38 (600 s default hit)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(1800)]  # the stages alone took over 10 min at load ~38 (600 s default hit)
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "manifests" / "testbed.yaml"

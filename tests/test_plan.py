@@ -126,6 +126,7 @@ def _on_disk(folder: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_plan_matches_what_pipeline_run_writes(tmp_path, monkeypatch, no_calibration):
     """The tiny manifest (63 good images of 64, every stage): rows exact where the plan says so,
     bytes within 10% in total and for each artifact over 5% of the total."""

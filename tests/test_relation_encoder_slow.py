@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parents[1]
 

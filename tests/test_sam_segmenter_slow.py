@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import yaml
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # 600 s hit at load ~30 on 2 cores (ingests, training, two stages)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(1800)]  # 600 s hit at load ~30 on 2 cores (ingests, training, two stages)
 
 REPO = Path(__file__).resolve().parents[1]
 AMG_OFF = {"points_per_side": 4, "pred_iou_thresh": 0.0, "stability_score_thresh": 0.0, "score_threshold": -1.0e9}

@@ -271,6 +271,7 @@ def _train(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_workers_with_relative_paths_from_two_folders_beside_another_ray_instance(tmp_path, testbed_copy):
     """`train run --workers 2` as the README writes it (relative manifest and output) from the
     manifest's folder, and from another folder (relative paths to it), while an unrelated Ray runs;
@@ -317,6 +318,7 @@ def test_workers_with_relative_paths_from_two_folders_beside_another_ray_instanc
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_sweep_from_another_folder_resumes_only_checked_state(tmp_path, testbed_copy):
     """`train sweep` with relative manifest, output and grid from another folder; a rerun reuses the
     finished trial (its stored configuration is its own); a tampered or truncated tuner.pkl is refused
