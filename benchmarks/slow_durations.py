@@ -65,11 +65,18 @@ def collected() -> dict[str, set[str]]:
     return {k: set(v) for k, v in json.loads(line[len("MARKERS "):])}
 
 
-def totals(record: dict, heavy: set[str]) -> dict[str, float]:
-    secs = record["seconds"]
-    return {"all": round(sum(secs.values()), 1),
-            "heavy": round(sum(v for k, v in secs.items() if k in heavy), 1),
-            "ci": round(sum(v for k, v in secs.items() if k not in heavy), 1)}
+def split(record: dict, marks: dict[str, set[str]]) -> dict:
+    """The record restricted to the slow tests collected today (``marks``: :func:`collected`), split into
+    the heavy part (``pytest -m heavy``) and CI's part (``-m "slow and not heavy"``): seconds and test
+    counts of each, and the slow tests the record lacks."""
+    slow = {k for k, m in marks.items() if "slow" in m}
+    heavy = {k for k, m in marks.items() if "heavy" in m}
+    secs = {k: v for k, v in record["seconds"].items() if k in slow}
+    return {"all": round(sum(secs.values()), 1), "n": len(secs),
+            "heavy": round(sum(v for k, v in secs.items() if k in heavy), 1), "n_heavy": len(heavy & set(secs)),
+            "ci": round(sum(v for k, v in secs.items() if k not in heavy), 1), "n_ci": len(set(secs) - heavy),
+            "unmeasured": sorted(slow - set(secs)), "heavy_not_slow": sorted(heavy - slow),
+            "top": sorted(secs.items(), key=lambda kv: -kv[1])[:12], "heavy_ids": heavy}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,15 +91,14 @@ def main(argv: list[str] | None = None) -> None:
             RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     else:
         record = json.loads(RECORD.read_text())
-    heavy = {k for k, m in collected().items() if "heavy" in m}
-    t = totals(record, heavy)
-    top = sorted(record["seconds"].items(), key=lambda kv: -kv[1])[:12]
-    print(f"slow suite {t['all']:.0f} s recorded ({len(record['seconds'])} tests; {record['note']})")
-    print(f"  heavy (pytest -m heavy, not in CI): {t['heavy']:.0f} s, {len(heavy)} tests")
-    print(f"  CI (.ci/run: -m 'slow and not heavy'): {t['ci']:.0f} s (budget {CI_SLOW_BUDGET_S} s)")
-    for k, v in top:
-        print(f"  {v:7.1f} s  {'heavy' if k in heavy else 'CI   '}  {k}")
-
+    t = split(record, collected())
+    print(f"slow suite {t['all']:.0f} s recorded ({t['n']} tests collected today; {record['note']})")
+    print(f"  heavy (pytest -m heavy, not in CI): {t['heavy']:.0f} s, {t['n_heavy']} tests")
+    print(f"  CI (.ci/run: -m 'slow and not heavy'): {t['ci']:.0f} s, {t['n_ci']} tests (budget {CI_SLOW_BUDGET_S} s)")
+    for k, v in t["top"]:
+        print(f"  {v:7.1f} s  {'heavy' if k in t['heavy_ids'] else 'CI   '}  {k}")
+    if t["unmeasured"]:
+        print(f"  not measured: {', '.join(t['unmeasured'])}")
 
 if __name__ == "__main__":
     main()

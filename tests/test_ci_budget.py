@@ -39,25 +39,27 @@ def test_parse_sums_the_phases_and_keeps_tests_under_the_display_floor():
 
 def test_every_slow_test_is_measured_and_ci_fits_its_budget(marks):
     tool = _tool()
-    slow = {k for k, m in marks.items() if "slow" in m}
-    heavy = {k for k, m in marks.items() if "heavy" in m}
-    assert heavy and heavy <= slow, f"heavy but not slow (README command 2 would run them): {sorted(heavy - slow)}"
-    record = json.loads(tool.RECORD.read_text())
-    missing = sorted(slow - set(record["seconds"]))
-    assert not missing, f"slow tests with no measured duration (python benchmarks/slow_durations.py LOG --write): {missing}"
-    t = tool.totals({"seconds": {k: v for k, v in record["seconds"].items() if k in slow}}, heavy)
+    t = tool.split(json.loads(tool.RECORD.read_text()), marks)
+    assert t["n_heavy"] and not t["heavy_not_slow"], f"heavy but not slow (README command 2 would run them): {t['heavy_not_slow']}"
+    assert not t["unmeasured"], f"slow tests with no measured duration (python benchmarks/slow_durations.py LOG --write): {t['unmeasured']}"
     assert t["ci"] <= tool.CI_SLOW_BUDGET_S, (f"`.ci/run`'s slow part is {t['ci']:.0f} s, over its "
-                                             f"{tool.CI_SLOW_BUDGET_S} s: mark the longest heavy", t)
+                                             f"{tool.CI_SLOW_BUDGET_S} s: mark the longest heavy", t["ci"])
     ci = (REPO / ".ci" / "run").read_text()
     assert '-m "slow and not heavy"' in ci and "-m slow " not in ci, ".ci/run must leave the heavy tests out"
+
+
+def test_split_keeps_to_the_tests_collected_today():
+    """A recorded test that no longer exists counts nowhere; an unrecorded slow one is named."""
+    record = {"seconds": {"t::gone": 500.0, "t::a": 10.0, "t::h": 100.0}}
+    t = _tool().split(record, {"t::a": {"slow"}, "t::h": {"slow", "heavy"}, "t::new": {"slow"}})
+    assert (t["all"], t["ci"], t["heavy"], t["n_ci"], t["n_heavy"]) == (110.0, 10.0, 100.0, 1, 1)
+    assert t["unmeasured"] == ["t::new"]
 
 
 def test_performance_page_quotes_the_recorded_split(marks):
     """docs/performance.md's heavy / CI split is the record's, as benchmarks/slow_durations.py prints it."""
     tool = _tool()
-    heavy = {k for k, m in marks.items() if "heavy" in m}
-    record = json.loads(tool.RECORD.read_text())
-    t = tool.totals(record, heavy)
+    t = tool.split(json.loads(tool.RECORD.read_text()), marks)
     text = " ".join((REPO / "docs" / "performance.md").read_text().split())
-    assert f"(`-m heavy`, {len(heavy)} tests, {t['heavy']:.0f} s" in text, t
-    assert f"(`-m \"slow and not heavy\"`, {len(set(record['seconds']) - heavy)} tests, {t['ci']:.0f} s" in text, t
+    assert f"(`-m heavy`, {t['n_heavy']} tests, {t['heavy']:.0f} s" in text, t
+    assert f"(`-m \"slow and not heavy\"`, {t['n_ci']} tests, {t['ci']:.0f} s" in text, t
