@@ -322,3 +322,24 @@ def test_groupvit_multi_label_trains_on_its_captions_nouns(testbed_copy, tmp_pat
     logged = [json.loads(x) for x in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
     ml = [x["multi_label_loss"] for x in logged if x.get("kind") == "train" and "multi_label_loss" in x]
     assert ml and all(v > 0 for v in ml)
+
+
+def test_clip_hard_batches_partition_the_epoch_and_group_colour_sets():
+    """``hard_batches``: every image at most once an epoch, ``n // batch`` batches; the hard share holds images whose
+    colour sets agree (far fewer distinct sets a batch than random batches); 0 is the plain permutation (CLIP's)."""
+    from train.jobs.clip_encoder.job import epoch_batches
+
+    rng = np.random.default_rng(0)
+    keys = [tuple(sorted(set(rng.choice(12, rng.integers(1, 4)).tolist()))) for _ in range(1000)]
+    for frac in (0.0, 0.5, 1.0):
+        b = epoch_batches(keys, 32, frac, np.random.default_rng([7, 1]))
+        flat = np.concatenate(b)
+        assert len(b) == 1000 // 32 and len(flat) == 31 * 32 and len(set(flat.tolist())) == len(flat)
+    plain = epoch_batches(keys, 32, 0.0, np.random.default_rng([7, 1]))
+    perm = np.random.default_rng([7, 1]).permutation(1000)
+    assert all((x == perm[i * 32 : (i + 1) * 32]).all() for i, x in enumerate(plain))
+    hard = epoch_batches(keys, 32, 1.0, np.random.default_rng([7, 1]))
+    first = lambda bs: np.mean([len({keys[i][0] for i in x}) for x in bs])  # distinct first colours a batch
+    assert first(hard) <= 2.0 < 8.0 < first(plain), (first(hard), first(plain))
+    half = epoch_batches(keys, 32, 0.5, np.random.default_rng([7, 1]))
+    assert sum(len({keys[i][0] for i in x}) <= 3 for x in half) == round(0.5 * 31)  # the hard half; a random batch has ~9

@@ -73,6 +73,11 @@ class Config(TrainerConfig):
                                  "as extract-clip-tokens encodes them")
     export_dir: str | None = Field(None, description="default <output>/encoders/clip (<output>/encoders/clip-shuffled for "
                                    "the control)")
+    hard_batches: float = Field(0.0, ge=0, le=1, description=(
+        "share of each epoch's batches made of images sorted by their objects' colour sets (the samples' instances), "
+        "so that colour cannot tell a batch's images apart and the contrastive loss rewards what else the captions "
+        "name (shape); 0: CLIP's random batches (the paper's recipe). A departure from CLIP, documented in "
+        "docs/jobs/encoders.md"))
     control: Literal["none", "shuffled"] = Field(
         "none", description="shuffled: every training image's captions replaced, once, by another training image's")
     EVAL_ONLY = TrainerConfig.EVAL_ONLY | {"export_dir"}

@@ -50,6 +50,25 @@ def caption_pools(corpus, train_ids: np.ndarray, control: str, seed: int) -> lis
     return pools
 
 
+def epoch_batches(keys: list[tuple], batch: int, hard_frac: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """An epoch's batches (indices into ``keys``, ``len(keys) // batch`` of them, no index twice): a
+    ``hard_frac`` share of the images, drawn at random, is sorted by its key (ties in random order) and cut
+    into consecutive batches, so those batches hold images whose keys agree or are neighbours in sort order
+    (clip-encoder: the images' sorted colour sets, so that colour cannot tell them apart); the rest are cut
+    from a random permutation; the batches are then shuffled. ``hard_frac`` 0: CLIP's random batches."""
+    n, nb = len(keys), len(keys) // batch
+    perm = rng.permutation(n)
+    if not hard_frac:
+        return [perm[i : i + batch] for i in range(0, nb * batch, batch)]
+    n_hard = int(round(hard_frac * nb)) * batch
+    hard, rand = perm[:n_hard], perm[n_hard:]
+    if n_hard:
+        rank = {k: r for r, k in enumerate(sorted(set(keys)))}
+        hard = hard[np.argsort(np.asarray([rank[keys[i]] for i in hard]), kind="stable")]
+    out = [hard[i : i + batch] for i in range(0, n_hard, batch)] + [rand[i : i + batch] for i in range(0, nb * batch - n_hard, batch)]
+    return [out[j] for j in rng.permutation(len(out))]
+
+
 class ClipEncoderJob(Job):
     NAME = "clip-encoder"
 
@@ -70,6 +89,10 @@ class ClipEncoderJob(Job):
         self.pools = caption_pools(c, c.sample_ids[self.train_idx], cfg.control, cfg.seed)
         keep = np.asarray([len(p) > 0 for p in self.pools])
         self.train_idx, self.pools = self.train_idx[keep], [p for p, k in zip(self.pools, keep) if k]
+        if cfg.hard_batches and not c.colors:
+            raise ValueError(f"{self.NAME}: hard_batches ({cfg.hard_batches}) sorts images by their objects' colours, and "
+                             f"{cfg.samples_artifact} has no instances table with colours")
+        self.batch_keys = [tuple(sorted(c.colors.get(int(s), ()))) for s in c.sample_ids[self.train_idx]]
         self._pixels = None
         self._ids = None
         self.export_path = export_dir(manifest, "clip", cfg.control, cfg.export_dir)  # EXPORT of the package
@@ -100,9 +123,9 @@ class ClipEncoderJob(Job):
     def batches(self, epoch, start):
         cfg = self.cfg
         row, pv = self.pixels
-        order = np.random.default_rng([cfg.seed, epoch]).permutation(len(self.train_idx))
-        for b in self.rank_batches(len(self.train_idx) // cfg.batch_size, start):
-            pick = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+        blocks = epoch_batches(self.batch_keys, cfg.batch_size, cfg.hard_batches, np.random.default_rng([cfg.seed, epoch]))
+        for b in self.rank_batches(len(blocks), start):
+            pick = blocks[b]
             rng = np.random.default_rng([cfg.seed, epoch, b])
             caps = [int(self.pools[i][rng.integers(len(self.pools[i]))]) for i in pick]
             enc = self.tokens([self.corpus.texts[j] for j in caps])
