@@ -8,6 +8,9 @@ vocabulary and merges, train/jobs/text_groups/tokenizer.py) and a ``CLIPImagePro
 centre crop to ``image_size``, OpenAI mean/std). Training: CLIP's symmetric InfoNCE loss with the learnt
 temperature (``CLIPModel(..., return_loss=True)``), one caption per image per step drawn at random from its
 captions, in the shared loop (AdamW, warmup + cosine, clipping, checkpoints, exact resume).
+``hard_batches`` (default 0, CLIP's random batches) makes that share of each epoch's batches from images sorted by
+their objects' colour sets, so that colour cannot tell them apart: tried on the corpus to make shape pay, it
+did not (docs/jobs/encoders.md, "What was tried").
 
 Data: the ``samples`` artifact of ``pipeline run ingest`` (``samples_artifact``; manifests/pixels.yaml: ``corpus/samples``,
 the generated pretraining corpus apart from the testbed, ``pipeline run ingest --corpus``): images (decoded as the
