@@ -45,3 +45,26 @@ def test_the_run_cites_the_committed_expectations_and_met_them():
     assert git.stdout.strip(), f"expectations blob {blob} is in no commit"
     rows = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| job")]
     assert len(rows) == 19 and not [r for r in rows if re.search(r"\b(NOT|FAILED|BELOW|NO |TOO FEW|CONTROL)", r)]
+
+
+def test_pixels_corpus_summaries_quote_the_committed_run():
+    """BENCHMARKS.md's, README's and docs/testbed.md's paired differences on the corpus-pretrained encoders are the
+    cells of benchmarks/results/pixels-corpus-20261129.md (the `diff 95%` column), as that run printed them."""
+    from benchmarks.confirm_tables import REPO, table_rows
+
+    rows = table_rows((REPO / "benchmarks/results/pixels-corpus-20261129.md").read_text())
+    col = rows[0].index("diff 95%")
+    diff = {f"{r[0]} {r[1]}": r[col] for r in rows[1:]}
+    IG, CO_ATTR = "infoground grounding:pixels-corpus/test/pointing accuracy", "concept-ot vg-attribution/all/macro_accuracy"
+    CO_SWAP = "concept-ot sugarcrepe/swap_att/accuracy"
+    quoted = {  # page -> the rows it quotes
+        "BENCHMARKS.md": [f"c3 c3_mcp/{t}/auc" for t in ("type1", "type2_random", "type2_hard", "type2_binding")]
+        + [IG, CO_ATTR, CO_SWAP, "visual-tokens eval-split-retrieval/all/i2t_R@1", "visual-tokens sugarcrepe/replace_att/accuracy",
+           "text-groups retrieval/held-out/i2t/R@1"] + [f"relation-head relation-head/held_out/recall@{k}" for k in (1, 3, 5)],
+        "README.md": [IG, CO_ATTR, CO_SWAP],
+        "docs/testbed.md": [IG, CO_ATTR],
+    }
+    for page, metrics in quoted.items():
+        text = " ".join((REPO / page).read_text().split())
+        for m in metrics:
+            assert diff[m] in text, (page, m, diff[m])
