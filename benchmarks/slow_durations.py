@@ -100,5 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     if t["unmeasured"]:
         print(f"  not measured: {', '.join(t['unmeasured'])}")
 
+
 if __name__ == "__main__":
     main()
