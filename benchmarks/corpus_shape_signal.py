@@ -1,6 +1,7 @@
 """Why a CLIP trained on the generated corpus reads colour but hardly shape: what the data offers (issue 45).
 
     .venv/bin/python benchmarks/corpus_shape_signal.py [--n-images 600] [--seed 1] [--max-objects 6] [--batch 64]
+        [--twins 2 --hard-batches 1 --hard-order grouped]
 
 From the generator alone (pipeline/synthetic/: the corpus's scenes and captions, nothing written), three questions:
 
@@ -8,7 +9,10 @@ From the generator alone (pipeline/synthetic/: the corpus's scenes and captions,
 2. Does a contrastive batch separate images by shape? For each caption drawn as training draws it (one of its image's
    captions) in random batches of ``--batch`` images: whether its shape words alone fit no other image of the batch
    (every shape it names is among that image's objects), whether its colour words alone do, and both together. A
-   signal the loss can use only to the extent the words single out the image.
+   signal the loss can use only to the extent the words single out the image. ``--twins`` draws the corpus as
+   ``corpus.twins`` does (groups that differ only in their shapes), ``--hard-batches`` batches as clip-encoder's
+   ``hard_batches`` and ``--hard-order`` as its ``hard_order`` (``epoch_batches``: that share of the batches from images
+   sorted by their colour sets, or grouped by them).
 3. Are the objects big enough? Each object's diameter (2 r) in patches at each (image size, patch size) the CLIP
    could be given, median and 10th percentile (the scenes are ``--image-size`` px; the processor resizes).
 
@@ -48,10 +52,12 @@ def colour_words(text: str) -> set[str]:
 
 
 def signal(n_images: int = 600, seed: int = 1, max_objects: int = 6, image_size: int = 128, batch: int = 64,
-           batches: int = 200) -> dict:
+           batches: int = 200, twins: int = 1, hard_batches: float = 0.0, hard_order: str = "sorted") -> dict:
     from pipeline.synthetic.generate import _scene_captions
+    from train.jobs.clip_encoder.job import epoch_batches
 
-    cfg = {"seed": seed, "S": image_size, "cpi": 5, "min_objects": 1, "max_objects": max_objects, "vocabulary": "small"}
+    cfg = {"seed": seed, "S": image_size, "cpi": 5, "min_objects": 1, "max_objects": max_objects, "vocabulary": "small",
+           "twins": twins}
     grid = np.mgrid[0:image_size, 0:image_size].astype(np.float32)
     scenes, caps = [], []
     for i in range(n_images):
@@ -63,8 +69,11 @@ def signal(n_images: int = 600, seed: int = 1, max_objects: int = 6, image_size:
     colours = [{o.color for o in s.objects} for s in scenes]
     rng = np.random.default_rng(0)
     alone = {"shape": [], "colour": [], "both": []}
-    for _ in range(batches):
-        pick = rng.choice(n_images, min(batch, n_images), replace=False)
+    keys = [tuple(sorted(c)) for c in colours]
+    picks: list[np.ndarray] = []
+    while len(picks) < batches:
+        picks += epoch_batches(keys, min(batch, n_images), hard_batches, rng, hard_order)
+    for pick in picks[:batches]:
         for i in pick:
             t = caps[i][rng.integers(len(caps[i]))]
             sw, cw = shape_words(t), colour_words(t)
@@ -93,10 +102,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-objects", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--twins", type=int, default=1, help="the corpus's twins (1: none)")
+    ap.add_argument("--hard-batches", type=float, default=0.0, help="clip-encoder's hard_batches (0: random batches)")
+    ap.add_argument("--hard-order", choices=["sorted", "grouped"], default="sorted", help="clip-encoder's hard_order")
     a = ap.parse_args(argv)
-    s = signal(a.n_images, a.seed, a.max_objects, batch=a.batch)
-    print(f"{a.n_images} scenes (seed {a.seed}, 1-{a.max_objects} objects, {s['objects_per_scene']:.2f} on average), "
-          f"{s['captions']} captions")
+    s = signal(a.n_images, a.seed, a.max_objects, batch=a.batch, twins=a.twins, hard_batches=a.hard_batches,
+               hard_order=a.hard_order)
+    print(f"{a.n_images} scenes (seed {a.seed}, 1-{a.max_objects} objects, {s['objects_per_scene']:.2f} on average, "
+          f"twins {a.twins}, hard_batches {a.hard_batches:g} {a.hard_order}), {s['captions']} captions")
     print(f"captions naming a shape {100 * s['name_shape']:.1f}%, a colour {100 * s['name_colour']:.1f}%")
     print(f"a caption's image is the only one of a batch of {a.batch} its words fit: by its shape words alone "
           f"{100 * s['unique_by_shape']:.1f}%, by its colour words alone {100 * s['unique_by_colour']:.1f}%, by both "

@@ -97,6 +97,9 @@ class SyntheticConfig(Section):
         "small", description="captions' surface words: small = the templated grammar (~40 words); large = the same "
         "captions re-worded with synonyms and paraphrases (pipeline/synthetic/lexicon.py; issue 27)")
     first_id: int = Field(1, ge=1, description="image index i has image id i + first_id (the scenes do not depend on it)")
+    twins: int = Field(1, ge=1, description="images in groups of this many that differ only in their objects' shapes "
+                       "(same background, colours, sizes, places; a group is in one split): a pretraining corpus where "
+                       "colour alone cannot tell a caption's image (issue 45; pipeline/synthetic/generate.py)")
 
 
 CORPUS_DIR = "corpus"

@@ -343,3 +343,25 @@ def test_clip_hard_batches_partition_the_epoch_and_group_colour_sets():
     assert first(hard) <= 2.0 < 8.0 < first(plain), (first(hard), first(plain))
     half = epoch_batches(keys, 32, 0.5, np.random.default_rng([7, 1]))
     assert sum(len({keys[i][0] for i in x}) <= 3 for x in half) == round(0.5 * 31)  # the hard half; a random batch has ~9
+
+
+def test_clip_grouped_hard_batches_keep_twins_together_and_mix_the_rest():
+    """``hard_order: grouped``: with keys that come in pairs (the corpus's twins share their colour set), both of a pair
+    land in one batch (but at a batch's edge), and a batch otherwise holds as many distinct first colours as a random
+    one (the sorted order's batches share theirs)."""
+    from train.jobs.clip_encoder.job import epoch_batches
+
+    rng = np.random.default_rng(1)
+    base = [tuple(sorted(set(rng.choice(12, rng.integers(1, 4)).tolist()) | {100 + g})) for g in range(500)]
+    keys = [base[i // 2] for i in range(1000)]  # image 2g and 2g+1: twins (the 100+g colour makes every pair's set unique)
+    g = epoch_batches(keys, 32, 1.0, np.random.default_rng([7, 1]), "grouped")
+    flat = np.concatenate(g)
+    assert len(g) == 31 and len(set(flat.tolist())) == len(flat) == 31 * 32
+    where = {int(i): k for k, x in enumerate(g) for i in x}
+    apart = sum(where.get(2 * p) != where.get(2 * p + 1) for p in range(500) if 2 * p in where and 2 * p + 1 in where)
+    assert apart <= len(g)  # at most one pair cut by each batch boundary
+    together = sum(where.get(2 * p) == where.get(2 * p + 1) is not None for p in range(500))
+    assert together >= 450  # 500 pairs less the 8 images an epoch leaves out and the pairs cut at the edges
+    first = lambda bs: np.mean([len({keys[i][0] for i in x}) for x in bs])
+    s = epoch_batches(keys, 32, 1.0, np.random.default_rng([7, 1]), "sorted")
+    assert first(s) <= 2.0 < 6.0 < first(g), (first(s), first(g))

@@ -82,7 +82,7 @@ def _read_records(ds: "DatasetConfig", output_root: Path, defer_masks: bool) -> 
             synthetic_root(ds, output_root), n_images=s.n_images, seed=s.seed, image_size=s.image_size,
             captions_per_image=s.captions_per_image, min_objects=s.min_objects, max_objects=s.max_objects,
             corrupt_images=s.corrupt_images, empty_captions=s.empty_captions, heldout=s.heldout, vocabulary=s.vocabulary,
-            first_id=s.first_id,
+            first_id=s.first_id, twins=s.twins,
         )
         # Read back through the real COCO reader so that path is exercised by the demo too.
         # The generated COCO JSON carries each image's split, so ds.split filters here.

@@ -117,7 +117,7 @@ def count_dataset(manifest, output: Path) -> DatasetSize:
     images = s.n_images - s.corrupt_images
     n_text = min(s.n_images, TEXT_RECORDS)  # the text alone, as the generator writes it (no image rendered to disk)
     texts = [SampleRecord(c) for c in captions_of(n_text, s.seed, s.image_size, s.captions_per_image, s.min_objects,
-                                                  s.max_objects, s.vocabulary)]
+                                                  s.max_objects, s.vocabulary, s.twins)]
     return DatasetSize(images, images * s.captions_per_image - s.empty_captions, "generator parameters",
                        exact=s.empty_captions == 0, sample=sampled.sample, text_sample=texts,
                        note=f"per-image shapes from a generated sample of {TEXT_SAMPLE_GENERATED} images, "

@@ -124,23 +124,29 @@ def id_stride(max_objects: int, captions_per_image: int) -> int:
 
 
 def _scene_captions(cfg: dict, i: int, grid):
-    """Image ``i``'s random stream, scene, relations and captions (text, phrase spans)."""
-    rng = np.random.default_rng([cfg["seed"], i])
+    """Image ``i``'s random stream, scene, relations and captions (text, phrase spans). With ``twins`` t > 1, image
+    i is member m = i % t of group g = i // t: every member draws from group g's stream, and member m > 0 moves
+    each object's shape on by an offset in 1..9 from its own stream (``make_scene``), so the t images of a group
+    share background, colours, sizes and places and differ in their shapes (and their captions, mostly, in the
+    shape words). t = 1: g = i, no offsets (the scenes of datasets generated before the option)."""
+    g, m = divmod(i, cfg.get("twins", 1))
+    rng = np.random.default_rng([cfg["seed"], g])
     n_obj = int(rng.integers(cfg["min_objects"], cfg["max_objects"] + 1))
-    scene = make_scene(rng, cfg["S"], n_obj, (grid[0], grid[1]))
+    offsets = np.random.default_rng([cfg["seed"], g, 0x7717, m]).integers(1, len(SHAPES), n_obj) if m else None
+    scene = make_scene(rng, cfg["S"], n_obj, (grid[0], grid[1]), offsets)
     rels = relations(scene)
     # vocabulary "large": the same captions re-worded from their own stream (scenes, negatives unchanged)
-    lex = Lexicon(np.random.default_rng([cfg["seed"], i, 0x1E71C]) if cfg["vocabulary"] == "large" else None)
+    lex = Lexicon(np.random.default_rng([cfg["seed"], g, 0x1E71C]) if cfg["vocabulary"] == "large" else None)
     return rng, scene, rels, make_captions(scene, rels, cfg["cpi"], rng, lex)
 
 
 def captions_of(n_images: int, seed: int = 0, image_size: int = 128, captions_per_image: int = 5, min_objects: int = 1,
-                max_objects: int = 4, vocabulary: str = "small") -> list[list[str]]:
+                max_objects: int = 4, vocabulary: str = "small", twins: int = 1) -> list[list[str]]:
     """The captions :func:`generate` writes for its first ``n_images`` images with these parameters
     (before ``empty_captions`` blanks any), without writing anything: the text of a generated
     dataset too large to generate for a plan (``pipeline plan`` mines it)."""
     cfg = {"seed": seed, "S": image_size, "cpi": captions_per_image, "min_objects": min_objects,
-           "max_objects": max_objects, "vocabulary": vocabulary}
+           "max_objects": max_objects, "vocabulary": vocabulary, "twins": int(twins)}
     grid = np.mgrid[0:image_size, 0:image_size].astype(np.float32)
     return [[text for text, _ in _scene_captions(cfg, i, grid)[3]] for i in range(n_images)]
 
@@ -161,7 +167,7 @@ def _render_range(cfg: dict, start: int, stop: int) -> dict:
         image_id = i + cfg["first_id"]
         stem = f"{image_id:012d}"
         fname = f"{stem}.jpg"
-        split = split_of(i, cfg["heldout"])
+        split = split_of(i // cfg["twins"], cfg["heldout"])  # a group of twins is in one split
         rng, scene, rels, caps = _scene_captions(cfg, i, grid)
         negs = make_negatives(scene, rels, rng)
 
@@ -245,6 +251,7 @@ def generate(
     heldout: float = 0.1,
     vocabulary: str = "small",
     first_id: int = 1,
+    twins: int = 1,
     *,
     workers: int | None = None,
 ) -> dict[str, Path]:
@@ -253,7 +260,9 @@ def generate(
     (half each; module doc). ``workers``: processes to render with
     (default: all cores, up to 8, from 2000 images on); the output does not depend on it.
     ``vocabulary``: the captions' surface words, ``small`` or ``large`` (:mod:`pipeline.synthetic.lexicon`).
-    ``first_id``: image index i has image id i + first_id (the scenes do not depend on it)."""
+    ``first_id``: image index i has image id i + first_id (the scenes do not depend on it).
+    ``twins``: images come in groups of this many consecutive ids that differ only in their objects' shapes
+    (``_scene_captions``; a pretraining corpus where colour alone cannot tell a caption's image); splits by group."""
     paths = output_paths(root)
     root = paths["root"]
     params = {
@@ -270,6 +279,8 @@ def generate(
         params["vocabulary"] = str(vocabulary)
     if int(first_id) != 1:
         params["first_id"] = int(first_id)
+    if int(twins) != 1:
+        params["twins"] = int(twins)
     if paths["params"].is_file():
         try:
             old = json.loads(paths["params"].read_text())
@@ -277,8 +288,8 @@ def generate(
             old = {}
         if old.get("params") == params and all(p.exists() for p in paths.values()):
             return paths
-    if n_images < 1 or captions_per_image < 1 or image_size < 32 or first_id < 1:
-        raise ValueError("synthetic: need n_images >= 1, captions_per_image >= 1, image_size >= 32, first_id >= 1")
+    if n_images < 1 or captions_per_image < 1 or image_size < 32 or first_id < 1 or twins < 1:
+        raise ValueError("synthetic: need n_images >= 1, captions_per_image >= 1, image_size >= 32, first_id >= 1, twins >= 1")
     if not 0 < max(min_objects, 1) <= max_objects:
         raise ValueError(f"synthetic: need 1 <= max_objects and min_objects <= max_objects (got {min_objects}, {max_objects})")
     if vocabulary not in VOCABULARIES:
@@ -305,7 +316,7 @@ def generate(
     blank = {int(i): n for n, i in enumerate(np.sort(err_rng.choice(n_images * cpi, empty_captions, replace=False)))}
     cfg = dict(root=str(root), seed=int(seed), S=int(image_size), cpi=cpi, min_objects=int(min_objects),
                max_objects=int(max_objects), stride=id_stride(max_objects, cpi), corrupt=corrupt, blank=blank,
-               heldout=float(heldout), vocabulary=str(vocabulary), first_id=int(first_id))
+               heldout=float(heldout), vocabulary=str(vocabulary), first_id=int(first_id), twins=int(twins))
 
     if workers is None:
         workers = min(os.cpu_count() or 1, 8) if n_images >= 2000 else 1

@@ -183,13 +183,19 @@ def _fill(obj: Obj, S: int) -> np.ndarray:
     return out
 
 
-def make_scene(rng: np.random.Generator, S: int, n_objects: int, grid) -> Scene:
+def make_scene(rng: np.random.Generator, S: int, n_objects: int, grid, shape_offsets=None) -> Scene:
+    """``shape_offsets`` (ints, one per object drawn): object k's shape is the drawn one moved on by
+    ``shape_offsets[k]`` in ``SHAPES`` (mod its length); every other draw is unchanged, so the same ``rng`` state
+    with offsets in 1..len(SHAPES)-1 gives a *twin* of the scene: the same background, colours, sizes, textures and
+    places, each shape another (the generator's ``twins``; a placement can differ where the new outline no
+    longer fits)."""
     bg_name, pattern, img = _background(rng, S, grid)
     owner = np.full((S, S), -1, dtype=np.int16)
     objs: list[Obj] = []
     visible: list[int] = []
-    for _ in range(n_objects):
-        shape = SHAPES[rng.integers(len(SHAPES))]
+    for k_draw in range(n_objects):
+        shape = SHAPES[(int(rng.integers(len(SHAPES))) + (int(shape_offsets[k_draw]) if shape_offsets is not None else 0))
+                       % len(SHAPES)]
         color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
         size = SIZE_NAMES[rng.integers(len(SIZE_NAMES))]
         texture = TEXTURES[rng.integers(len(TEXTURES))]

@@ -81,6 +81,10 @@ class Config(TrainerConfig):
         "so that colour cannot tell a batch's images apart and the contrastive loss rewards what else the captions "
         "name (shape); 0: CLIP's random batches (the paper's recipe). A departure from CLIP, documented in "
         "docs/jobs/encoders.md"))
+    hard_order: Literal["sorted", "grouped"] = Field("sorted", description=(
+        "how hard_batches orders its images: sorted = by colour set, so a batch holds neighbours in that order; "
+        "grouped = the images of one colour set kept together, the sets in random order, so a batch holds a few "
+        "images of each set and random sets otherwise (with the corpus's twins: each image beside its twin)"))
     control: Literal["none", "shuffled"] = Field(
         "none", description="shuffled: every training image's captions replaced, once, by another training image's")
     EVAL_ONLY = TrainerConfig.EVAL_ONLY | {"export_dir"}

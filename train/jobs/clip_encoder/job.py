@@ -50,12 +50,15 @@ def caption_pools(corpus, train_ids: np.ndarray, control: str, seed: int) -> lis
     return pools
 
 
-def epoch_batches(keys: list[tuple], batch: int, hard_frac: float, rng: np.random.Generator) -> list[np.ndarray]:
+def epoch_batches(keys: list[tuple], batch: int, hard_frac: float, rng: np.random.Generator,
+                  order: str = "sorted") -> list[np.ndarray]:
     """An epoch's batches (indices into ``keys``, ``len(keys) // batch`` of them, no index twice): a
     ``hard_frac`` share of the images, drawn at random, is sorted by its key (ties in random order) and cut
     into consecutive batches, so those batches hold images whose keys agree or are neighbours in sort order
-    (clip-encoder: the images' sorted colour sets, so that colour cannot tell them apart); the rest are cut
-    from a random permutation; the batches are then shuffled. ``hard_frac`` 0: CLIP's random batches."""
+    (clip-encoder: the images' sorted colour sets, so that colour cannot tell them apart); ``order`` "grouped":
+    the images of one key stay consecutive but the keys come in random order (twins beside each other, the
+    batch otherwise random); the rest are cut from a random permutation; the batches are then shuffled.
+    ``hard_frac`` 0: CLIP's random batches."""
     n, nb = len(keys), len(keys) // batch
     perm = rng.permutation(n)
     if not hard_frac:
@@ -63,7 +66,9 @@ def epoch_batches(keys: list[tuple], batch: int, hard_frac: float, rng: np.rando
     n_hard = int(round(hard_frac * nb)) * batch
     hard, rand = perm[:n_hard], perm[n_hard:]
     if n_hard:
-        rank = {k: r for r, k in enumerate(sorted(set(keys)))}
+        uniq = sorted(set(keys))
+        ranks = rng.permutation(len(uniq)) if order == "grouped" else range(len(uniq))
+        rank = dict(zip(uniq, ranks))
         hard = hard[np.argsort(np.asarray([rank[keys[i]] for i in hard]), kind="stable")]
     out = [hard[i : i + batch] for i in range(0, n_hard, batch)] + [rand[i : i + batch] for i in range(0, nb * batch - n_hard, batch)]
     return [out[j] for j in rng.permutation(len(out))]
@@ -123,7 +128,8 @@ class ClipEncoderJob(Job):
     def batches(self, epoch, start):
         cfg = self.cfg
         row, pv = self.pixels
-        blocks = epoch_batches(self.batch_keys, cfg.batch_size, cfg.hard_batches, np.random.default_rng([cfg.seed, epoch]))
+        blocks = epoch_batches(self.batch_keys, cfg.batch_size, cfg.hard_batches, np.random.default_rng([cfg.seed, epoch]),
+                               cfg.hard_order)
         for b in self.rank_batches(len(blocks), start):
             pick = blocks[b]
             rng = np.random.default_rng([cfg.seed, epoch, b])
