@@ -68,3 +68,38 @@ def test_pixels_corpus_summaries_quote_the_committed_run():
         text = " ".join((REPO / page).read_text().split())
         for m in metrics:
             assert diff[m] in text, (page, m, diff[m])
+
+
+def test_pixels_twins_summaries_quote_the_committed_run():
+    """The twins-corpus run's paired differences in BENCHMARKS.md, README and docs/testbed.md are the cells of
+    benchmarks/results/pixels-twins-20261129.md as printed, and docs/jobs/encoders.md's val trials quote
+    benchmarks/results/clip-twins-trials-20261129.md's zero-shot shape cells."""
+    from benchmarks.confirm_tables import REPO, table_rows
+
+    rows = table_rows((REPO / "benchmarks/results/pixels-twins-20261129.md").read_text())
+    col = rows[0].index("diff 95%")
+    diff = {f"{r[0]} {r[1]}": r[col] for r in rows[1:]}
+    IG, CO_ATTR = "infoground grounding:pixels-twins/test/pointing accuracy", "concept-ot vg-attribution/all/macro_accuracy"
+    VT_I2T, VT_T2I = "visual-tokens eval-split-retrieval/all/i2t_R@1", "visual-tokens eval-split-retrieval/all/t2i_R@1"
+    TG, CO_SWAP = "text-groups retrieval/held-out/i2t/R@1", "concept-ot sugarcrepe/swap_att/accuracy"
+    quoted = {
+        "BENCHMARKS.md": [f"c3 c3_mcp/{t}/auc" for t in ("type1", "type2_random", "type2_hard", "type2_binding")]
+        + [IG, CO_ATTR, CO_SWAP, VT_I2T, VT_T2I, "visual-tokens sugarcrepe/replace_att/accuracy", TG]
+        + [f"relation-head relation-head/held_out/recall@{k}" for k in (1, 3, 5)],
+        "README.md": [IG, CO_ATTR, CO_SWAP, VT_I2T, VT_T2I, TG, "relation-head relation-head/held_out/recall@1"],
+        "docs/testbed.md": [IG, CO_ATTR, VT_I2T],
+        "benchmarks/expectations/pixels.yaml": [VT_I2T, VT_T2I],
+    }
+    for page, metrics in quoted.items():
+        text = " ".join((REPO / page).read_text().split())
+        for m in metrics:
+            assert diff[m] in text, (page, m, diff[m])
+    shape = [r for r in rows if r[1] == "clip-encoder/held_out/zeroshot_shape"][0]
+    for page in ("docs/jobs/encoders.md", "README.md", "BENCHMARKS.md"):  # "36.0 [31.4, 40.8]": one decimal, as printed
+        assert f"{float(shape[2]):.1f} {shape[3]}" in " ".join((REPO / page).read_text().split()), page
+    trials = (REPO / "benchmarks/results/clip-twins-trials-20261129.md").read_text()
+    cells = [line.split("|")[4].strip().rstrip("%").strip() for line in trials.splitlines() if "| zeroshot_shape |" in line]
+    assert len(cells) == 4
+    enc = " ".join((REPO / "docs/jobs/encoders.md").read_text().split())
+    for c in cells:
+        assert f"| {c} |" in enc or f"| **{c}** |" in enc, c

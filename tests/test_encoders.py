@@ -365,3 +365,36 @@ def test_clip_grouped_hard_batches_keep_twins_together_and_mix_the_rest():
     first = lambda bs: np.mean([len({keys[i][0] for i in x}) for x in bs])
     s = epoch_batches(keys, 32, 1.0, np.random.default_rng([7, 1]), "sorted")
     assert first(s) <= 2.0 < 6.0 < first(g), (first(s), first(g))
+
+
+def test_clip_shape_probe_reads_every_object_of_the_split(clip_run):
+    """benchmarks/clip_shape_probe.py on the tiny CLIP export: one crop per object of the split (the instances table's
+    count), each crop the square around its box; the linear probe recovers a planted label and not a shuffled one;
+    the prompt separation is the mean off-diagonal cosine of the text embeddings, computed by hand."""
+    from PIL import Image
+
+    from benchmarks.clip_shape_probe import linear_probe, objects, probe, prompt_separation, square_crop
+    from pipeline.config import load_manifest
+    from pipeline.models.clip import encode_texts, load_clip
+    from train.job import open_artifact
+
+    out, mp, job, _ = clip_run
+    m = load_manifest(mp, [])
+    art = open_artifact(m, "samples", "samples")
+    split = dict(zip(*(art.read("samples", ["sample_id", "split"]).to_pydict().values())))
+    n_val = sum(split[s] == "val" for s in art.read("instances", ["sample_id"]).to_pydict()["sample_id"])
+    assert len(objects(m, "samples", "val")) == n_val > 0
+    crop = square_crop(Image.new("RGB", (100, 100)), (10, 20, 30, 60))  # 40 px tall: 40 * 1.5 = 60 px square
+    assert crop.size == (60, 60)
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 5, 300)
+    planted = np.eye(5)[y] + 0.1 * rng.normal(size=(300, 5))
+    assert linear_probe(planted[:200], y[:200], planted[200:], y[200:]) == 1.0
+    assert linear_probe(planted[:200], rng.permutation(y[:200]), planted[200:], y[200:]) < 0.5
+    model, _, tok, _ = load_clip(str(Path(out) / "encoders" / "clip"))
+    e = encode_texts(model, tok, ["a photo of a circle.", "a photo of a star.", "a photo of a ring."])["text_embed"].numpy()
+    e /= np.linalg.norm(e, axis=1, keepdims=True)
+    assert prompt_separation(model, tok, ["circle", "star", "ring"]) == pytest.approx(
+        (e[0] @ e[1] + e[0] @ e[2] + e[1] @ e[2]) / 3, abs=1e-5)
+    r = probe(m, str(Path(out) / "encoders" / "clip"), "samples", "val", probe_train=200)
+    assert r["objects"] == n_val and r["zero_shot_crops"]["all"][2] == n_val and r["probe_train"] == 200

@@ -9,8 +9,10 @@ centre crop to ``image_size``, OpenAI mean/std). Training: CLIP's symmetric Info
 temperature (``CLIPModel(..., return_loss=True)``), one caption per image per step drawn at random from its
 captions, in the shared loop (AdamW, warmup + cosine, clipping, checkpoints, exact resume).
 ``hard_batches`` (default 0, CLIP's random batches) makes that share of each epoch's batches from images sorted by
-their objects' colour sets, so that colour cannot tell them apart: tried on the corpus to make shape pay, it
-did not (docs/jobs/encoders.md, "What was tried").
+their objects' colour sets, so that colour cannot tell them apart; ``hard_order: grouped`` keeps each colour set's
+images together and the sets in random order, so that on a corpus of twin scenes (``corpus.twins``) each image meets
+its twin, which differs only in its shapes. Sorted on the plain corpus it bought no shape; grouped on the twins corpus
+(manifests/pixels.yaml's setting) the CLIP's zero-shot shape rose above chance (docs/jobs/encoders.md, "Twin scenes").
 
 Data: the ``samples`` artifact of ``pipeline run ingest`` (``samples_artifact``; manifests/pixels.yaml: ``corpus/samples``,
 the generated pretraining corpus apart from the testbed, ``pipeline run ingest --corpus``): images (decoded as the
