@@ -47,14 +47,27 @@ def test_the_run_cites_the_committed_expectations_and_met_them():
     assert len(rows) == 19 and not [r for r in rows if re.search(r"\b(NOT|FAILED|BELOW|NO |TOO FEW|CONTROL)", r)]
 
 
+def _diff_cells(result: str) -> tuple[list[list[str]], dict[str, str]]:
+    """A committed benchmarks/testbed.py table's rows and its `diff 95%` cell of each row ("<job> <metric>")."""
+    from benchmarks.confirm_tables import table_rows
+
+    rows = table_rows((REPO / result).read_text())
+    col = rows[0].index("diff 95%")
+    return rows, {f"{r[0]} {r[1]}": r[col] for r in rows[1:]}
+
+
+def _assert_quoted(diff: dict[str, str], quoted: dict[str, list[str]]) -> None:
+    """Every page of ``quoted`` carries each of its rows' cells, as printed (whitespace folded)."""
+    for page, metrics in quoted.items():
+        text = " ".join((REPO / page).read_text().split())
+        for m in metrics:
+            assert diff[m] in text, (page, m, diff[m])
+
+
 def test_pixels_corpus_summaries_quote_the_committed_run():
     """BENCHMARKS.md's, README's and docs/testbed.md's paired differences on the corpus-pretrained encoders are the
     cells of benchmarks/results/pixels-corpus-20261129.md (the `diff 95%` column), as that run printed them."""
-    from benchmarks.confirm_tables import REPO, table_rows
-
-    rows = table_rows((REPO / "benchmarks/results/pixels-corpus-20261129.md").read_text())
-    col = rows[0].index("diff 95%")
-    diff = {f"{r[0]} {r[1]}": r[col] for r in rows[1:]}
+    _, diff = _diff_cells("benchmarks/results/pixels-corpus-20261129.md")
     IG, CO_ATTR = "infoground grounding:pixels-corpus/test/pointing accuracy", "concept-ot vg-attribution/all/macro_accuracy"
     CO_SWAP = "concept-ot sugarcrepe/swap_att/accuracy"
     quoted = {  # page -> the rows it quotes
@@ -64,21 +77,14 @@ def test_pixels_corpus_summaries_quote_the_committed_run():
         "README.md": [IG, CO_ATTR, CO_SWAP],
         "docs/testbed.md": [IG, CO_ATTR],
     }
-    for page, metrics in quoted.items():
-        text = " ".join((REPO / page).read_text().split())
-        for m in metrics:
-            assert diff[m] in text, (page, m, diff[m])
+    _assert_quoted(diff, quoted)
 
 
 def test_pixels_twins_summaries_quote_the_committed_run():
     """The twins-corpus run's paired differences in BENCHMARKS.md, README and docs/testbed.md are the cells of
     benchmarks/results/pixels-twins-20261129.md as printed, and docs/jobs/encoders.md's val trials quote
     benchmarks/results/clip-twins-trials-20261129.md's zero-shot shape cells."""
-    from benchmarks.confirm_tables import REPO, table_rows
-
-    rows = table_rows((REPO / "benchmarks/results/pixels-twins-20261129.md").read_text())
-    col = rows[0].index("diff 95%")
-    diff = {f"{r[0]} {r[1]}": r[col] for r in rows[1:]}
+    rows, diff = _diff_cells("benchmarks/results/pixels-twins-20261129.md")
     IG, CO_ATTR = "infoground grounding:pixels-twins/test/pointing accuracy", "concept-ot vg-attribution/all/macro_accuracy"
     VT_I2T, VT_T2I = "visual-tokens eval-split-retrieval/all/i2t_R@1", "visual-tokens eval-split-retrieval/all/t2i_R@1"
     TG, CO_SWAP = "text-groups retrieval/held-out/i2t/R@1", "concept-ot sugarcrepe/swap_att/accuracy"
@@ -90,10 +96,7 @@ def test_pixels_twins_summaries_quote_the_committed_run():
         "docs/testbed.md": [IG, CO_ATTR, VT_I2T],
         "benchmarks/expectations/pixels.yaml": [VT_I2T, VT_T2I],
     }
-    for page, metrics in quoted.items():
-        text = " ".join((REPO / page).read_text().split())
-        for m in metrics:
-            assert diff[m] in text, (page, m, diff[m])
+    _assert_quoted(diff, quoted)
     shape = [r for r in rows if r[1] == "clip-encoder/held_out/zeroshot_shape"][0]
     for page in ("docs/jobs/encoders.md", "README.md", "BENCHMARKS.md"):  # "36.0 [31.4, 40.8]": one decimal, as printed
         assert f"{float(shape[2]):.1f} {shape[3]}" in " ".join((REPO / page).read_text().split()), page
