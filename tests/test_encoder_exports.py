@@ -58,3 +58,20 @@ def test_a_smoke_run_leaves_the_default_export_and_says_where_it_exported(testbe
     assert "export:" not in r.stderr
     assert _digest(default)["model.safetensors"] != before["model.safetensors"]
     assert json.loads((default / "training.json").read_text())["config"]["max_steps"] == 1
+
+
+def test_a_job_without_a_control_option_gets_the_same_placement(tmp_path):
+    """sam-segmenter's Config has no ``control`` (a segmenter has no shuffled run): a ``--set`` of its steps exported
+    beside its run folder and said so, where it used to stop with "'Config' object has no attribute 'control'"."""
+    from pipeline.config import load_manifest
+    from train.cli import export_placement
+    from train.jobs.sam_segmenter import Config
+
+    sets = ["train.sam_segmenter.max_steps=5"]
+    m = load_manifest(Path("manifests/pixels-nogt.yaml"), sets)
+    cfg = Config(**m.train.sam_segmenter.training_config())
+    assert not hasattr(cfg, "control") and cfg.max_steps == 5
+    note = export_placement("sam_segmenter", cfg, m, Path("manifests/pixels-nogt.yaml"), sets, tmp_path, False)
+    assert cfg.export_dir == str(tmp_path / "export")
+    assert note.startswith(f"export: {tmp_path / 'export'}, not ") and "max_steps=5 (manifest 300)" in note
+    assert note.split(", not ")[1].startswith(str(Path("runs/pixels-nogt/encoders/sam")))

@@ -107,7 +107,7 @@ def export_placement(key: str, cfg, m, manifest: Path | None, overrides: list[st
     if not diff:
         return None
     cfg.export_dir = str(Path(run_dir) / "export")
-    default = encoder_export_dir(m.output, name, cfg.control, None)
+    default = encoder_export_dir(m.output, name, getattr(cfg, "control", "none"), None)  # sam-segmenter has no control
     shown = ", ".join(f"{k}={b} (manifest {a})" for k, (a, b) in list(diff.items())[:3]) + (" ..." if len(diff) > 3 else "")
     return (f"export: {cfg.export_dir}, not {default} (the folder models.* load): this run's training options differ "
             f"from the manifest's ({shown}); pass --export to replace {default} with it")
