@@ -106,3 +106,42 @@ def test_pixels_twins_summaries_quote_the_committed_run():
     enc = " ".join((REPO / "docs/jobs/encoders.md").read_text().split())
     for c in cells:
         assert f"| {c} |" in enc or f"| **{c}** |" in enc, c
+
+
+def test_pixels_confirmation_run_is_quoted_as_it_came_out():
+    """benchmarks/results/pixels-confirm-20261128.md is `testbed.py --manifest manifests/pixels.yaml --confirm`'s table:
+    on pixels.yaml's confirm_seed, citing an expectations blob that is in the history; its failed rows are the four the
+    pages say did not hold (so "two of six above" cannot silently become something else); its encoder rows equal the
+    twins run's (same corpus, same encoders); the pages quote its paired differences and its timing as printed."""
+    import re
+
+    import yaml
+
+    text = (REPO / "benchmarks/results/pixels-confirm-20261128.md").read_text()
+    seed = int(re.search(r"dataset\.synthetic\.seed=(\d+)", text).group(1))
+    assert yaml.safe_load((REPO / "benchmarks/expectations/pixels.yaml").read_text())["confirm_seed"] == seed == 20261128
+    assert "expectations benchmarks/expectations/pixels.yaml committed as git blob" in text
+    blob = re.search(r"git blob ([0-9a-f]{40})", text).group(1)
+    if (REPO / ".git").exists():
+        git = subprocess.run(["git", "log", "--format=%h", f"--find-object={blob}"], cwd=REPO, capture_output=True, text=True)
+        assert git.returncode == 0 and git.stdout.strip(), f"expectations blob {blob} is in no commit"
+    rows, diff = _diff_cells("benchmarks/results/pixels-confirm-20261128.md")
+    failed = {f"{r[0]} {r[1]}" for r in rows[1:] if re.search(r"\b(NOT|FAILED|BELOW|TOO FEW|CONTROL)", r[-3])}
+    CO_ATTR, CO_SWAP = "concept-ot vg-attribution/all/macro_accuracy", "concept-ot sugarcrepe/swap_att/accuracy"
+    VT_I2T, VT_T2I = "visual-tokens eval-split-retrieval/all/i2t_R@1", "visual-tokens eval-split-retrieval/all/t2i_R@1"
+    assert failed == {CO_ATTR, CO_SWAP, VT_I2T, VT_T2I}
+    twins = {tuple(r[:6]) for r in _diff_cells("benchmarks/results/pixels-twins-20261129.md")[0] if r[0].endswith("-encoder")}
+    assert twins and twins == {tuple(r[:6]) for r in rows if r[0].endswith("-encoder")}
+    IG, TG = "infoground grounding:pixels-confirm-20261128/test/pointing accuracy", "text-groups retrieval/held-out/i2t/R@1"
+    RH = [f"relation-head relation-head/held_out/recall@{k}" for k in (1, 3, 5)]
+    C3 = [f"c3 c3_mcp/{t}/auc" for t in ("type1", "type2_random", "type2_hard", "type2_binding")]
+    quoted = {"BENCHMARKS.md": [*C3, IG, CO_ATTR, CO_SWAP, VT_I2T, VT_T2I, "visual-tokens sugarcrepe/replace_att/accuracy", TG, *RH],
+              "README.md": [IG, CO_ATTR, VT_I2T, VT_T2I, TG, RH[0]],
+              "docs/testbed.md": [IG, CO_ATTR, VT_I2T, VT_T2I]}
+    _assert_quoted(diff, quoted)
+    enc = re.search(r"^encoders: (\d+) s elapsed", text, re.M).group(1)
+    whole = re.search(r"^whole run: (\d+) s", text, re.M).group(1)
+    for page in ("BENCHMARKS.md", "README.md"):
+        body = " ".join((REPO / page).read_text().replace("**", "").split())
+        assert f"{enc} s (30.0 min" in body and f"{whole} s (56.3 min" in body, page
+    assert f"**{enc} s** (30.0 min; budget 30)" in (REPO / "BENCHMARKS.md").read_text()
