@@ -60,6 +60,18 @@ def test_regions_reader(tmp_path):
     assert b["features"].shape == (3, 4, 6) and b["mask"].sum(1).tolist() == [2, 4, 0]
     assert b["features"][0, 2:].sum() == 0 and b["sample_id"].tolist() == [3, 9, 5]
     assert collate_regions([r.get(9)], max_regions=2)["mask"].shape == (1, 2)
+    # the fields a reader asks for: the boxes alone (the segmenter's measurement) come without the features
+    only = r.get(9, ("boxes.npy",))
+    assert np.array_equal(only["boxes"], s["boxes"]) and "features" not in only
+    assert r.get(5, ("boxes.npy",))["boxes"].shape == (0, 4)
+
+
+def test_regions_reader_names_a_sample_missing_a_field_it_was_asked_for(tmp_path):
+    from pipeline.loaders.regions import _to_sample
+
+    with pytest.raises(ValueError, match="regions sample 4: missing boxes.npy or features.npy"):
+        _to_sample(4, {"boxes.npy": np.zeros((1, 4), np.float32)})
+    assert _to_sample(4, {"boxes.npy": np.zeros((1, 4), np.float32)}, ("boxes.npy",))["boxes"].shape == (1, 4)
 
 
 def test_regions_reader_rejects_other_artifacts(tmp_path):

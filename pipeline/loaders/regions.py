@@ -54,14 +54,16 @@ def iter_shard_mapped(path: str | Path, fields: Iterable[str] | None = None) -> 
         yield cur
 
 
-def _to_sample(sample_id: int, rec: dict) -> dict:
+def _to_sample(sample_id: int, rec: dict, wanted: Sequence[str] = FIELDS) -> dict:
+    """One sample's record; of boxes.npy and features.npy, those ``wanted`` must be there (a reader asking
+    for the boxes alone, as the segmenter's measurement does, is not refused for the features it left out)."""
     out = {"sample_id": int(sample_id)}
     for name in FIELDS:
         if name in rec:
             out[name[:-4]] = rec[name]
-    if "boxes" not in out or "features" not in out:
+    if any(n in wanted and n not in rec for n in ("boxes.npy", "features.npy")):
         raise ValueError(f"regions sample {sample_id}: missing boxes.npy or features.npy")
-    if len(out["boxes"]) != len(out["features"]):
+    if "boxes" in out and "features" in out and len(out["boxes"]) != len(out["features"]):
         raise ValueError(f"regions sample {sample_id}: {len(out['boxes'])} boxes but {len(out['features'])} feature rows")
     return out
 
@@ -130,7 +132,7 @@ class RegionsReader:
             if name in members:
                 shard, off, size = members[name]
                 rec[name] = _decode(shard_map(shard)[0], name, off, size)
-        return _to_sample(sample_id, rec)
+        return _to_sample(sample_id, rec, fields)
 
 
 def collate_regions(samples: Sequence[dict], max_regions: int | None = None) -> dict[str, np.ndarray]:
