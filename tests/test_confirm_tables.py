@@ -145,3 +145,25 @@ def test_pixels_confirmation_run_is_quoted_as_it_came_out():
         body = " ".join((REPO / page).read_text().replace("**", "").split())
         assert f"{enc} s (30.0 min" in body and f"{whole} s (56.3 min" in body, page
     assert f"**{enc} s** (30.0 min; budget 30)" in (REPO / "BENCHMARKS.md").read_text()
+
+
+def test_sam_3000_figures_are_the_committed_measurement():
+    """BENCHMARKS.md's and docs/jobs/sam-segmenter.md's 3000-step SAM figures are benchmarks/results/sam-3000-20261129.json's
+    (the job's final evaluation and the measure command's output), rounded as the pages print them."""
+    import json
+
+    res = json.loads((REPO / "benchmarks/results/sam-3000-20261129.json").read_text())
+    bench = " ".join((REPO / "BENCHMARKS.md").read_text().replace("**", "").split())
+    page = " ".join((REPO / "docs/jobs/sam-segmenter.md").read_text().split())
+    for where in ("corpus", "testbed"):
+        r = res[where]
+        lo, hi = r["mask_recall50_ci"]
+        d, dlo, dhi = r["mask_recall50_minus_baseline"]
+        assert f"{r['mask_recall50']:.1f} [{lo:.1f}, {hi:.1f}]" in bench, where
+        assert f"{d:+.1f} [{dlo:+.1f}, {dhi:+.1f}]" in bench, where
+        assert f"{r['baseline_mask_recall50']:.1f} [" in bench, where
+    t = res["testbed"]
+    d, dlo, dhi = t["box_recall50_minus_baseline"]
+    assert f"{d:+.1f} [{dlo:+.1f}, {dhi:+.1f}]" in bench
+    assert f"{t['mask_recall50']:.1f} [" in page and f"{t['baseline_mask_recall50']:.1f}" in page
+    assert f"box recall {t['box_recall50']:.1f} against {t['baseline_box_recall50']:.1f}" in page

@@ -73,5 +73,5 @@ def test_a_job_without_a_control_option_gets_the_same_placement(tmp_path):
     assert not hasattr(cfg, "control") and cfg.max_steps == 5
     note = export_placement("sam_segmenter", cfg, m, Path("manifests/pixels-nogt.yaml"), sets, tmp_path, False)
     assert cfg.export_dir == str(tmp_path / "export")
-    assert note.startswith(f"export: {tmp_path / 'export'}, not ") and "max_steps=5 (manifest 300)" in note
+    assert note.startswith(f"export: {tmp_path / 'export'}, not ") and "max_steps=5 (manifest 3000)" in note
     assert note.split(", not ")[1].startswith(str(Path("runs/pixels-nogt/encoders/sam")))
