@@ -10,6 +10,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _assert_blob_committed(text: str) -> str:
+    """The expectations blob a confirmation run prints is in some commit (checked where the tree has its history;
+    an exported tree without .git still prints the blob for a reader to check). Returns the blob."""
+    import re
+
+    blob = re.search(r"git blob ([0-9a-f]{40})", text).group(1)
+    if (REPO / ".git").exists():
+        git = subprocess.run(["git", "log", "--format=%h", f"--find-object={blob}"], cwd=REPO, capture_output=True, text=True)
+        assert git.returncode == 0 and git.stdout.strip(), f"expectations blob {blob} is in no commit"
+    return blob
+
+
 def test_the_pages_carry_the_confirmation_runs_table():
     r = subprocess.run([sys.executable, "benchmarks/confirm_tables.py", "--check"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -33,16 +45,12 @@ def test_the_run_cites_the_committed_expectations_and_met_them():
 
     result = sorted((REPO / "benchmarks" / "results").glob("testbed-confirm-*.md"))[-1]
     text = result.read_text()
-    blob = re.search(r"git blob ([0-9a-f]{40})", text).group(1)
+    _assert_blob_committed(text)
     seed = re.search(r"dataset\.synthetic\.seed=(\d+)", text).group(1)
     assert result.name == f"testbed-confirm-{seed}.md"
     import yaml
 
     assert yaml.safe_load((REPO / "benchmarks" / "expectations" / "testbed.yaml").read_text())["confirm_seed"] == int(seed)
-    git = subprocess.run(["git", "log", "--format=%h", f"--find-object={blob}"], cwd=REPO, capture_output=True, text=True)
-    if git.returncode != 0 or not (REPO / ".git").exists():
-        return  # an exported tree without history: the blob is still printed for a reader to check
-    assert git.stdout.strip(), f"expectations blob {blob} is in no commit"
     rows = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| job")]
     assert len(rows) == 19 and not [r for r in rows if re.search(r"\b(NOT|FAILED|BELOW|NO |TOO FEW|CONTROL)", r)]
 
@@ -121,10 +129,7 @@ def test_pixels_confirmation_run_is_quoted_as_it_came_out():
     seed = int(re.search(r"dataset\.synthetic\.seed=(\d+)", text).group(1))
     assert yaml.safe_load((REPO / "benchmarks/expectations/pixels.yaml").read_text())["confirm_seed"] == seed == 20261128
     assert "expectations benchmarks/expectations/pixels.yaml committed as git blob" in text
-    blob = re.search(r"git blob ([0-9a-f]{40})", text).group(1)
-    if (REPO / ".git").exists():
-        git = subprocess.run(["git", "log", "--format=%h", f"--find-object={blob}"], cwd=REPO, capture_output=True, text=True)
-        assert git.returncode == 0 and git.stdout.strip(), f"expectations blob {blob} is in no commit"
+    _assert_blob_committed(text)
     rows, diff = _diff_cells("benchmarks/results/pixels-confirm-20261128.md")
     failed = {f"{r[0]} {r[1]}" for r in rows[1:] if re.search(r"\b(NOT|FAILED|BELOW|TOO FEW|CONTROL)", r[-3])}
     CO_ATTR, CO_SWAP = "concept-ot vg-attribution/all/macro_accuracy", "concept-ot sugarcrepe/swap_att/accuracy"
