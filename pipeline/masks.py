@@ -185,3 +185,27 @@ def deferred_to_rle(mask: dict | None) -> dict | None:
     if not isinstance(mask, dict) or "segmentation" not in mask:
         return mask
     return segmentation_to_rle(mask["segmentation"], int(mask["height"]), int(mask["width"]))
+
+
+def remove_small_regions(mask: np.ndarray, area_thresh: float, mode: str) -> tuple[np.ndarray, bool]:
+    """segment-anything's ``utils.amg.remove_small_regions`` with scipy in place of OpenCV (not a dependency here):
+    ``mode="holes"`` fills the background components of ``mask`` smaller than ``area_thresh`` pixels,
+    ``mode="islands"`` drops its foreground components smaller than that (all of them small: the largest is kept).
+    8-connected, as SAM's ``cv2.connectedComponentsWithStats(..., 8)``. Returns (mask, changed)."""
+    from scipy import ndimage
+
+    if mode not in ("holes", "islands"):
+        raise ValueError(f"remove_small_regions: mode {mode!r} is not 'holes' or 'islands'")
+    holes = mode == "holes"
+    work = np.asarray(mask, bool) ^ holes
+    labels, n = ndimage.label(work, structure=np.ones((3, 3), bool))
+    sizes = np.bincount(labels.ravel(), minlength=n + 1)[1:]
+    small = np.nonzero(sizes < area_thresh)[0] + 1
+    if not len(small):
+        return np.asarray(mask, bool), False
+    if holes:  # the mask plus its small holes
+        return np.isin(labels, np.concatenate([[0], small])), True
+    keep = np.setdiff1d(np.arange(1, n + 1), small)
+    if not len(keep):
+        keep = np.array([int(np.argmax(sizes)) + 1])
+    return np.isin(labels, keep), True

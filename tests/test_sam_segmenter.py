@@ -188,3 +188,37 @@ def test_recall_metrics_against_hand_counts():
     assert res["mask_recall50_minus_baseline"][0] == pytest.approx(0.0)
     lo, hi = res["mask_recall50_ci"]
     assert lo < 60 < hi
+
+
+def test_generate_small_region_cleanup_leaves_no_small_island_and_tight_boxes(tmp_path):
+    """generate(min_mask_region_area=A) (SAM's postprocess_small_regions): each returned mask has no hole or island
+    under A pixels and its box is that cleaned mask's tight box; at A=0 the masks are the plain AMG's."""
+    from scipy import ndimage
+
+    from pipeline.models.sam import SamModel
+
+    torch.manual_seed(0)
+    (tmp_path / "sam").mkdir()
+    write_sam_folder(tmp_path / "sam", build_sam(_small_arch()), _small_arch(), {"job": "sam-segmenter"})
+    m = SamModel(str(tmp_path / "sam"))
+    rng = np.random.default_rng(0)
+    enc = m.encode([rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)])
+    kw = dict(points_per_side=6, pred_iou_thresh=0, stability_score_thresh=0, score_threshold=-1e9, dedup_iou=1.0,
+              box_nms_thresh=1.0)
+    plain = m.generate(enc.embeddings[:1], enc.input_sizes[0], enc.original_sizes[0], **kw)
+    area = 6
+    eight = np.ones((3, 3), bool)
+
+    def smallest(x):
+        lab, n = ndimage.label(x, structure=eight)
+        return np.bincount(lab.ravel())[1:].min() if n else 10**9
+
+    assert min(smallest(p) for p in plain["masks"].numpy()) < area  # random weights: ragged masks to clean
+    clean = m.generate(enc.embeddings[:1], enc.input_sizes[0], enc.original_sizes[0], min_mask_region_area=area, **kw)
+    assert 0 < len(clean["masks"]) <= len(plain["masks"])
+    for mk, box in zip(clean["masks"].numpy(), clean["boxes"].numpy()):
+        lab, n = ndimage.label(mk, structure=eight)
+        sizes = np.bincount(lab.ravel())[1:]
+        assert n == 1 or sizes.min() >= area
+        ys, xs = np.nonzero(mk)
+        assert box.tolist() == [xs.min(), ys.min(), xs.max(), ys.max()]

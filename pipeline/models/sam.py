@@ -30,7 +30,8 @@ What this module adds to the package:
   transformer; the token is what the hypernetwork MLP turns into that mask).
 * :meth:`SamModel.generate` is the automatic mask generator of ``SamAutomaticMaskGenerator``
   (points grid, predicted-IoU and stability filters, box NMS; one crop layer) on precomputed
-  embeddings, keeping each mask's decoder token, followed by Relate-Anything's deduplication
+  embeddings, keeping each mask's decoder token (``min_mask_region_area``: its small-region clean-up, with scipy in
+  place of OpenCV: :func:`pipeline.masks.remove_small_regions`), followed by Relate-Anything's deduplication
   (masks sorted by area, a mask dropped when its IoU with a kept one is > 0.8) and a score
   threshold on the predicted IoU (Kalibhat et al.: 0.9 on the segmenter's score).
 """
@@ -259,6 +260,7 @@ class SamModel:
         dedup_iou: float = 0.8,
         score_threshold: float = 0.9,
         min_mask_area: int = 1,
+        min_mask_region_area: int = 0,
     ) -> dict[str, torch.Tensor]:
         """Automatic masks for one image: masks [N, H, W] bool, boxes [N, 4] xyxy, scores [N]
         (predicted IoU), stability [N], tokens [N, C], ordered by area (largest first)."""
@@ -299,6 +301,10 @@ class SamModel:
         keep = batched_nms(boxes, iou.float(), torch.zeros(len(boxes)), iou_threshold=box_nms_thresh)
         keep = keep[iou[keep] >= score_threshold]
         masks, iou, stab, tok, area, boxes = masks[keep], iou[keep], stab[keep], tok[keep], area[keep], boxes[keep]
+        if min_mask_region_area > 0 and masks.shape[0]:
+            keep, masks = _small_regions(masks, min_mask_region_area, box_nms_thresh)
+            iou, stab, tok = iou[keep], stab[keep], tok[keep]
+            area, boxes = masks.flatten(1).sum(1), batched_mask_to_box(masks).float()
         order = dedup_by_area(masks, area, dedup_iou)
         return {
             "masks": masks[order],
@@ -307,6 +313,27 @@ class SamModel:
             "stability": stab[order],
             "tokens": tok[order],
         }
+
+
+def _small_regions(masks: torch.Tensor, min_area: int, nms_thresh: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SamAutomaticMaskGenerator.postprocess_small_regions: fill each mask's holes and drop its islands under
+    ``min_area`` pixels, then box NMS preferring the masks left unchanged (score 1, changed 0), as SAM does.
+    Returns (indices kept, the cleaned masks kept)."""
+    from segment_anything.utils.amg import batched_mask_to_box
+    from torchvision.ops import batched_nms
+
+    from pipeline.masks import remove_small_regions
+
+    clean, scores = [], []
+    for m in masks.cpu().numpy():
+        m, holes = remove_small_regions(m, min_area, "holes")
+        m, islands = remove_small_regions(m, min_area, "islands")
+        clean.append(torch.as_tensor(m))
+        scores.append(float(not (holes or islands)))
+    clean = torch.stack(clean)
+    keep = batched_nms(batched_mask_to_box(clean).float(), torch.as_tensor(scores), torch.zeros(len(clean)),
+                       iou_threshold=nms_thresh)
+    return keep, clean[keep]
 
 
 def _empty(H, W, c):

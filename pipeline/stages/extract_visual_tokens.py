@@ -87,6 +87,8 @@ class Config(StageConfig):
     dedup_iou: float = Field(0.8, description="Relate-Anything: drop a mask with IoU > this with a larger kept one")
     score_threshold: float = Field(0.9, description="instance score threshold (paper: 0.9 on the segmenter's score)")
     min_mask_area: int = Field(1, ge=1)
+    min_mask_region_area: int = Field(0, ge=0, description="SamAutomaticMaskGenerator's option: fill holes and drop "
+                                      "islands under this many pixels in each mask, then box NMS again (0: off, SAM's default)")
     feature_layers: list[int] | None = Field(None, description="encoder blocks pooled into the image feature (default: global-attention blocks)")
     batch_size: int = Field(4, ge=1, description="images per image-encoder call")
     min_side: int = Field(8, ge=1, description="reject images with a side shorter than this (pixels)")
@@ -97,7 +99,7 @@ class Config(StageConfig):
 
 
 AMG_KEYS = ("points_per_side", "points_per_batch", "pred_iou_thresh", "stability_score_thresh", "stability_score_offset",
-            "box_nms_thresh", "dedup_iou", "score_threshold", "min_mask_area")
+            "box_nms_thresh", "dedup_iou", "score_threshold", "min_mask_area", "min_mask_region_area")
 
 
 def amg_options(c: Config) -> dict:
