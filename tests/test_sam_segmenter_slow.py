@@ -4,11 +4,11 @@ testbed's images: extract-visual-tokens with ``segmenter: sam`` stores exactly t
 for the image, and extract-regions with ``backend: sam`` stores exactly those masks' boxes.
 
 Expectation fixed before running (what the reduced setting provably achieves, not a quality bar: the full run's
-numbers are in BENCHMARKS.md): 12 training images, 60 steps of 4, so the model can only begin to fit its
-training masks; asserted are the training loss falling (the last logged below the first), the export
-loading with every tensor equal (export_max_abs_weight_diff 0), the held-out recall figures present and within
-[0, 100] beside the baseline's, and the stages' outputs equal to the direct path, with AMG filters off so that
-there are masks to compare."""
+numbers are in BENCHMARKS.md): 20 training images (the manifest's twins: 12 pairs, split by pair), 60 steps of 4, so
+the model can only begin to fit its training masks; asserted are the training loss falling (the last logged below
+the first), the export loading with every tensor equal (export_max_abs_weight_diff 0), the held-out recall figures
+present and within [0, 100] beside the baseline's, and the stages' outputs equal to the direct path (every AMG option
+the manifest sets), with AMG filters off so that there are masks to compare."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_trained_segmenter_through_the_stages(tmp_path):
     m["ray"] = {"address": None, "num_cpus": 2, "object_store_memory": 134217728}
     m["dataset"]["synthetic"]["n_images"] = 10
     m["corpus"]["n_images"] = 24
-    m["corpus"]["heldout"] = 0.5  # 12 training images, 12 held out
+    m["corpus"]["heldout"] = 0.5  # twins: 2 -> 12 pairs, split by pair: 20 training images, 4 held out
     m["eval"] = {"benchmarks": []}
     m["models"]["predicate_encoder"] = "tiny-random"     # no CLIP is trained here: the masks and boxes do not use it
     m["models"]["detector"] = "clip-pool:tiny-random"
@@ -76,6 +76,7 @@ def test_trained_segmenter_through_the_stages(tmp_path):
     from pipeline.readers.images import open_image
     from train.encoders import load_corpus
     from pipeline.config import load_manifest
+    from pipeline.stages.extract_visual_tokens import amg_options
 
     man = load_manifest(path)
     corpus = load_corpus(man, "samples")
@@ -88,7 +89,7 @@ def test_trained_segmenter_through_the_stages(tmp_path):
             im = np.asarray(open_image(corpus.images[list(corpus.sample_ids).index(sid)]).convert("RGB"))
             enc = sm.encode([im])
             g = sm.generate(enc.embeddings[:1], enc.input_sizes[0], enc.original_sizes[0],
-                            **{**{k: getattr(man.stages.extract_visual_tokens, k) for k in AMG_OFF}})
+                            **amg_options(man.stages.extract_visual_tokens))  # every AMG option the stages ran
             got = np.stack([rle_decode(r) for r in s["masks.json"]]) if s["masks.json"] else np.zeros((0, *im.shape[:2]), bool)
             assert np.array_equal(got, g["masks"].numpy()), sid
             n_masks += len(got)
