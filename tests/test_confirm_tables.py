@@ -197,3 +197,33 @@ def test_min_mask_region_area_was_chosen_by_its_rule_and_is_quoted_as_measured()
         assert f"{r['box_recall50']:.1f} [{lo:.1f}, {hi:.1f}] | {d:+.1f} [{dlo:+.1f}, {dhi:+.1f}]" in bench, a
     blo, bhi = r["baseline_box_recall50_ci"]
     assert f"connected components {r['baseline_box_recall50']:.1f} [{blo:.1f}, {bhi:.1f}]" in bench
+
+
+def test_pixels_nogt_beside_ground_truth_quotes_both_runs():
+    """BENCHMARKS.md's "No ground truth in any model slot" table quotes the two committed testbed tables cell for cell
+    (value, interval, n, paired difference), and its masks / boxes / graphs rows the committed measurement."""
+    import json
+
+    from benchmarks.confirm_tables import table_rows
+
+    bench = " ".join((REPO / "BENCHMARKS.md").read_text().replace("**", "").split())
+    for name in ("pixels-gt-20261129.md", "pixels-nogt-20261129.md"):
+        rows = table_rows((REPO / "benchmarks/results" / name).read_text())
+        col = {c: i for i, c in enumerate(rows[0])}
+        wanted = [r for r in rows[1:] if r[0] in ("infoground", "relation-head") or
+                  r[1].endswith(("i2t_R@1", "t2i_R@1", "replace_att/accuracy"))]
+        assert len(wanted) == 7, name
+        for r in wanted:
+            cell = f"{r[col['value']]} {r[col['95% interval']]}, n {r[col['n']]}, diff {r[col['diff 95%']]}"
+            assert cell in bench, (name, r[1], cell)
+    res = json.loads((REPO / "benchmarks/results/pixels-nogt-20261129.json").read_text())
+    t, g = res["testbed_masks_boxes"], res["relation_graphs"]
+    for k in ("mask", "box"):
+        v, (lo, hi) = t[f"{k}_recall50"], t[f"{k}_recall50_ci"]
+        d, dlo, dhi = t[f"{k}_recall50_minus_baseline"]
+        assert f"{v:.1f} [{lo:.1f}, {hi:.1f}]" in bench and f"{d:+.1f} [{dlo:+.1f}, {dhi:+.1f}]" in bench, k
+    d, (lo, hi) = g["recall_diff"]["diff"], g["recall_diff"]["ci"]
+    assert f"{g['artifact']['recall']:.1f} [" in bench and f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]" in bench
+    for r in res["relation_encoder"]:
+        if not r["baseline_for"]:
+            assert f"{r['metric']} {r['value']:.1f} against" in bench and f"({r['diff']:+.1f} [{r['diff_low']:+.1f}," in bench
