@@ -222,6 +222,8 @@ def test_pixels_nogt_beside_ground_truth_quotes_both_runs():
         v, (lo, hi) = t[f"{k}_recall50"], t[f"{k}_recall50_ci"]
         d, dlo, dhi = t[f"{k}_recall50_minus_baseline"]
         assert f"{v:.1f} [{lo:.1f}, {hi:.1f}]" in bench and f"{d:+.1f} [{dlo:+.1f}, {dhi:+.1f}]" in bench, k
+        page = " ".join((REPO / "docs/jobs/sam-segmenter.md").read_text().split())
+        assert f"{v:.1f} against" in page and f"({d:+.1f} [{dlo:+.1f}, {dhi:+.1f}]" in page, k
     d, (lo, hi) = g["recall_diff"]["diff"], g["recall_diff"]["ci"]
     assert f"{g['artifact']['recall']:.1f} [" in bench and f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]" in bench
     for r in res["relation_encoder"]:
