@@ -222,3 +222,40 @@ def test_boxes_only_baseline_learns_planted_geometry_on_the_same_images(one_thre
         # image-blind prior ranking (the rows' chance)
         best = 100 * np.mean([min(k, len(it[3])) / len(it[3]) for it in ev])
         assert b.value >= 0.9 * best and b.ci_low > 2 * b.chance, (b.value, best, b.chance)
+
+
+def test_labels_are_the_scene_graphs_unless_the_artifact_holds_them(tmp_path, capsys):
+    """``labels: auto``: an artifact extracted with ``relations: geometric`` (or learned) holds another model's
+    triplets, so the head takes the samples' scene graphs matched to its instances instead (relation-encoder's
+    labels); ``labels: artifact`` keeps the artifact's own, with a warning. With ground-truth masks the matching is
+    exact, so the matched labels equal the ground-truth graphs (``relations: annotations``) image for image."""
+    from train.jobs.relation_encoder.labels import load_labelled_graphs
+    from train.jobs.relation_head import make_job
+    from train.jobs.relation_head.batches import load_graphs
+
+    sets = ["dataset.synthetic.n_images=40", "dataset.synthetic.corrupt_images=0", "stages.ingest.shard_size=100",
+            "stages.extract_visual_tokens.shard_size=100"]
+    truth = make_manifest(tmp_path / "a", sets)
+    run_stage("ingest", RunContext(truth))
+    run_stage("extract-visual-tokens", RunContext(truth))  # segmenter and relations: annotations
+    geo = make_manifest(tmp_path / "b", sets + ["stages.extract_visual_tokens.relations=geometric"])
+    run_stage("ingest", RunContext(geo))
+    run_stage("extract-visual-tokens", RunContext(geo))
+    want = {it[0]: {tuple(t) for t in it[3].tolist()} for it in load_graphs(f"{truth.output}/visual_tokens")[0]}
+    own = {it[0]: {tuple(t) for t in it[3].tolist()} for it in load_graphs(f"{geo.output}/visual_tokens")[0]}
+    assert sum(len(v) for v in want.values()) > 20 and own != want  # the geometric rules are not the graphs
+
+    def labels(m, mode):
+        m.train.relation_head.labels = mode
+        job = make_job(m.train.relation_head, m, tmp_path / f"run-{mode}", torch.device("cpu"))
+        return job.label_source, {it[0]: {tuple(t) for t in it[3].tolist()} for it in job.train_graphs + job.eval_items}
+
+    src, got = labels(geo, "auto")
+    assert src == "matched" and got == {k: v for k, v in want.items() if k in got} and len(got) >= 30
+    assert "relation-head: labels: the samples' scene graphs" in capsys.readouterr().out
+    matched = load_labelled_graphs(f"{geo.output}/visual_tokens", f"{geo.output}/samples", 0.5)[0]
+    assert got == {it[0]: {tuple(t) for t in it[3].tolist()} for it in matched if it[0] in got}
+    src, got = labels(geo, "artifact")
+    assert src == "artifact" and got == {k: v for k, v in own.items() if k in got}
+    assert "not ground-truth annotations" in capsys.readouterr().out
+    assert labels(truth, "auto")[0] == "artifact"

@@ -24,6 +24,8 @@ predicts the testbed's relations from pixels (manifests/pixels-nogt.yaml).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from train.jobs.relation_head import Config as RelationHeadConfig
@@ -43,8 +45,8 @@ class Config(RelationHeadConfig):
                           "instances and tangible tokens; `pipeline run extract-visual-tokens --corpus`)")
     samples_artifact: str = Field("corpus/samples", description="the corpus's samples: the split of each image and "
                                   "the ground-truth instances and scene graphs (the labels)")
-    match_iou: float = Field(0.5, gt=0, le=1, description="a predicted instance takes a ground-truth instance's "
-                             "relations when their masks' IoU is at least this (one to one, the summed IoU maximal)")
+    labels: Literal["matched"] = Field("matched", description="always the corpus's scene graphs matched to the "
+                                       "predicted instances at match_iou (relation-head's labels: matched)")
     recall_k: list[int] = Field(default_factory=lambda: [1, 3, 5])
     export_dir: str | None = Field(None, description="default <output>/encoders/relations (relations-shuffled for the "
                                    "control)")

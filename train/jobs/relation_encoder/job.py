@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from train.jobs.relation_head.job import RelationHeadJob, export_checkpoint
-from train.jobs.relation_encoder.labels import LabelStats, load_labelled_graphs
+from train.jobs.relation_encoder.labels import LabelStats
 
 PROVENANCE = "trained here on the corpus"
 
@@ -33,14 +33,6 @@ class RelationEncoderJob(RelationHeadJob):
         print(f"{self.NAME}: labels: {self.label_stats['train']['triplets']} triplets on {len(train_ids)} training "
               f"images ({'-' if kept is None else f'{100 * kept:.1f}%'} of their mapped relations kept by the matching "
               f"at IoU >= {cfg.match_iou})")
-
-    def load_items(self):
-        from train.job import open_artifact, resolve_artifact
-
-        open_artifact(self.manifest, self.cfg.samples_artifact, "samples", self.NAME)  # missing: the command that makes it
-        items, man, self.stats = load_labelled_graphs(self.art_dir, resolve_artifact(self.manifest, self.cfg.samples_artifact),
-                                                      self.cfg.match_iou)
-        return items, man
 
     def export(self, model, metrics: dict) -> None:
         """``<export folder>/relation_head.pt`` and ``training.json``; an identical model leaves the folder untouched

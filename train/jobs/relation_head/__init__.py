@@ -66,7 +66,15 @@ class Config(TrainerConfig):
     threads: int | None = Field(1, ge=1, description="torch threads (1 is fastest for this small model on a shared CPU)")
     # job options
     artifact: str = Field("visual_tokens", description="visual_tokens artifact (folder under the manifest's output, or a path)")
-    samples_artifact: str = Field("samples", description="where the train/val/test split of each sample is read")
+    samples_artifact: str = Field("samples", description="where the train/val/test split of each sample is read (and, "
+                                  "with labels: matched, its ground-truth instances and scene graphs)")
+    labels: Literal["auto", "artifact", "matched"] = Field(
+        "auto", description="artifact: the artifact's own triplets (the scene graphs when it was extracted with "
+        "relations: annotations); matched: the samples' scene graphs put on the artifact's instances by mask matching "
+        "at match_iou (relation-encoder's labels); auto: artifact when the artifact's relations are annotations, "
+        "else matched, so a head is never trained or scored on another model's predictions")
+    match_iou: float = Field(0.5, gt=0, le=1, description="labels: matched: a predicted instance takes a ground-truth "
+                             "instance's relations when their masks' IoU is at least this (one to one, the summed IoU maximal)")
     train_splits: list[str] = ["train"]
     eval_splits: list[str] = ["val", "test"]
     val_fraction: float = Field(0.2, ge=0, lt=1, description="held-out fraction by sample-id hash when the samples have no split")

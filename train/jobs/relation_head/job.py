@@ -101,12 +101,29 @@ class RelationHeadJob(Job):
         self.export_path = Path(run_dir) / "relation_head.pt"
 
     def load_items(self) -> tuple[list, dict]:
-        """(items (sample_id, tangible, box features, triplets), the artifact's manifest): the graphs the artifact
-        stores (extracted with ``relations: annotations``: the dataset's scene graphs)."""
+        """(items (sample_id, tangible, box features, triplets), the artifact's manifest). The triplets are the labels
+        and the held-out truth: the artifact's own (``labels: artifact``; the dataset's scene graphs when it was
+        extracted with ``relations: annotations``) or the samples' scene graphs matched to its instances (``labels:
+        matched``, relation-encoder's labels); ``auto`` takes the artifact's own only when they are annotations."""
+        from pipeline.io.artifacts import Artifact
+
+        rel = (Artifact(self.art_dir).manifest.get("parameters") or {}).get("relations")
+        mode = self.cfg.labels if self.cfg.labels != "auto" else ("artifact" if rel == "annotations" else "matched")
+        self.label_source = mode
+        if mode == "matched":
+            from train.jobs.relation_encoder.labels import load_labelled_graphs
+
+            open_artifact(self.manifest, self.cfg.samples_artifact, "samples", self.NAME)
+            items, man, self.stats = load_labelled_graphs(
+                self.art_dir, resolve_artifact(self.manifest, self.cfg.samples_artifact), self.cfg.match_iou)
+            if self.NAME == "relation-head":
+                print(f"relation-head: labels: the samples' scene graphs on {self.art_dir}'s instances (relations="
+                      f"{rel!r}), masks matched at IoU >= {self.cfg.match_iou}")
+            return items, man
         items, man = load_graphs(self.art_dir)
-        rel = man.get("parameters", {}).get("relations")
         if rel != "annotations":
-            print(f"warning: {self.art_dir} was extracted with relations={rel!r}, not ground-truth annotations")
+            print(f"warning: {self.art_dir} was extracted with relations={rel!r}, not ground-truth annotations: "
+                  "labels: artifact learns and scores those predicted triplets")
         return items, man
 
     def build_model(self):
