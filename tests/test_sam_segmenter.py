@@ -192,7 +192,7 @@ def test_recall_metrics_against_hand_counts():
 
 def test_generate_small_region_cleanup_leaves_no_small_island_and_tight_boxes(tmp_path):
     """generate(min_mask_region_area=A) (SAM's postprocess_small_regions): each returned mask has no hole or island
-    under A pixels and its box is that cleaned mask's tight box; at A=0 the masks are the plain AMG's."""
+    under A pixels and its box is that cleaned mask's tight box; the plain AMG's masks (A=0) do have such islands."""
     from scipy import ndimage
 
     from pipeline.models.sam import SamModel

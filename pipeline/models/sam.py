@@ -302,9 +302,8 @@ class SamModel:
         keep = keep[iou[keep] >= score_threshold]
         masks, iou, stab, tok, area, boxes = masks[keep], iou[keep], stab[keep], tok[keep], area[keep], boxes[keep]
         if min_mask_region_area > 0 and masks.shape[0]:
-            keep, masks = _small_regions(masks, min_mask_region_area, box_nms_thresh)
-            iou, stab, tok = iou[keep], stab[keep], tok[keep]
-            area, boxes = masks.flatten(1).sum(1), batched_mask_to_box(masks).float()
+            keep, masks, boxes = _small_regions(masks, min_mask_region_area, box_nms_thresh)
+            iou, stab, tok, area = iou[keep], stab[keep], tok[keep], masks.flatten(1).sum(1)
         order = dedup_by_area(masks, area, dedup_iou)
         return {
             "masks": masks[order],
@@ -315,10 +314,10 @@ class SamModel:
         }
 
 
-def _small_regions(masks: torch.Tensor, min_area: int, nms_thresh: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _small_regions(masks: torch.Tensor, min_area: int, nms_thresh: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SamAutomaticMaskGenerator.postprocess_small_regions: fill each mask's holes and drop its islands under
     ``min_area`` pixels, then box NMS preferring the masks left unchanged (score 1, changed 0), as SAM does.
-    Returns (indices kept, the cleaned masks kept)."""
+    Returns (indices kept, the cleaned masks kept, their boxes)."""
     from segment_anything.utils.amg import batched_mask_to_box
     from torchvision.ops import batched_nms
 
@@ -331,9 +330,9 @@ def _small_regions(masks: torch.Tensor, min_area: int, nms_thresh: float) -> tup
         clean.append(torch.as_tensor(m))
         scores.append(float(not (holes or islands)))
     clean = torch.stack(clean)
-    keep = batched_nms(batched_mask_to_box(clean).float(), torch.as_tensor(scores), torch.zeros(len(clean)),
-                       iou_threshold=nms_thresh)
-    return keep, clean[keep]
+    boxes = batched_mask_to_box(clean).float()
+    keep = batched_nms(boxes, torch.as_tensor(scores), torch.zeros(len(clean)), iou_threshold=nms_thresh)
+    return keep, clean[keep], boxes[keep]
 
 
 def _empty(H, W, c):

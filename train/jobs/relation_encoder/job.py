@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 from train.jobs.relation_head.job import RelationHeadJob, export_checkpoint
-from train.jobs.relation_encoder.labels import LabelStats
 
 PROVENANCE = "trained here on the corpus"
 
@@ -21,18 +20,6 @@ class RelationEncoderJob(RelationHeadJob):
 
         # the folder models.relation_head points at; its relation_head.pt is the file the stage loads
         self.export_path = export_dir(manifest, cfg.EXPORT, cfg.control, cfg.export_dir)
-        train_ids = {it[0] for it in self.train_graphs}
-        held = {it[0] for it in self.eval_items}
-        self.label_stats = {}
-        for name, ids in (("train", train_ids), ("held_out", held)):
-            total = LabelStats()
-            for sid in ids:
-                total.add(self.stats[sid])
-            self.label_stats[name] = total.as_dict()
-        kept = self.label_stats["train"]["relations_kept_fraction"]
-        print(f"{self.NAME}: labels: {self.label_stats['train']['triplets']} triplets on {len(train_ids)} training "
-              f"images ({'-' if kept is None else f'{100 * kept:.1f}%'} of their mapped relations kept by the matching "
-              f"at IoU >= {cfg.match_iou})")
 
     def export(self, model, metrics: dict) -> None:
         """``<export folder>/relation_head.pt`` and ``training.json``; an identical model leaves the folder untouched

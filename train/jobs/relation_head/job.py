@@ -91,6 +91,7 @@ class RelationHeadJob(Job):
         self.train_graphs = [it for it in items if it[0] in tr]
         self.eval_items = [it for it in items if it[0] in ev]
         self.pred_rank = predicate_order(self.train_graphs, len(self.vocab))  # the image-blind ranking (chance)
+        self.label_stats = self.matched_label_stats() if self.label_source == "matched" else None
         if self.cfg.control == "shuffled":
             self.train_graphs = shuffle_graphs(self.train_graphs, self.cfg.seed)
         # Job.train_items is the training split's size (what --workers' preflight compares with the workers)
@@ -116,15 +117,31 @@ class RelationHeadJob(Job):
             open_artifact(self.manifest, self.cfg.samples_artifact, "samples", self.NAME)
             items, man, self.stats = load_labelled_graphs(
                 self.art_dir, resolve_artifact(self.manifest, self.cfg.samples_artifact), self.cfg.match_iou)
-            if self.NAME == "relation-head":
-                print(f"relation-head: labels: the samples' scene graphs on {self.art_dir}'s instances (relations="
-                      f"{rel!r}), masks matched at IoU >= {self.cfg.match_iou}")
+            self._artifact_relations = rel
             return items, man
         items, man = load_graphs(self.art_dir)
         if rel != "annotations":
             print(f"warning: {self.art_dir} was extracted with relations={rel!r}, not ground-truth annotations: "
                   "labels: artifact learns and scores those predicted triplets")
         return items, man
+
+    def matched_label_stats(self) -> dict:
+        """labels: matched: what the mask matching kept, summed over the training and the held-out images (printed
+        once; relation-encoder writes it to relation_labels.json and its export's provenance)."""
+        from train.jobs.relation_encoder.labels import LabelStats
+
+        out = {}
+        for name, part in (("train", self.train_graphs), ("held_out", self.eval_items)):
+            total = LabelStats()
+            for it in part:
+                total.add(self.stats[it[0]])
+            out[name] = total.as_dict()
+        kept = out["train"]["relations_kept_fraction"]
+        print(f"{self.NAME}: labels: the samples' scene graphs on the instances of {self.art_dir} (relations="
+              f"{self._artifact_relations!r}): {out['train']['triplets']} triplets on {len(self.train_graphs)} training "
+              f"images ({'-' if kept is None else f'{100 * kept:.1f}%'} of their mapped relations kept by the matching "
+              f"at IoU >= {self.cfg.match_iou})")
+        return out
 
     def build_model(self):
         return build_relation_head(**self.head_cfg)
