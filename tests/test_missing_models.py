@@ -134,3 +134,20 @@ def test_regions_from_the_segmenter_name_the_missing_sam_folder(tmp_path):
         f"`train run clip-encoder {cmd}`; {out}/encoders/sam (models.sam): make it with `train run sam-segmenter {cmd}`; "
         f"the encoder jobs train on the samples artifact: run `pipeline run ingest {cmd}` first"]
     assert not out.exists()
+
+
+def test_clip_pool_tokens_name_the_clip_and_no_sam_when_the_masks_are_given(tmp_path):
+    """extract-visual-tokens with ``embedding: clip_pool`` loads models.clip besides models.sam (SAM's masks, the
+    CLIP's features); with ``segmenter: annotations`` as well it loads no SAM, so no SAM folder is asked for."""
+    out = tmp_path / "ng"
+    base = ["run", "extract-visual-tokens", "-m", "manifests/pixels-nogt.yaml", "--set", f"output={out}",
+            "--set", "stages.extract_visual_tokens.embedding=clip_pool", "--set", "stages.extract_visual_tokens.relations=geometric"]
+    r = _invoke(*base)
+    assert r.exit_code == 2
+    line = r.stderr.strip().splitlines()[0]
+    assert f"{out}/encoders/clip (models.predicate_encoder, models.clip)" in line and f"{out}/encoders/sam (models.sam)" in line
+    r = _invoke(*base, "--set", "stages.extract_visual_tokens.segmenter=annotations")
+    assert r.exit_code == 2
+    line = r.stderr.strip().splitlines()[0]
+    assert "error: 1 model folder" in line and f"{out}/encoders/clip (models.predicate_encoder, models.clip)" in line
+    assert "encoders/sam" not in line

@@ -18,7 +18,9 @@ crop), the tower's patch tokens after its final layer norm and ``visual_projecti
 image-text space, ``projection_dim`` wide), in row-major patch order. A box or mask is mapped
 through the same resize and crop; a box on patch borders, or a mask that is a union of whole
 patches, gets exactly the mean of its patches (tests/test_regions.py, tests/test_visual_tokens_clip.py).
-Neither slot can propose instances: the stages refuse ``clip-pool`` without ground truth.
+Neither slot can propose instances: the stages refuse ``clip-pool`` without ground truth. Under masks that a
+segmenter proposes, the same pooling is ``extract-visual-tokens``' ``embedding: clip_pool`` (``models.sam`` a SAM,
+this class built from ``models.clip`` in the ``features`` role).
 """
 
 from __future__ import annotations
@@ -117,10 +119,11 @@ class ClipMaskEncoder(ClipGrid):
     grid as the "embedding", the image embedding as the image feature I) and ``mask_pool``. Mask-pool embedding
     only: there is no mask decoder to prompt."""
 
-    def __init__(self, spec: str, device: str = "cpu"):
-        super().__init__(spec, "sam", device)
+    def __init__(self, spec: str, device: str = "cpu", role: str = "sam"):
+        super().__init__(spec, role, device)
         self.record.update(image_feature_dim=self.dim, token_dim=self.dim,
-                           tangible="CLIP projected patch grid averaged under the ground-truth mask",
+                           tangible="CLIP projected patch grid averaged under the ground-truth mask" if role == "sam"
+                           else "CLIP projected patch grid averaged under each mask of the segmenter",
                            image_feature="CLIP image embedding")
 
     def encode(self, images: list[np.ndarray]):

@@ -88,11 +88,16 @@ def slots_of(manifest, stages) -> dict[str, str]:
     for name in stages:
         cfg = getattr(manifest.stages, name.replace("-", "_"), None)
         for slot in STAGE_SLOTS.get(name, ()):
+            if (name, slot) == ("extract-visual-tokens", "sam") and (getattr(cfg, "embedding", None), getattr(cfg, "segmenter", None)) \
+                    == ("clip_pool", "annotations"):
+                continue  # the masks are given and the CLIP pools them: no SAM is loaded
             out.setdefault(f"models.{slot}", getattr(m, slot))
         if name == "extract-regions" and getattr(cfg, "backend", None) == "sam":  # boxes from models.sam's masks
             out.setdefault("models.sam", m.sam)
         if name == "extract-visual-tokens" and getattr(cfg, "relations", None) == "learned" and m.relation_head:
             out.setdefault("models.relation_head", m.relation_head)
+        if name == "extract-visual-tokens" and getattr(cfg, "embedding", None) == "clip_pool":
+            out.setdefault("models.clip", m.clip)
         if name == "mine-concepts" and getattr(cfg, "hard_negatives", False):
             key = "stages.mine_concepts.text_encoder" if cfg.text_encoder else "models.text_encoder"
             out.setdefault(key, cfg.text_encoder or m.text_encoder)

@@ -21,10 +21,16 @@ Embedding of an instance (``embedding`` option):
 
 * ``decoder_token``: SAM's mask-decoder output token of that mask (for ``annotations``: SAM
   prompted with the ground-truth box, single-mask output, as SAM does for box prompts);
-* ``mask_pool``: SAM's image-encoder (neck) features averaged under the mask.
+* ``mask_pool``: SAM's image-encoder (neck) features averaged under the mask;
+* ``clip_pool``: a CLIP's projected patch grid averaged under the mask (``features``, a
+  :class:`pipeline.models.clip_grid.ClipMaskEncoder` of ``models.clip``), and the image feature I the
+  CLIP's image embedding: the segmenter gives the masks, the CLIP what they contain. SEEM's mask
+  embeddings carry the COCO classes it was trained on; a class-agnostic SAM's carry little of what an
+  object is, and the token then says where an object is but hardly what (issue 46, docs/jobs/visual-tokens.md).
 
-Both are then mapped to ``width`` (paper: 512) by :func:`pipeline.visual_tokens.project.project`.
-The image feature I is SAM's pooled multi-layer encoder feature (see ``pipeline.models.sam``).
+All three are then mapped to ``width`` (paper: 512) by :func:`pipeline.visual_tokens.project.project`.
+The image feature I is SAM's pooled multi-layer encoder feature (see ``pipeline.models.sam``), or with
+``clip_pool`` the CLIP's image embedding.
 Images are encoded ``batch_size`` at a time in one encoder call.
 """
 
@@ -38,6 +44,9 @@ import torch
 
 from pipeline.models.sam import SamModel
 from pipeline.visual_tokens.project import project
+
+
+EMBEDDINGS = ("decoder_token", "mask_pool", "clip_pool")
 
 
 @dataclass
@@ -54,19 +63,29 @@ class Segmentation:
 class Segmenter:
     name = "base"
 
-    def __init__(self, sam: SamModel, *, embedding: str, width: int, seed: int = 0, **opts):
-        if embedding not in ("decoder_token", "mask_pool"):
-            raise ValueError(f"embedding must be decoder_token or mask_pool, got {embedding!r}")
+    def __init__(self, sam: SamModel, *, embedding: str, width: int, seed: int = 0, features=None, **opts):
+        if embedding not in EMBEDDINGS:
+            raise ValueError(f"embedding must be one of {EMBEDDINGS}, got {embedding!r}")
+        if (embedding == "clip_pool") != (features is not None):
+            raise ValueError("embedding: clip_pool pools a CLIP's grid: pass features (a ClipMaskEncoder), and only then")
         self.sam, self.embedding, self.width, self.seed, self.opts = sam, embedding, width, seed, opts
+        self.features = features
 
     def segment(self, images: list[np.ndarray], annotations: list[list[dict]] | None = None) -> list[Segmentation]:
         raise NotImplementedError
 
-    def _embed(self, emb, masks, tokens, input_size) -> np.ndarray:
-        if self.embedding == "mask_pool":
-            vec = self.sam.mask_pool(emb, masks.to(emb.device), input_size)
-        else:
+    def _encode(self, images):
+        """(what the segmenter reads, what the embeddings and I are pooled from): one encoder call each per batch,
+        one call in all where they are the same model."""
+        enc = self.sam.encode(images)
+        return enc, (enc if self.features is None or self.features is self.sam else self.features.encode(images))
+
+    def _embed(self, feats, b: int, masks, tokens) -> np.ndarray:
+        if self.embedding == "decoder_token":
             vec = tokens
+        else:  # mask_pool (SAM's neck) or clip_pool (the CLIP's grid): the features under each mask
+            emb = feats.embeddings[b : b + 1]
+            vec = (self.features or self.sam).mask_pool(emb, masks.to(emb.device), feats.input_sizes[b])
         return project(vec.float().cpu().numpy().reshape(-1, vec.shape[-1]), self.width, self.seed)
 
 
@@ -74,7 +93,7 @@ class SamSegmenter(Segmenter):
     name = "sam"
 
     def segment(self, images, annotations=None):
-        enc = self.sam.encode(images)
+        enc, feats = self._encode(images)
         out = []
         for b in range(len(images)):
             e = enc.embeddings[b : b + 1]
@@ -85,8 +104,8 @@ class SamSegmenter(Segmenter):
                     masks=g["masks"].numpy(),
                     boxes=g["boxes"].numpy().astype(np.float32),
                     scores=g["scores"].numpy().astype(np.float32),
-                    embeddings=self._embed(e, g["masks"], g["tokens"], enc.input_sizes[b]),
-                    image_feature=enc.image_features[b],
+                    embeddings=self._embed(feats, b, g["masks"], g["tokens"]),
+                    image_feature=feats.image_features[b],
                     instance_ids=np.full(v, -1, dtype=np.int64),
                     categories=[None] * v,
                 )
@@ -120,7 +139,7 @@ class AnnotationSegmenter(Segmenter):
     def segment(self, images, annotations=None):
         if annotations is None:
             raise ValueError("the annotations segmenter needs the samples artifact's instances table")
-        enc = self.sam.encode(images)
+        enc, feats = self._encode(images)
         out = []
         for b, (im, rows) in enumerate(zip(images, annotations)):
             h, w = im.shape[:2]
@@ -135,8 +154,8 @@ class AnnotationSegmenter(Segmenter):
                     masks=masks,
                     boxes=boxes,
                     scores=np.ones(len(rows), dtype=np.float32),
-                    embeddings=self._embed(e, torch.from_numpy(masks), tokens, enc.input_sizes[b]),
-                    image_feature=enc.image_features[b],
+                    embeddings=self._embed(feats, b, torch.from_numpy(masks), tokens),
+                    image_feature=feats.image_features[b],
                     instance_ids=np.array([r["instance_id"] for r in rows], dtype=np.int64),
                     categories=[r.get("category") for r in rows],
                 )

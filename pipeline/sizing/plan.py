@@ -397,7 +397,11 @@ def _artifact(name, cfg, manifest, size, sized, output: Path | None = None, clus
     if name == "extract-regions":
         return A.regions(size, cfg, S.detector(m.detector))
     if name == "extract-visual-tokens":
-        return A.visual_tokens(size, cfg, S.sam(m.sam), manifest.dataset.kind)
+        shape = S.sam(m.sam)
+        if cfg.embedding == "clip_pool":  # I is the CLIP's image embedding (the SAM still runs: its FLOPs added)
+            c = S.clip(m.clip)
+            shape = {**shape, "image_feature_dim": c["projection_dim"], "flops_image": shape["flops_image"] + c["flops_image"]}
+        return A.visual_tokens(size, cfg, shape, manifest.dataset.kind)
     if name == "negative-captions":
         measured = None
         if output is not None and size.source != "given":

@@ -3,8 +3,10 @@
 Per image (see ``pipeline/visual_tokens/graph.py`` for the exact graph rules):
 
 1. a segmenter (``segmenter``: ``sam`` automatic masks, or ``annotations`` = ground-truth masks)
-   gives instances V with masks, boxes, scores and embeddings (SAM decoder token or mask-pooled
-   encoder feature, projected to ``width``), and the image feature I (pooled encoder layers);
+   gives instances V with masks, boxes, scores and embeddings (``embedding``: SAM decoder token,
+   SAM's encoder feature pooled under the mask, or ``clip_pool``: the CLIP's (``models.clip``)
+   projected patch grid pooled under the mask), projected to ``width``, and the image feature I
+   (SAM's pooled encoder layers; with ``clip_pool`` the CLIP's image embedding);
    With ``models.sam: scene-oracle`` (the testbed instrument, generated dataset and
    ``segmenter: annotations`` only) no SAM runs: a tangible token is the oracle's object vector of
    its ground-truth instance and I the oracle's pooled scene embedding (``pipeline/models/segmenter.py``);
@@ -66,8 +68,10 @@ class Config(StageConfig):
     relations: Literal["learned", "geometric", "annotations"] = Field(
         "learned", description="learned: RAM-style head (models.relation_head checkpoint), the paper's RAM; geometric; annotations"
     )
-    embedding: Literal["decoder_token", "mask_pool"] = Field(
-        "decoder_token", description="tangible embedding: SAM mask-decoder token, or encoder features pooled under the mask"
+    embedding: Literal["decoder_token", "mask_pool", "clip_pool"] = Field(
+        "decoder_token", description="tangible embedding: SAM mask-decoder token; mask_pool: SAM's encoder features pooled "
+        "under the mask; clip_pool: models.clip's projected patch grid pooled under the mask, I its image embedding "
+        "(the segmenter's masks, the CLIP's features)"
     )
     width: int = Field(512, ge=1, description="token width (paper: 512)")
     context_length: int = Field(77, ge=1, description="max |T| = 1 + |V| + |U| (paper: 77)")
@@ -136,7 +140,7 @@ class VisualTokenWorker:
 
             self.segmenter = OracleSegmenter(width=c.width, seed=c.seed)
         else:
-            self._load_sam(c, models["sam"])
+            self._load_sam(c, models)
         self.vocab = resolve_vocabulary(c.predicates)
         self.mapper = PredicateMapper(self.vocab, c.predicate_map)
         self.predictor = make_relation_predictor(
@@ -144,18 +148,21 @@ class VisualTokenWorker:
         ) if c.relations == "learned" else make_relation_predictor(c.relations, self.vocab, self.mapper)  # fmt: skip
         self.pred_emb = PredicateEncoder(models["predicate_encoder"], c.width, c.seed).encode(self.vocab).astype(np.float16)
 
-    def _load_sam(self, c: Config, spec: str) -> None:
+    def _load_sam(self, c: Config, models: dict) -> None:
         from pipeline.models.clip_grid import ClipMaskEncoder, is_clip_pool
         from pipeline.models.sam import SamModel
         from pipeline.models.segmenter import make_segmenter
 
+        spec, device = models["sam"], resolve_device(c.device)
+        features = ClipMaskEncoder(features_spec(models), device=device, role="features") if c.embedding == "clip_pool" else None
         if is_clip_pool(spec):  # a CLIP's patch grid pooled under the ground-truth masks (pipeline/models/clip_grid.py)
-            self.sam = ClipMaskEncoder(spec, device=resolve_device(c.device))
+            self.sam = ClipMaskEncoder(spec, device=device)
+        elif features is not None and c.segmenter == "annotations":  # the masks are given: no SAM to run
+            self.sam = features
         else:
-            self.sam = SamModel(spec, device=resolve_device(c.device), feature_layers=c.feature_layers)
-        self.segmenter = make_segmenter(
-            c.segmenter, self.sam, embedding=c.embedding, width=c.width, seed=c.seed, **(amg_options(c) if c.segmenter == "sam" else {})
-        )
+            self.sam = SamModel(spec, device=device, feature_layers=c.feature_layers)
+        self.segmenter = make_segmenter(c.segmenter, self.sam, embedding=c.embedding, width=c.width, seed=c.seed,
+                                        features=features, **(amg_options(c) if c.segmenter == "sam" else {}))
 
     def _decode(self, records):
         from pipeline.readers.images import open_image
@@ -286,8 +293,18 @@ def embedding_info(cfg: Config, models: dict) -> dict:
                 "segmenter_feature": "scene-oracle"}
     from pipeline.models.clip_grid import is_clip_pool
 
-    feature = "clip-pool" if is_clip_pool(models["sam"]) else "sam"
-    return {"sam": models["sam"], "embedding": cfg.embedding, "width": cfg.width, "seed": cfg.seed, "segmenter_feature": feature}
+    feature = "clip-pool" if is_clip_pool(models["sam"]) or cfg.embedding == "clip_pool" else "sam"
+    info = {"sam": models["sam"], "embedding": cfg.embedding, "width": cfg.width, "seed": cfg.seed, "segmenter_feature": feature}
+    if cfg.embedding == "clip_pool":  # only then: checkpoints trained on SAM's own features keep matching
+        info["features"] = features_spec(models)
+    return info
+
+
+def features_spec(models: dict) -> str:
+    """``embedding: clip_pool``'s feature model: the manifest's CLIP as a :mod:`pipeline.models.clip_grid` spec."""
+    if not models.get("clip"):
+        raise StageError("stages.extract_visual_tokens.embedding: clip_pool pools models.clip's patch grid: set models.clip")
+    return f"clip-pool:{models['clip']}"
 
 
 def model_records(cfg: Config, models: dict) -> dict:
@@ -308,6 +325,8 @@ def model_records(cfg: Config, models: dict) -> dict:
                                     image_feature="pooled scene embedding (bag of colours and shapes) + noise")
     elif is_clip_pool(models["sam"]):
         recs["sam"] = ClipMaskEncoder(models["sam"]).record
+    elif cfg.embedding == "clip_pool" and cfg.segmenter == "annotations":  # the masks are given: no SAM is loaded
+        pass
     elif is_tiny_random(models["sam"]) or is_sam_folder(models["sam"]):  # small: built (tiny) or loaded (a folder)
         from pipeline.models.sam import SamModel
 
@@ -319,6 +338,8 @@ def model_records(cfg: Config, models: dict) -> dict:
         if not Path(path).is_file():
             raise StageError(f"models.sam: checkpoint {path} not found")
         recs["sam"] = model_record("sam", models["sam"], random_weights=False, weights_sha256=weights_hash([path]))
+    if cfg.embedding == "clip_pool":
+        recs["features"] = ClipMaskEncoder(features_spec(models), role="features").record
     spec = models["predicate_encoder"]
     from pipeline.models.clip import is_random_spec
 
@@ -371,6 +392,8 @@ def run(ctx: RunContext, cfg: Config) -> dict:
 
         cfg = cfg.model_copy(update={"predicates": default_vocabulary(ctx.manifest.dataset.kind)})
     models = {"sam": m.sam, "predicate_encoder": m.predicate_encoder, "relation_head": m.relation_head}
+    if cfg.embedding == "clip_pool":
+        models["clip"] = m.clip
     vocab = _pred_vocab(cfg)
     from pipeline.models.clip_grid import is_clip_pool
     from pipeline.models.scene_oracle import is_oracle, require_generated
@@ -382,6 +405,9 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     if is_clip_pool(m.sam) and (cfg.segmenter != "annotations" or cfg.embedding != "mask_pool"):
         raise StageError(f"models.sam: {m.sam} pools ground-truth masks only: set stages.extract_visual_tokens.segmenter: "
                          "annotations and embedding: mask_pool")
+    if cfg.embedding == "clip_pool" and (oracle or is_clip_pool(m.sam)):
+        raise StageError(f"stages.extract_visual_tokens.embedding: clip_pool pools models.clip under the segmenter's masks; "
+                         f"models.sam: {m.sam} does not segment: set models.sam to a SAM checkpoint")
     if oracle and cfg.segmenter != "annotations":
         raise StageError("models.sam: scene-oracle embeds ground-truth instances: set stages.extract_visual_tokens.segmenter: annotations")
     attach = (("instances",) if cfg.segmenter == "annotations" else ()) + (("relations",) if cfg.relations == "annotations" else ()) \
@@ -392,7 +418,7 @@ def run(ctx: RunContext, cfg: Config) -> dict:
     # cached: a rerun with nothing to do builds no model (relation_head is keyed by its file's stat)
     recs = cached_info(ctx.output, "visual_tokens", models, lambda: model_records(cfg, models),
                        feature_layers=cfg.feature_layers, width=cfg.width, seed=cfg.seed, relations=cfg.relations)
-    sam_rec = recs["sam"]
+    sam_rec = recs.get("features") or recs["sam"]  # what the image feature I comes from
     extra = {
         "dims": {"width": cfg.width, "image_feature": sam_rec.get("image_feature_dim"), "context_length": cfg.context_length},
         "predicates": vocab,
