@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,19 @@ def export_checkpoint(path: Path, model, head_cfg: dict, vocab: list[str], art_m
     save_checkpoint_file(path, ck)  # tensors + plain data: loads with weights_only=True
 
 
+@dataclass
+class Labelled:
+    """What :meth:`RelationHeadJob.load_items` gives: the items (sample_id, tangible, box features, triplets), the
+    artifact's manifest, where the triplets come from (``artifact`` or ``matched``), the relations option the artifact
+    was extracted with, and for ``matched`` what the mask matching kept per sample."""
+
+    items: list
+    manifest: dict
+    source: str
+    artifact_relations: str | None
+    stats: dict | None = None
+
+
 class RelationHeadJob(Job):
     NAME = "relation-head"  # train.jobs.relation_head.NAME (not imported: the package imports this module)
 
@@ -79,7 +93,8 @@ class RelationHeadJob(Job):
         super().__init__(cfg, manifest, run_dir, device)
         self.art_dir = resolve_artifact(manifest, self.cfg.artifact)
         open_artifact(manifest, self.cfg.artifact, "visual_tokens", self.NAME)  # missing: one line naming the stage
-        items, self.art_man = self.load_items()
+        lab = self.load_items()
+        items, self.art_man, self.label_source = lab.items, lab.manifest, lab.source
         self.vocab = self.art_man.get("predicates")
         if not self.vocab:
             raise ValueError(f"{self.art_dir}: no predicate vocabulary in _manifest.json (not a visual_tokens artifact?)")
@@ -91,7 +106,7 @@ class RelationHeadJob(Job):
         self.train_graphs = [it for it in items if it[0] in tr]
         self.eval_items = [it for it in items if it[0] in ev]
         self.pred_rank = predicate_order(self.train_graphs, len(self.vocab))  # the image-blind ranking (chance)
-        self.label_stats = self.matched_label_stats() if self.label_source == "matched" else None
+        self.label_stats = self.matched_label_stats(lab) if lab.source == "matched" else None
         if self.cfg.control == "shuffled":
             self.train_graphs = shuffle_graphs(self.train_graphs, self.cfg.seed)
         # Job.train_items is the training split's size (what --workers' preflight compares with the workers)
@@ -101,8 +116,8 @@ class RelationHeadJob(Job):
                              unit_tokens=self.cfg.unit_tokens)  # fmt: skip
         self.export_path = Path(run_dir) / "relation_head.pt"
 
-    def load_items(self) -> tuple[list, dict]:
-        """(items (sample_id, tangible, box features, triplets), the artifact's manifest). The triplets are the labels
+    def load_items(self) -> Labelled:
+        """The items and where their triplets come from (:class:`Labelled`). The triplets are the labels
         and the held-out truth: the artifact's own (``labels: artifact``; the dataset's scene graphs when it was
         extracted with ``relations: annotations``) or the samples' scene graphs matched to its instances (``labels:
         matched``, relation-encoder's labels); ``auto`` takes the artifact's own only when they are annotations."""
@@ -110,22 +125,20 @@ class RelationHeadJob(Job):
 
         rel = (Artifact(self.art_dir).manifest.get("parameters") or {}).get("relations")
         mode = self.cfg.labels if self.cfg.labels != "auto" else ("artifact" if rel == "annotations" else "matched")
-        self.label_source = mode
         if mode == "matched":
             from train.jobs.relation_encoder.labels import load_labelled_graphs
 
             open_artifact(self.manifest, self.cfg.samples_artifact, "samples", self.NAME)
-            items, man, self.stats = load_labelled_graphs(
+            items, man, stats = load_labelled_graphs(
                 self.art_dir, resolve_artifact(self.manifest, self.cfg.samples_artifact), self.cfg.match_iou)
-            self._artifact_relations = rel
-            return items, man
+            return Labelled(items, man, mode, rel, stats)
         items, man = load_graphs(self.art_dir)
         if rel != "annotations":
             print(f"warning: {self.art_dir} was extracted with relations={rel!r}, not ground-truth annotations: "
                   "labels: artifact learns and scores those predicted triplets")
-        return items, man
+        return Labelled(items, man, mode, rel)
 
-    def matched_label_stats(self) -> dict:
+    def matched_label_stats(self, lab: Labelled) -> dict:
         """labels: matched: what the mask matching kept, summed over the training and the held-out images (printed
         once; relation-encoder writes it to relation_labels.json and its export's provenance)."""
         from train.jobs.relation_encoder.labels import LabelStats
@@ -134,11 +147,11 @@ class RelationHeadJob(Job):
         for name, part in (("train", self.train_graphs), ("held_out", self.eval_items)):
             total = LabelStats()
             for it in part:
-                total.add(self.stats[it[0]])
+                total.add(lab.stats[it[0]])
             out[name] = total.as_dict()
         kept = out["train"]["relations_kept_fraction"]
         print(f"{self.NAME}: labels: the samples' scene graphs on the instances of {self.art_dir} (relations="
-              f"{self._artifact_relations!r}): {out['train']['triplets']} triplets on {len(self.train_graphs)} training "
+              f"{lab.artifact_relations!r}): {out['train']['triplets']} triplets on {len(self.train_graphs)} training "
               f"images ({'-' if kept is None else f'{100 * kept:.1f}%'} of their mapped relations kept by the matching "
               f"at IoU >= {self.cfg.match_iou})")
         return out
