@@ -70,14 +70,21 @@ def test_shuffled_control_permutes_graphs_within_instance_counts():
               np.array([[0, 1, i]])) for i in range(30)]
     out = shuffle_graphs(items, 0)
     assert all(np.array_equal(a[3], b[3]) for a, b in zip(out, shuffle_graphs(items, 0)))  # fixed by the seed
-    moved = 0
+    moved = relabelled = 0
     for a, b in zip(items, out):
         assert a[0] == b[0] and a[1] is b[1] and a[2] is b[2]
         src = int(b[3][0, 2])
         assert len(items[src][1]) == len(a[1])  # the graph comes from an image with as many instances
         moved += src != a[0]
+        s, o = b[3][0, :2]
+        assert 0 <= s < len(a[1]) and 0 <= o < len(a[1]) and s != o  # still a valid pair of this image's instances
+        relabelled += (s, o) != (0, 1)
     assert moved >= 20
     assert sorted(int(b[3][0, 2]) for b in out) == list(range(30))
+    assert all(np.array_equal(it[3], np.array([[0, 1, i]])) for i, it in enumerate(items))  # the input is not changed
+    # the donated pair is moved off the donor's indices: with V = 2, 3, 4 a random relabelling keeps (0, 1) with
+    # probability 1/2, 1/6, 1/12; over 30 items that leaves (0, 1) about 8 times, and 25 of 30 kept is p < 1e-6
+    assert relabelled >= 10, relabelled
 
 
 @pytest.mark.slow

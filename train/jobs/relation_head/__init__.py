@@ -19,9 +19,12 @@ are not scored by it).
 
 Control (``control: shuffled``): once before training, every training image's ground-truth graph is
 replaced by that of another training image with the same number of instances (a seeded
-permutation within each instance count, so the triplets' indices stay valid); the tokens and boxes
-no longer match their graph, the predicates' frequencies are unchanged. Its held-out recall must
-stay within its interval of chance.
+permutation within each instance count), its subject and object indices relabelled by a random
+permutation of the image's instances (so the triplets stay valid and carry nothing of the order the
+instances come in: a segmenter's masks sorted by score or area put the largest objects first, and
+without the relabelling the control learned from the sizes which pairs are related, recall@1 23.4
+against chance 11.72 on pixels-nogt); the tokens and boxes no longer match their graph, the
+predicates' frequencies are unchanged. Its held-out recall must stay within its interval of chance.
 
 The relation head's inputs are small (V x width per image), so the job holds them in memory.
 
@@ -91,7 +94,8 @@ class Config(TrainerConfig):
                                   "training images; 0: no baseline): a pair MLP on the box geometry alone, the bar of recall@K")
     control: Literal["none", "shuffled"] = Field(
         "none", description="shuffled: the chance control: every training image's scene graph is replaced, once before "
-        "training, by that of another training image with the same number of instances (a fixed seeded permutation)")
+        "training, by that of another training image with the same number of instances (a fixed seeded permutation), "
+        "its instances relabelled by a random permutation")
 
 
 def make_job(cfg: Config, manifest, run_dir, device):
