@@ -53,6 +53,27 @@ def test_recall_rows_have_chance_interval_and_skips():
         recall_rows(model, [it for it in items if len(it[3]) == 0][:2], 3, 8, [5], rank)
 
 
+def test_the_chance_prior_ranks_predicates_at_each_instance_count():
+    """Images with 2 instances always relate by predicate 0, images with 3 by predicate 1, and there are more of the
+    latter: the global order puts 1 first, the by-count order puts each count's own predicate first; a count with no
+    training graph (V = 4) falls back to the global order; prior_recall reads the rank of the image's count, and
+    recall_rows' chance is that expectation."""
+    from train.jobs.relation_head.metrics import PredicatePrior
+
+    r = np.random.default_rng(0)
+    items = [(i, r.random((2, 4), dtype=np.float32), r.random((2, 8), dtype=np.float32), np.array([[0, 1, 0]]))
+             for i in range(4)]
+    items += [(10 + i, r.random((3, 4), dtype=np.float32), r.random((3, 8), dtype=np.float32), np.array([[0, 2, 1]]))
+              for i in range(6)]
+    glob = PredicatePrior(items, 3, by_count=False)
+    prior = PredicatePrior(items, 3)
+    assert glob.rank(2).tolist() == glob.rank(3).tolist() == [1, 0, 2] == prior.rank(4).tolist()
+    assert prior.rank(2).tolist() == [0, 1, 2] and prior.rank(3).tolist() == [1, 0, 2]
+    trip2 = np.array([[1, 0, 0]])  # V = 2: P = 2 pairs, predicate 0 first by count: recall@1 = 1/2 (1/2 pairs)
+    assert prior_recall(trip2, 2, 1, prior) == pytest.approx(0.5) and prior_recall(trip2, 2, 1, glob) == 0.0
+    assert prior_recall(trip2, 2, 1, prior.rank(2)) == pytest.approx(0.5)  # a plain rank array is still accepted
+
+
 def test_prior_recall_is_the_image_blind_ranking():
     """V = 3 (P = 6 ordered pairs): the most frequent predicate fills ranks 0-5, the next 6-11."""
     rank = np.array([1, 0, 2])  # predicate 1 most frequent, then 0, then 2

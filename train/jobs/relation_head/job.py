@@ -15,7 +15,7 @@ from pipeline.models.relations import build_relation_head
 from train.config import TrainerConfig
 from train.job import Job, Splits, open_artifact, resolve_artifact
 from train.jobs.relation_head.batches import collate, load_graphs
-from train.jobs.relation_head.metrics import evaluate_model, predicate_order, recall_rows
+from train.jobs.relation_head.metrics import PredicatePrior, evaluate_model, recall_rows
 
 
 def _held_out(sample_id: int, frac: float) -> bool:
@@ -116,7 +116,8 @@ class RelationHeadJob(Job):
         tr, ev = split_ids(manifest, cfg, [it[0] for it in items])
         self.train_graphs = [it for it in items if it[0] in tr]
         self.eval_items = [it for it in items if it[0] in ev]
-        self.pred_rank = predicate_order(self.train_graphs, len(self.vocab))  # the image-blind ranking (chance)
+        # the image-blind ranking (chance): before the control's shuffle, which keeps it (graphs move within a count)
+        self.pred_rank = PredicatePrior(self.train_graphs, len(self.vocab), by_count=self.cfg.chance_prior == "instance_count")
         self.label_stats = self.matched_label_stats(lab) if lab.source == "matched" else None
         if self.cfg.control == "shuffled":
             self.train_graphs = shuffle_graphs(self.train_graphs, self.cfg.seed)
