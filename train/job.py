@@ -172,6 +172,25 @@ class Job:
         self.cfg, self.manifest, self.run_dir, self.device = cfg, manifest, Path(run_dir), device
         self.rank, self.world_size = PLACE
 
+    def input_fingerprints(self) -> dict[str, str]:
+        """{option: fingerprint} of every artifact the job's ``*artifact`` options name that exists: what the loop
+        stores in each checkpoint and compares on resume, so a run folder is never resumed (or a finished run
+        re-evaluated) on artifacts that a stage has since rewritten (:func:`train.run_folder.check_run_folder`)."""
+        from pipeline.io.artifacts import Artifact
+
+        out = {}
+        for key in sorted(type(self.cfg).model_fields):
+            rel = getattr(self.cfg, key, None)
+            if not key.endswith("artifact") or not isinstance(rel, str) or not rel:
+                continue
+            try:
+                fp = Artifact(resolve_artifact(self.manifest, rel)).manifest.get("fingerprint")
+            except (OSError, ValueError):  # missing or unreadable: the job itself says so when it opens it
+                continue
+            if fp:
+                out[key] = str(fp)
+        return out
+
     def fit_batch(self, n: int, what: str = "samples") -> int:
         """This rank's batch for a training split of ``n`` items: ``cfg.batch_size`` (with N workers
         already the run's batch // N), or, when the split is smaller than one global batch, the whole

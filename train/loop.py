@@ -224,7 +224,8 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
     taken = dist.writer and lock_folder(run_dir, doing="trained", note=lambda line: print(line, file=sys.stderr))
     try:
         if resume:
-            check_run_folder(run_dir, run_cfg, getattr(job, "NAME", ""))  # before anything in the folder is written
+            check_run_folder(run_dir, run_cfg, getattr(job, "NAME", ""),
+                             job.input_fingerprints() if hasattr(job, "input_fingerprints") else None)  # before any write
         if dist.writer:
             if n := remove_stale_tmp(run_dir):  # e.g. .last.pt.<random>.tmp of a killed run (marked folder only)
                 print(f"{run_dir}: removed {n} temporary file(s) left by an interrupted run", file=sys.stderr)
@@ -329,6 +330,7 @@ class _Run:
 
     def __init__(self, job, cfg, run_dir: Path, dist, run_cfg):
         self.job, self.cfg, self.run_dir, self.dist, self.run_cfg = job, cfg, run_dir, dist, run_cfg
+        self.inputs = job.input_fingerprints() if hasattr(job, "input_fingerprints") else {}  # checked on resume
         self.ckpt_dir, self.metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
         self.last = self.ckpt_dir / "last.pt"
         self.device = job.device
@@ -402,7 +404,7 @@ class _Run:
             "scheduler": sched.state_dict() if sched else None,
             "scaler": scaler.state_dict() if scaler else None,
             "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.pos,
-            "rng": _rng_state(), "config": self.run_cfg.model_dump(mode="json"),
+            "rng": _rng_state(), "config": self.run_cfg.model_dump(mode="json"), "inputs": self.inputs,
             "job": getattr(self.job, "NAME", type(self.job).__name__), "best": dict(self.best),
             "log_window": window,
         }, keep_previous=path == self.last)

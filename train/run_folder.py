@@ -94,15 +94,24 @@ class RunMismatch(RuntimeError):
     and the way out)."""
 
 
-def check_run_folder(run_dir: Path, cfg, job_name: str = "") -> None:
+def check_run_folder(run_dir: Path, cfg, job_name: str = "", inputs: dict | None = None) -> None:
     """Refuse to resume ``run_dir`` when its checkpoint (else its config.json) holds another training
-    configuration (train.config.config_differences: evaluation-only options may differ)."""
+    configuration (train.config.config_differences: evaluation-only options may differ), or when its checkpoint
+    was trained on artifacts of other fingerprints than ``inputs`` ({option: fingerprint}, :meth:`train.job.Job.
+    input_fingerprints`; checkpoints from before it was recorded are not checked)."""
     from train.config import config_differences
 
     last = Path(run_dir) / "checkpoints" / "last.pt"
     stored, src = None, None
     if last.is_file():
-        stored, src = (load_checkpoint(last).get("config") or None), last
+        ck = load_checkpoint(last)
+        stored, src = (ck.get("config") or None), last
+        was = ck.get("inputs") or {}
+        moved = sorted(k for k in (inputs or {}) if k in was and was[k] != inputs[k])
+        if moved:
+            shown = ", ".join(f"{k} {getattr(cfg, k, '?')!r} fingerprint {was[k][:12]} -> {inputs[k][:12]}" for k in moved)
+            raise RunMismatch(f"{run_dir} was trained on artifacts that have been rewritten since ({shown}): "
+                              f"{fresh_hint(job_name)}")
     elif (Path(run_dir) / "config.json").is_file() and (Path(run_dir) / "checkpoints").is_dir():
         try:
             stored, src = json.loads((Path(run_dir) / "config.json").read_text()), Path(run_dir) / "config.json"
