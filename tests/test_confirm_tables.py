@@ -232,3 +232,32 @@ def test_pixels_nogt_beside_ground_truth_quotes_both_runs():
     for r in res["relation_encoder"]:
         if not r["baseline_for"]:
             assert f"{r['metric']} {r['value']:.1f} against" in bench and f"({r['diff']:+.1f} [{r['diff_low']:+.1f}," in bench
+
+
+def test_relation_control_fix_is_quoted_as_measured():
+    """docs/jobs/relation-head.md's account of the relabelled control and the chance by instance count quotes the
+    committed runs: the control before the fix (its control column and chance), and after it under both chance
+    definitions, every K."""
+    from benchmarks.confirm_tables import table_rows
+
+    page = " ".join((REPO / "docs/jobs/relation-head.md").read_text().split())
+    before = table_rows((REPO / "benchmarks/results/pixels-nogt-relation-head-20261129.md").read_text())
+    col = {c: i for i, c in enumerate(before[0])}
+    r1 = next(r for r in before[1:] if r[1].endswith("recall@1"))
+    assert f"recall@1 {r1[col['control']]} against chance {r1[col['chance']]}" in page
+    text = (REPO / "benchmarks/results/pixels-nogt-relation-control-20261129.md").read_text()
+    parts = text.split("## 2.")
+    assert len(parts) == 2
+    cells = []
+    for part in parts:
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in part.splitlines()
+                if line.startswith("| relation-head | held_out | recall@")]
+        assert len(rows) == 6
+        cells.append({r[2]: (r[3].rstrip(" %"), r[4].rstrip(" %")) for r in rows})
+    glob, count = cells
+    v1 = glob["recall@1"][0]
+    assert f"the control scored {v1}." in page and count["recall@1"][0] == v1  # the control's value: the same run
+    ks = ("recall@1", "recall@3", "recall@5")
+    fmt = lambda d, i: " / ".join(d[k][i].split(" [")[0] for k in ks)  # noqa: E731
+    assert f"chance rose from {fmt(glob, 1)} to {fmt(count, 1)}" in page
+    assert f"relabelled control's {fmt(count, 0)} is within or below it" in page
