@@ -53,8 +53,11 @@ def test_relations_from_pixels_through_the_commands(tmp_path):
     m["ray"] = {"address": None, "num_cpus": 2, "object_store_memory": 134217728}
     m["dataset"]["synthetic"]["n_images"] = 30
     m["corpus"]["n_images"] = 80
-    m["models"]["sam"] = "clip-pool:tiny-random"
-    m["stages"]["extract_visual_tokens"]["segmenter"] = "annotations"  # the trained SAM: tests/test_sam_segmenter_slow.py
+    # the manifest's clip_pool tokens on the annotations' masks (no SAM is loaded: the trained SAM is
+    # tests/test_sam_segmenter_slow.py's), pooled from a random CLIP
+    assert m["stages"]["extract_visual_tokens"]["embedding"] == "clip_pool"
+    m["models"]["clip"] = "tiny-random"
+    m["stages"]["extract_visual_tokens"]["segmenter"] = "annotations"
     m["models"]["predicate_encoder"] = "tiny-random"
     m["eval"] = {"benchmarks": []}
     m["stages"]["extract_visual_tokens"]["shard_size"] = 40
