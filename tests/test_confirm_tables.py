@@ -261,3 +261,43 @@ def test_relation_control_fix_is_quoted_as_measured():
     fmt = lambda d, i: " / ".join(d[k][i].split(" [")[0] for k in ks)  # noqa: E731
     assert f"chance rose from {fmt(glob, 1)} to {fmt(count, 1)}" in page
     assert f"relabelled control's {fmt(count, 0)} is within or below it" in page
+
+
+def test_clip_pool_rerun_is_quoted_as_it_came_out():
+    """BENCHMARKS.md's "The result: the hypothesis holds" table: its clip_pool column is the committed rerun cell for
+    cell, its mask_pool column the committed run before it (value and paired difference), the verdict it states
+    (the i2t interval above 0, replace_att within 2 points) holds in the committed table, and the relation
+    encoder's and the graphs' figures are the committed measurement."""
+    import json
+
+    from benchmarks.confirm_tables import table_rows
+
+    bench = " ".join((REPO / "BENCHMARKS.md").read_text().replace("**", "").split())
+    sec = bench.split("The result: the hypothesis holds")[1].split("## pipeline plan")[0]
+    wanted = {"visual-tokens": ("i2t_R@1", "t2i_R@1", "replace_att/accuracy"), "relation-head": ("recall@1", "recall@3", "recall@5")}
+
+    def cells(name):
+        rows = table_rows((REPO / "benchmarks/results" / name).read_text())
+        col = {c: i for i, c in enumerate(rows[0])}
+        return {(r[0], s): r for r in rows[1:] for s in wanted.get(r[0], ()) if r[1].endswith(s)}, col
+
+    new, col = cells("pixels-nogt-clip-pool-20261129.md")
+    old_vt, ocol = cells("pixels-nogt-20261129.md")
+    old_rh, _ = cells("pixels-nogt-relation-head-20261129.md")
+    assert len(new) == 6
+    for key, r in new.items():
+        assert f"{r[col['value']]} {r[col['95% interval']]}, n {r[col['n']]}, diff {r[col['diff 95%']]} |" in sec, key
+        o = (old_vt if key[0] == "visual-tokens" else old_rh)[key]
+        assert f"| {o[ocol['value']]}, diff {o[ocol['diff 95%']]} |" in sec, key
+    lo = float(new[("visual-tokens", "i2t_R@1")][col["diff 95%"]].split("[")[1].split(",")[0])
+    att = float(new[("visual-tokens", "replace_att/accuracy")][col["diff 95%"]].split(" ")[0])
+    assert lo > 0 and abs(att) < 2
+    res = json.loads((REPO / "benchmarks/results/pixels-nogt-clip-pool-20261129.json").read_text())
+    r1 = next(r for r in res["relation_encoder"] if r["metric"] == "recall@1")
+    b1 = next(r for r in res["relation_encoder"] if r["metric"] == "recall@1[boxes-only]")
+    assert f"recall@1 {r1['value']:.1f} against {b1['value']:.1f} ({r1['diff']:+.1f} [{r1['diff_low']:+.1f}, {r1['diff_high']:+.1f}])" in sec
+    g = res["relation_graphs"]
+    lo_g, hi_g = g["artifact"]["recall_ci"]
+    d, (dlo, dhi) = g["recall_diff"]["diff"], g["recall_diff"]["ci"]
+    assert f"recall {g['artifact']['recall']:.1f} [{lo_g:.1f}, {hi_g:.1f}]" in sec and f"{g['geometric']['recall']:.1f} ({d:+.1f} [{dlo:+.1f}, {dhi:+.1f}])" in sec
+    assert f"precision {g['artifact']['precision']:.1f} against {g['geometric']['precision']:.1f}" in sec
