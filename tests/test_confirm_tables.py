@@ -273,7 +273,7 @@ def test_clip_pool_rerun_is_quoted_as_it_came_out():
     from benchmarks.confirm_tables import table_rows
 
     bench = " ".join((REPO / "BENCHMARKS.md").read_text().replace("**", "").split())
-    sec = bench.split("The result: the hypothesis holds")[1].split("## pipeline plan")[0]
+    sec = bench.split("### The result: the hypothesis holds")[1].split("## pipeline plan")[0]
     wanted = {"visual-tokens": ("i2t_R@1", "t2i_R@1", "replace_att/accuracy"), "relation-head": ("recall@1", "recall@3", "recall@5")}
 
     def cells(name):
@@ -301,3 +301,25 @@ def test_clip_pool_rerun_is_quoted_as_it_came_out():
     d, (dlo, dhi) = g["recall_diff"]["diff"], g["recall_diff"]["ci"]
     assert f"recall {g['artifact']['recall']:.1f} [{lo_g:.1f}, {hi_g:.1f}]" in sec and f"{g['geometric']['recall']:.1f} ({d:+.1f} [{dlo:+.1f}, {dhi:+.1f}])" in sec
     assert f"precision {g['artifact']['precision']:.1f} against {g['geometric']['precision']:.1f}" in sec
+
+
+def test_clip_pool_figures_on_the_job_pages_are_the_committed_runs():
+    """docs/jobs/visual-tokens.md and docs/jobs/relation-encoder.md quote the clip_pool rerun and the mask_pool run
+    before it as committed (visual-tokens' i2t and replace_att; the relation encoder's recall@1 against boxes-only)."""
+    import json
+
+    from benchmarks.confirm_tables import table_rows
+
+    vt = " ".join((REPO / "docs/jobs/visual-tokens.md").read_text().split())
+    for name in ("pixels-nogt-clip-pool-20261129.md", "pixels-nogt-20261129.md"):
+        rows = table_rows((REPO / "benchmarks/results" / name).read_text())
+        col = {c: i for i, c in enumerate(rows[0])}
+        i2t = next(r for r in rows[1:] if r[0] == "visual-tokens" and r[1].endswith("i2t_R@1"))
+        att = next(r for r in rows[1:] if r[0] == "visual-tokens" and r[1].endswith("replace_att/accuracy"))
+        assert f"R@1 {i2t[col['value']]}" in vt and f"{i2t[col['diff 95%']]}" in vt and f"replace_att {att[col['value']]}" in vt, name
+    re_page = " ".join((REPO / "docs/jobs/relation-encoder.md").read_text().split())
+    for name in ("pixels-nogt-20261129.json", "pixels-nogt-clip-pool-20261129.json"):
+        rows = json.loads((REPO / "benchmarks/results" / name).read_text())["relation_encoder"]
+        r1 = next(r for r in rows if r["metric"] == "recall@1")
+        b1 = next(r for r in rows if r["metric"] == "recall@1[boxes-only]")
+        assert f"{r1['value']:.1f} against {b1['value']:.1f} ({r1['diff']:+.1f} [{r1['diff_low']:+.1f}, {r1['diff_high']:+.1f}])" in re_page, name
