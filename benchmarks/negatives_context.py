@@ -1,6 +1,6 @@
 """Are a run's stored negatives context-preserving? (InfoGround Sec. 2.4; issue 36, the pixels testbed's MLM)
 
-    .venv/bin/python benchmarks/negatives_context.py runs/testbed runs/pixels
+    .venv/bin/python benchmarks/negatives_context.py runs/testbed runs/pixels-gt
 
 InfoGround's negatives replace a noun by words a masked LM finds plausible in its place: a context-preserving
 negative of "a red circle" names another shape, not a colour or a position. On the generated dataset the word
@@ -49,7 +49,7 @@ def shape_mass(negatives: Path) -> dict:
 
 
 def main(argv=None) -> None:
-    outputs = (argv if argv is not None else sys.argv[1:]) or ["runs/testbed", "runs/pixels"]
+    outputs = (argv if argv is not None else sys.argv[1:]) or ["runs/testbed", "runs/pixels-gt"]
     print("| run (models.mlm) | shape nouns | shape share of the 25 candidates | of the MLM's p over them | of the top 5 by p |")
     print("|---|---:|---:|---:|---:|")
     import json

@@ -1,9 +1,9 @@
 """The predicted scene graphs of a visual_tokens artifact against the dataset's ground truth (issue 46, item 3).
 
-    .venv/bin/python benchmarks/relation_graphs.py --manifest manifests/pixels-nogt.yaml [--set key=value ...]
+    .venv/bin/python benchmarks/relation_graphs.py --manifest manifests/pixels.yaml [--set key=value ...]
                                                   [--artifact visual_tokens] [--samples samples] [--iou 0.5] [--json]
 
-Reads ``<output>/<artifact>`` (extracted with any ``relations:``; the pixels-nogt manifest's: ``learned``, the
+Reads ``<output>/<artifact>`` (extracted with any ``relations:``; the pixels.yaml manifest's: ``learned``, the
 relation encoder trained on the corpus) and ``<output>/<samples>`` (the ground-truth instances and relations),
 matches each image's predicted masks to the ground-truth instances (one to one, IoU >= ``--iou``, the relation
 encoder's own matching) and prints, for the artifact's graphs and for the stage's ``geometric`` predictor on the

@@ -117,7 +117,7 @@ def test_pixels_twins_summaries_quote_the_committed_run():
 
 
 def test_pixels_confirmation_run_is_quoted_as_it_came_out():
-    """benchmarks/results/pixels-confirm-20261128.md is `testbed.py --manifest manifests/pixels.yaml --confirm`'s table:
+    """benchmarks/results/pixels-confirm-20261128.md is `testbed.py --manifest manifests/pixels-gt.yaml --confirm`'s table:
     on pixels.yaml's confirm_seed, citing an expectations blob that is in the history; its failed rows are the four the
     pages say did not hold (so "two of six above" cannot silently become something else); its encoder rows equal the
     twins run's (same corpus, same encoders); the pages quote its paired differences and its timing as printed."""
@@ -175,7 +175,7 @@ def test_sam_3000_figures_are_the_committed_measurement():
 
 
 def test_min_mask_region_area_was_chosen_by_its_rule_and_is_quoted_as_measured():
-    """min_mask_region_area in manifests/pixels-nogt.yaml is what the committed rule picks from the val figures of
+    """min_mask_region_area in manifests/pixels.yaml is what the committed rule picks from the val figures of
     benchmarks/results/sam-min-region-area-20261129.json (the highest box recall@0.5, the smallest within 0.5 points),
     and BENCHMARKS.md prints those figures and the test split's as the file has them."""
     import json
@@ -186,7 +186,7 @@ def test_min_mask_region_area_was_chosen_by_its_rule_and_is_quoted_as_measured()
     val = {int(a): r["box_recall50"] for a, r in res["candidates"].items()}
     assert sorted(val) == [0, 4, 8, 16, 32]
     pick = min(a for a, v in val.items() if v >= max(val.values()) - 0.5)
-    m = yaml.safe_load((REPO / "manifests/pixels-nogt.yaml").read_text())
+    m = yaml.safe_load((REPO / "manifests/pixels.yaml").read_text())
     assert m["stages"]["extract_visual_tokens"]["min_mask_region_area"] == pick == res["chosen"]
     bench = " ".join((REPO / "BENCHMARKS.md").read_text().replace("**", "").split())
     for a, v in val.items():
@@ -207,7 +207,7 @@ def test_pixels_nogt_beside_ground_truth_quotes_both_runs():
     from benchmarks.confirm_tables import table_rows
 
     bench = " ".join((REPO / "BENCHMARKS.md").read_text().replace("**", "").split())
-    # pixels-nogt's relation-head rows: the rerun with labels: matched (the first run's learned predicted triplets)
+    # pixels.yaml's relation-head rows: the rerun with labels: matched (the first run's learned predicted triplets)
     for name, jobs, n in (("pixels-gt-20261129.md", ("visual-tokens", "infoground", "relation-head"), 7),
                           ("pixels-nogt-20261129.md", ("visual-tokens", "infoground"), 4),
                           ("pixels-nogt-relation-head-20261129.md", ("relation-head",), 3)):

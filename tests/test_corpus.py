@@ -16,7 +16,7 @@ ENCODERS = ("clip_encoder", "mlm_encoder", "groupvit_encoder")
 
 
 def small_pixels(tmp_path: Path, n: int = 40) -> Path:
-    m = yaml.safe_load((REPO / "manifests" / "pixels.yaml").read_text())
+    m = yaml.safe_load((REPO / "manifests" / "pixels-gt.yaml").read_text())
     m["output"] = str(tmp_path / "pixels")
     m["ray"] = {"address": None, "num_cpus": 2, "object_store_memory": 134217728}
     m["dataset"]["synthetic"]["n_images"] = n
@@ -30,7 +30,7 @@ def small_pixels(tmp_path: Path, n: int = 40) -> Path:
 def test_pixels_encoders_read_the_corpus_not_the_testbed(tmp_path):
     from pipeline.config import corpus_manifest, load_manifest
 
-    m = load_manifest(REPO / "manifests" / "pixels.yaml", [f"output={tmp_path}/p"])
+    m = load_manifest(REPO / "manifests" / "pixels-gt.yaml", [f"output={tmp_path}/p"])
     assert m.corpus is not None and m.corpus.seed != m.dataset.synthetic.seed
     for key in ENCODERS:
         assert getattr(m.train, key).samples_artifact == "corpus/samples", key
@@ -41,7 +41,7 @@ def test_pixels_encoders_read_the_corpus_not_the_testbed(tmp_path):
 
 
 def test_corpus_with_the_testbed_seed_is_refused_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "ingest", "--corpus", "-m", "manifests/pixels.yaml",
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "ingest", "--corpus", "-m", "manifests/pixels-gt.yaml",
                         "--set", f"output={tmp_path}/p", "--set", "corpus.seed=0"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1] == ("error: corpus.seed: 0 is dataset.synthetic.seed: the corpus would "
@@ -90,7 +90,7 @@ def test_an_encoder_without_the_corpus_says_which_command_makes_it(tmp_path):
     from pipeline.config import load_manifest
     from train.encoders import load_corpus
 
-    m = load_manifest(REPO / "manifests" / "pixels.yaml", [f"output={tmp_path}/p"])
+    m = load_manifest(REPO / "manifests" / "pixels-gt.yaml", [f"output={tmp_path}/p"])
     with pytest.raises(FileNotFoundError) as e:
         load_corpus(m, "corpus/samples", "clip-encoder")
     assert str(e.value) == (f"clip-encoder: samples artifact {tmp_path}/p/corpus/samples is missing (no _manifest.json): "

@@ -68,10 +68,10 @@ def test_a_job_without_a_control_option_gets_the_same_placement(tmp_path):
     from train.jobs.sam_segmenter import Config
 
     sets = ["train.sam_segmenter.max_steps=5"]
-    m = load_manifest(Path("manifests/pixels-nogt.yaml"), sets)
+    m = load_manifest(Path("manifests/pixels.yaml"), sets)
     cfg = Config(**m.train.sam_segmenter.training_config())
     assert not hasattr(cfg, "control") and cfg.max_steps == 5
-    note = export_placement("sam_segmenter", cfg, m, Path("manifests/pixels-nogt.yaml"), sets, tmp_path, False)
+    note = export_placement("sam_segmenter", cfg, m, Path("manifests/pixels.yaml"), sets, tmp_path, False)
     assert cfg.export_dir == str(tmp_path / "export")
     assert note.startswith(f"export: {tmp_path / 'export'}, not ") and "max_steps=5 (manifest 3000)" in note
-    assert note.split(", not ")[1].startswith(str(Path("runs/pixels-nogt/encoders/sam")))
+    assert note.split(", not ")[1].startswith(str(Path("runs/pixels/encoders/sam")))

@@ -53,7 +53,7 @@ def clip_run(testbed_copy, tmp_path):
 def test_output_template_in_model_specs(tmp_path):
     from pipeline.config import load_manifest
 
-    m = load_manifest(Path("manifests/pixels.yaml"), [f"output={tmp_path}/x"])
+    m = load_manifest(Path("manifests/pixels-gt.yaml"), [f"output={tmp_path}/x"])
     assert m.models.clip == f"{tmp_path}/x/encoders/clip"
     assert m.models.mlm == m.models.word_encoder == f"{tmp_path}/x/encoders/mlm"
     assert "scene-oracle" not in json.dumps(m.models.model_dump())  # the pixels testbed has no oracle anywhere

@@ -1,7 +1,7 @@
 """The pixels testbed, reduced (a few minutes): a CLIP trained from pixels on the pretraining corpus's training split
 (manifest ``corpus:``, never a testbed image) learns what the generated scenes hold (held-out zero-shot colour and
 retrieval on the corpus's own held-out split above chance by their 95% intervals), and `extract-clip-tokens`, pointed
-at the exported folder through ``{output}`` in manifests/pixels.yaml, writes for the testbed's images exactly the
+at the exported folder through ``{output}`` in manifests/pixels-gt.yaml, writes for the testbed's images exactly the
 embeddings plain ``CLIPModel.from_pretrained`` computes from the folder; a masked LM trained on the corpus's
 training captions beats the unigram prior on its held-out captions, and `negative-captions` on its export proposes
 context-preserving negatives (a shape noun's MLM probability goes to shape words more than a random MLM's does)."""
@@ -20,7 +20,7 @@ from tests.testbed_reduced import run_stages, train_run
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 REPO = Path(__file__).resolve().parents[1]
-# held out: the reduced corpus's val + test (80 images; manifests/pixels.yaml reports its test split only). Zero-shot
+# held out: the reduced corpus's val + test (80 images; manifests/pixels-gt.yaml reports its test split only). Zero-shot
 # shape is not asserted: not above chance in any reduced setting tried on a 2000-image corpus (docs/jobs/encoders.md, "What
 # was tried": 300 steps of width 64 at 64 px / 8 px and 128 px / 16 px patches, 33.5% and 31.5% against chance 29.5%,
 # the 95% intervals' lower bounds 27.3 and 25.5)
@@ -30,9 +30,9 @@ SMALL_CLIP = dict(image_size=32, patch_size=8, vision_width=64, vision_layers=2,
 
 
 def pixels_manifest(tmp_path: Path, n_images: int = 400) -> Path:
-    """manifests/pixels.yaml with ``n_images`` testbed images (held-out 0.4) and as many corpus images (held-out 0.2)
+    """manifests/pixels-gt.yaml with ``n_images`` testbed images (held-out 0.4) and as many corpus images (held-out 0.2)
     under ``tmp_path``, its benchmarks left out."""
-    m = yaml.safe_load((REPO / "manifests" / "pixels.yaml").read_text())
+    m = yaml.safe_load((REPO / "manifests" / "pixels-gt.yaml").read_text())
     m["output"] = str(tmp_path / "pixels")
     m["ray"] = {"address": None, "num_cpus": 2, "object_store_memory": 134217728}
     m["dataset"]["synthetic"]["n_images"] = n_images

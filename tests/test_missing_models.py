@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 
-PIXELS = "manifests/pixels.yaml"
+PIXELS = "manifests/pixels-gt.yaml"
 
 
 def _expected(out: Path, sets: str, ingest_first: bool = True) -> str:
@@ -126,9 +126,9 @@ def test_what_counts_as_a_local_path():
 def test_regions_from_the_segmenter_name_the_missing_sam_folder(tmp_path):
     """extract-regions with ``backend: sam`` loads models.sam as well as models.detector: both are named."""
     out = tmp_path / "ng"
-    r = _invoke("run", "extract-regions", "-m", "manifests/pixels-nogt.yaml", "--set", f"output={out}")
+    r = _invoke("run", "extract-regions", "-m", "manifests/pixels.yaml", "--set", f"output={out}")
     assert r.exit_code == 2
-    cmd = f"-m manifests/pixels-nogt.yaml --set output={out}"
+    cmd = f"-m manifests/pixels.yaml --set output={out}"
     assert r.stderr.strip().splitlines() == [
         f"error: 2 model folders the manifest names do not exist: {out}/encoders/clip (models.detector): make it with "
         f"`train run clip-encoder {cmd}`; {out}/encoders/sam (models.sam): make it with `train run sam-segmenter {cmd}`; "
@@ -140,7 +140,7 @@ def test_clip_pool_tokens_name_the_clip_and_no_sam_when_the_masks_are_given(tmp_
     """extract-visual-tokens with ``embedding: clip_pool`` loads models.clip besides models.sam (SAM's masks, the
     CLIP's features); with ``segmenter: annotations`` as well it loads no SAM, so no SAM folder is asked for."""
     out = tmp_path / "ng"
-    base = ["run", "extract-visual-tokens", "-m", "manifests/pixels-nogt.yaml", "--set", f"output={out}",
+    base = ["run", "extract-visual-tokens", "-m", "manifests/pixels.yaml", "--set", f"output={out}",
             "--set", "stages.extract_visual_tokens.embedding=clip_pool", "--set", "stages.extract_visual_tokens.relations=geometric"]
     r = _invoke(*base)
     assert r.exit_code == 2

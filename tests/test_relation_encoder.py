@@ -118,7 +118,7 @@ def test_corpus_manifest_runs_stages_in_corpus_with_the_main_outputs_models(tmp_
     from pipeline.config import corpus_manifest, load_manifest
 
     out = f"{tmp_path}/p"
-    m = load_manifest(REPO / "manifests" / "pixels.yaml", [f"output={out}", "train.relation_encoder.export_dir={output}/x"])
+    m = load_manifest(REPO / "manifests" / "pixels-gt.yaml", [f"output={out}", "train.relation_encoder.export_dir={output}/x"])
     c = corpus_manifest(m)
     assert c.output == f"{out}/corpus" and c.dataset.kind == "synthetic" and c.dataset.synthetic.seed == m.corpus.seed
     assert c.dataset.synthetic.first_id == m.corpus.first_id and c.corpus is None
@@ -130,10 +130,10 @@ def test_corpus_manifest_runs_stages_in_corpus_with_the_main_outputs_models(tmp_
 
 
 def test_a_corpus_stage_that_needs_an_encoder_says_the_command_for_the_main_output(tmp_path):
-    rc, err = _cli("run", "extract-clip-tokens", "--corpus", "-m", "manifests/pixels.yaml", "--set", f"output={tmp_path}/p")
+    rc, err = _cli("run", "extract-clip-tokens", "--corpus", "-m", "manifests/pixels-gt.yaml", "--set", f"output={tmp_path}/p")
     assert rc == 2 and len(err) == 1
     assert err[0].startswith(f"error: 1 model folder the manifest names does not exist: {tmp_path}/p/encoders/clip "
-                             "(models.clip): make it with `train run clip-encoder -m manifests/pixels.yaml --set "
+                             "(models.clip): make it with `train run clip-encoder -m manifests/pixels-gt.yaml --set "
                              f"output={tmp_path}/p`"), err
     assert not (tmp_path / "p" / "corpus").exists()
 
@@ -147,12 +147,12 @@ def test_a_corpus_stage_before_the_corpus_is_ingested_names_ingest_corpus(tmp_pa
 
 
 def test_what_makes_no_sense_on_the_corpus_is_refused_in_one_line(tmp_path):
-    rc, err = _cli("run", "all", "--corpus", "-m", "manifests/pixels.yaml", "--set", f"output={tmp_path}/p")
+    rc, err = _cli("run", "all", "--corpus", "-m", "manifests/pixels-gt.yaml", "--set", f"output={tmp_path}/p")
     assert rc == 2 and err == [
         "error: --corpus runs one stage at a time: `all` would build every artifact of the testbed's pipeline on the "
         "encoders' pretraining data; name the stage the corpus needs, e.g. `pipeline run extract-visual-tokens -m "
-        f"manifests/pixels.yaml --set output={tmp_path}/p --corpus`"]
-    rc, err = _cli("run", "extract-visual-tokens", "--corpus", "-m", "manifests/pixels.yaml", "--set", f"output={tmp_path}/p",
+        f"manifests/pixels-gt.yaml --set output={tmp_path}/p --corpus`"]
+    rc, err = _cli("run", "extract-visual-tokens", "--corpus", "-m", "manifests/pixels-gt.yaml", "--set", f"output={tmp_path}/p",
                    "--set", "stages.extract_visual_tokens.relations=learned")
     assert rc == 2 and err == [
         "error: --corpus: stages.extract_visual_tokens.relations is learned, but the relation model learns from the "
@@ -166,7 +166,7 @@ def test_what_makes_no_sense_on_the_corpus_is_refused_in_one_line(tmp_path):
 
 
 def test_the_relation_encoder_without_the_corpus_tokens_names_the_corpus_stage(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "train.cli", "run", "relation-encoder", "-m", "manifests/pixels.yaml",
+    r = subprocess.run([sys.executable, "-m", "train.cli", "run", "relation-encoder", "-m", "manifests/pixels-gt.yaml",
                         "--set", f"output={tmp_path}/p"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
@@ -195,14 +195,14 @@ def test_models_relation_head_may_name_the_export_folder(tmp_path):
 
 
 def test_the_testbed_runs_the_relation_encoder_after_the_corpus_stage_it_learns_from():
-    """benchmarks/testbed.py on manifests/pixels-nogt.yaml: relation-encoder is an encoder job of it (models.relation_head
-    names its export) and none of pixels.yaml; it runs after the others, each corpus stage first, as typed."""
+    """benchmarks/testbed.py on manifests/pixels.yaml: relation-encoder is an encoder job of it (models.relation_head
+    names its export) and none of pixels-gt.yaml; it runs after the others, each corpus stage first, as typed."""
     sys.path.insert(0, str(REPO))
     from benchmarks.testbed import corpus_encoders, run_corpus_encoders
     from benchmarks.testbed_encoders import encoder_jobs
 
-    jobs = encoder_jobs("manifests/pixels-nogt.yaml", [])
-    assert "relation-encoder" in jobs and "relation-encoder" not in encoder_jobs("manifests/pixels.yaml", [])
+    jobs = encoder_jobs("manifests/pixels.yaml", [])
+    assert "relation-encoder" in jobs and "relation-encoder" not in encoder_jobs("manifests/pixels-gt.yaml", [])
     assert corpus_encoders(jobs) == ["relation-encoder"]
     calls = []
 

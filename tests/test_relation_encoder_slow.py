@@ -1,4 +1,4 @@
-"""Relations from pixels, reduced, through the real commands (issue 46, items 3 and 5): manifests/pixels-nogt.yaml at
+"""Relations from pixels, reduced, through the real commands (issue 46, items 3 and 5): manifests/pixels.yaml at
 30 testbed and 80 corpus images; `pipeline run ingest --corpus`, `pipeline run extract-visual-tokens --corpus`,
 `train run relation-encoder` (exports <output>/encoders/relations), then the testbed's `extract-visual-tokens` with
 ``relations: learned`` loading that folder through ``models.relation_head: "{output}/encoders/relations"``, and
@@ -47,7 +47,7 @@ def _graphs(mp: Path) -> dict:
 
 
 def test_relations_from_pixels_through_the_commands(tmp_path):
-    m = yaml.safe_load((REPO / "manifests" / "pixels-nogt.yaml").read_text())
+    m = yaml.safe_load((REPO / "manifests" / "pixels.yaml").read_text())
     out = tmp_path / "p"
     m["output"] = str(out)
     m["ray"] = {"address": None, "num_cpus": 2, "object_store_memory": 134217728}

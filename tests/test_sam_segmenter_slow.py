@@ -36,7 +36,7 @@ def _cli(*args, module="pipeline.cli", timeout=900):
 
 
 def test_trained_segmenter_through_the_stages(tmp_path):
-    m = yaml.safe_load((REPO / "manifests" / "pixels-nogt.yaml").read_text())
+    m = yaml.safe_load((REPO / "manifests" / "pixels.yaml").read_text())
     m["output"] = str(tmp_path / "p")
     m["ray"] = {"address": None, "num_cpus": 2, "object_store_memory": 134217728}
     m["dataset"]["synthetic"]["n_images"] = 10

@@ -12,9 +12,9 @@ captions, in the shared loop (AdamW, warmup + cosine, clipping, checkpoints, exa
 their objects' colour sets, so that colour cannot tell them apart; ``hard_order: grouped`` keeps each colour set's
 images together and the sets in random order, so that on a corpus of twin scenes (``corpus.twins``) each image meets
 its twin, which differs only in its shapes. Sorted on the plain corpus it bought no shape; grouped on the twins corpus
-(manifests/pixels.yaml's setting) the CLIP's zero-shot shape rose above chance (docs/jobs/encoders.md, "Twin scenes").
+(manifests/pixels-gt.yaml's setting) the CLIP's zero-shot shape rose above chance (docs/jobs/encoders.md, "Twin scenes").
 
-Data: the ``samples`` artifact of ``pipeline run ingest`` (``samples_artifact``; manifests/pixels.yaml: ``corpus/samples``,
+Data: the ``samples`` artifact of ``pipeline run ingest`` (``samples_artifact``; manifests/pixels-gt.yaml: ``corpus/samples``,
 the generated pretraining corpus apart from the testbed, ``pipeline run ingest --corpus``): images (decoded as the
 image stages decode them) and captions of ``train_splits`` only. The held-out images (``eval_splits``) are never trained on.
 

@@ -19,7 +19,7 @@ corpus, the labels' matching and what it kept, the metrics, a hash of the weight
     stages.extract_visual_tokens.relations: learned
     models.relation_head: "{output}/encoders/relations"
 
-predicts the testbed's relations from pixels (manifests/pixels-nogt.yaml).
+predicts the testbed's relations from pixels (manifests/pixels.yaml).
 """
 
 from __future__ import annotations

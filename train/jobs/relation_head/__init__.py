@@ -24,7 +24,7 @@ permutation within each instance count), its subject and object indices relabell
 permutation of the image's instances (so the triplets stay valid and carry nothing of the order the
 instances come in: a segmenter's masks sorted by score or area put the largest objects first, and
 without the relabelling the control learned from the sizes which pairs are related, recall@1 23.4
-against chance 11.72 on pixels-nogt); the tokens and boxes no longer match their graph, the
+against chance 11.72 on pixels.yaml); the tokens and boxes no longer match their graph, the
 predicates' frequencies are unchanged. Its held-out recall must stay within its interval of chance.
 
 The relation head's inputs are small (V x width per image), so the job holds them in memory.

@@ -41,7 +41,7 @@ def shuffle_graphs(items: list, seed: int) -> list:
     The relabelling matters where instances come in an order that the tokens and boxes show: a segmenter's masks
     sorted by score or area put the large objects first in every image, so a donated graph's (0, 1) pair would still
     land on this image's two largest objects, and the head would learn from the sizes which pairs the generator's
-    graphs relate. It did: without it the control scored recall@1 23.4 against chance 11.72 on pixels-nogt's
+    graphs relate. It did: without it the control scored recall@1 23.4 against chance 11.72 on pixels.yaml's
     predicted instances; with it 8.6 [5.8, 11.8] (docs/jobs/relation-head.md, "Why the relabelling")."""
     rng = np.random.default_rng([int(seed), 2027])
     by_v: dict[int, list[int]] = {}

@@ -44,7 +44,7 @@ class PredicatePrior:
     for every V with ``by_count=False``. Why by count: the shuffled control keeps each image's instance count and
     the predicates' frequencies at that count, and a head can tell the count (it attends over the V tokens, and the
     boxes shrink as V grows), so the global order was not the best a head without the image's content can do; on
-    pixels-nogt's predicted instances the control's boxes-only classifier beat it (recall@3 51.0 against 37.5)."""
+    pixels.yaml's predicted instances the control's boxes-only classifier beat it (recall@3 51.0 against 37.5)."""
 
     def __init__(self, items, n_pred: int, by_count: bool = True):
         self.global_rank = predicate_order(items, n_pred)
