@@ -221,3 +221,27 @@ def test_the_testbed_runs_the_relation_encoder_after_the_corpus_stage_it_learns_
     out = run_corpus_encoders(failing, "M.yaml", [], ["relation-encoder"])
     assert len(calls) == 1 and out == [("relation-encoder", None, 2.0,
                                         "pipeline run extract-visual-tokens --corpus failed: error: boom", "")]
+
+
+def test_an_export_is_kept_only_for_the_same_weights_on_tokens_of_the_same_settings(tmp_path):
+    """relation-encoder leaves its export folder alone when the weights are the same (so the artifacts extracted with
+    it keep their fingerprints), but not when equal weights were trained on tokens recorded under other settings: a
+    renamed output folder gives the same weights and another SAM path, which the stage checks (issue 46: the stale
+    export's `sam: runs/pixels-nogt/encoders/sam` stopped extract-visual-tokens)."""
+    import json
+
+    from pipeline.models.relations import RELATION_FILE
+    from train.jobs.relation_encoder.job import export_is_current
+
+    emb = {"sam": "runs/pixels/encoders/sam", "embedding": "clip_pool", "width": 512, "seed": 0}
+    assert not export_is_current(tmp_path, "abc", emb)  # nothing there
+    (tmp_path / "training.json").write_text(json.dumps({"weights_state_sha256": "abc", "embedding": emb}))
+    assert not export_is_current(tmp_path, "abc", emb)  # no checkpoint file
+    (tmp_path / RELATION_FILE).write_bytes(b"x")
+    assert export_is_current(tmp_path, "abc", emb)
+    assert not export_is_current(tmp_path, "abd", emb)  # other weights
+    assert not export_is_current(tmp_path, "abc", {**emb, "sam": "runs/pixels-nogt/encoders/sam"})  # other settings
+    (tmp_path / "training.json").write_text(json.dumps({"weights_state_sha256": "abc"}))  # an export from before
+    assert not export_is_current(tmp_path, "abc", emb)
+    (tmp_path / "training.json").write_text("{not json")
+    assert not export_is_current(tmp_path, "abc", emb)

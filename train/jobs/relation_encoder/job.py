@@ -11,6 +11,20 @@ from train.jobs.relation_head.job import RelationHeadJob, export_checkpoint
 PROVENANCE = "trained here on the corpus"
 
 
+def export_is_current(dest: Path, digest: str, embedding: dict) -> bool:
+    """The export folder already holds these weights (``digest``, :func:`pipeline.models.provenance.state_dict_hash`)
+    trained on tokens of these settings (the artifact's ``embedding`` record, which the stage checks), and its
+    checkpoint file."""
+    from pipeline.models.relations import RELATION_FILE
+
+    try:
+        stored = json.loads((Path(dest) / "training.json").read_text())
+        return stored.get("weights_state_sha256") == digest and stored.get("embedding") == embedding \
+            and (Path(dest) / RELATION_FILE).is_file()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class RelationEncoderJob(RelationHeadJob):
     NAME = "relation-encoder"
 
@@ -22,20 +36,19 @@ class RelationEncoderJob(RelationHeadJob):
         self.export_path = export_dir(manifest, cfg.EXPORT, cfg.control, cfg.export_dir)
 
     def export(self, model, metrics: dict) -> None:
-        """``<export folder>/relation_head.pt`` and ``training.json``; an identical model leaves the folder untouched
-        (a rewrite would change the fingerprint of every artifact extracted with it)."""
+        """``<export folder>/relation_head.pt`` and ``training.json``; an identical model trained on tokens of the same
+        settings leaves the folder untouched (a rewrite would change the fingerprint of every artifact extracted with
+        it). The settings count: the stage checks them against its own, so equal weights trained on tokens recorded
+        under another SAM path (a renamed output folder) must be written again."""
         from pipeline.models.provenance import state_dict_hash
         from pipeline.models.relations import RELATION_FILE
         from train.job import resolve_artifact
 
         digest = state_dict_hash(model)
         dest = Path(self.export_path)
-        try:
-            if json.loads((dest / "training.json").read_text()).get("weights_state_sha256") == digest \
-                    and (dest / RELATION_FILE).is_file():
-                return
-        except (OSError, ValueError, AttributeError):
-            pass
+        embedding = self.art_man.get("embedding", {})
+        if export_is_current(dest, digest, embedding):
+            return
         from pipeline.io.artifacts import Artifact
 
         samples = resolve_artifact(self.manifest, self.cfg.samples_artifact)
@@ -56,7 +69,7 @@ class RelationEncoderJob(RelationHeadJob):
         from pipeline.io.atomic import write_json_atomic
 
         write_json_atomic(dest / "training.json", {**prov, "config": self.cfg.model_dump(mode="json"), "metrics": metrics,
-                                                   "weights_state_sha256": digest})
+                                                   "weights_state_sha256": digest, "embedding": embedding})
 
     def evaluate(self, model, out_dir):
         res = super().evaluate(model, out_dir)
