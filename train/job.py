@@ -185,7 +185,7 @@ class Job:
                 continue
             try:
                 fp = Artifact(resolve_artifact(self.manifest, rel)).manifest.get("fingerprint")
-            except (OSError, ValueError):  # missing or unreadable: the job itself says so when it opens it
+            except Exception:  # missing or unreadable (a file, a bucket): the job itself says so when it opens it
                 continue
             if fp:
                 out[key] = str(fp)
