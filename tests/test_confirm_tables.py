@@ -323,3 +323,34 @@ def test_clip_pool_figures_on_the_job_pages_are_the_committed_runs():
         r1 = next(r for r in rows if r["metric"] == "recall@1")
         b1 = next(r for r in rows if r["metric"] == "recall@1[boxes-only]")
         assert f"{r1['value']:.1f} against {b1['value']:.1f} ({r1['diff']:+.1f} [{r1['diff_low']:+.1f}, {r1['diff_high']:+.1f}])" in re_page, name
+
+
+def test_all_six_jobs_on_the_no_ground_truth_manifest_are_quoted_as_they_came_out():
+    """BENCHMARKS.md's "All six jobs on manifests/pixels.yaml: the result" table holds each job's first row of the
+    committed run cell for cell; a verdict says "above" exactly when the paired interval's lower end is above 0; the
+    count in the prose is that of the table; the two other rows it quotes are the run's."""
+    from benchmarks.confirm_tables import table_rows
+
+    bench = (REPO / "BENCHMARKS.md").read_text()
+    sec = bench.split("### All six jobs on manifests/pixels.yaml: the result")[1].split("\n## ")[0]
+    rows = table_rows((REPO / "benchmarks/results/pixels-full-20261129.md").read_text())
+    col = {c: i for i, c in enumerate(rows[0])}
+    first = {}
+    for r in rows[1:]:
+        first.setdefault(r[0], r)
+    quoted = [[c.strip() for c in line.strip().strip("|").split("|")] for line in sec.splitlines()
+              if line.startswith("| ") and not line.startswith(("| job", "|---"))]
+    assert [q[0] for q in quoted] == ["concept-ot", "c3", "infoground", "visual-tokens", "text-groups", "relation-head"]
+    above = 0
+    for job, metric, value, diff, verdict in quoted:
+        r = first[job]
+        assert metric == r[1] and value == f"{r[col['value']]} {r[col['95% interval']]}", job
+        assert diff == f"{r[col['diff 95%']]} vs {r[col['diff vs base']]}", job
+        lo = float(r[col["diff 95%"]].split("[")[1].split(",")[0])
+        assert (verdict == "above") == (lo > 0), job
+        above += verdict == "above"
+    assert above == 3 and "Three of six above their frozen base" in sec
+    flat = " ".join(sec.split())
+    att = next(r for r in rows[1:] if r[0] == "concept-ot" and r[1].startswith("vg-attribution"))
+    t2i = next(r for r in rows[1:] if r[0] == "visual-tokens" and r[1].endswith("t2i_R@1"))
+    assert f"({att[col['diff 95%']]})" in flat and f"t2i is at base ({t2i[col['diff 95%']].split(' [')[0]}," in flat
