@@ -56,22 +56,30 @@ def test_recall_rows_have_chance_interval_and_skips():
 def test_the_chance_prior_ranks_predicates_at_each_instance_count():
     """Images with 2 instances always relate by predicate 0, images with 3 by predicate 1, and there are more of the
     latter: the global order puts 1 first, the by-count order puts each count's own predicate first; a count with no
-    training graph (V = 4) falls back to the global order; prior_recall reads the rank of the image's count, and
-    recall_rows' chance is that expectation."""
-    from train.jobs.relation_head.metrics import PredicatePrior
+    training graph (V = 4) falls back to the global order; prior_recall reads the rank of the image's count; the
+    ``strongest`` mode takes, per K, the order whose mean expected recall on the scored graphs is the higher."""
+    from train.jobs.relation_head.metrics import PredicatePrior, prior_lists
 
     r = np.random.default_rng(0)
     items = [(i, r.random((2, 4), dtype=np.float32), r.random((2, 8), dtype=np.float32), np.array([[0, 1, 0]]))
              for i in range(4)]
     items += [(10 + i, r.random((3, 4), dtype=np.float32), r.random((3, 8), dtype=np.float32), np.array([[0, 2, 1]]))
               for i in range(6)]
-    glob = PredicatePrior(items, 3, by_count=False)
-    prior = PredicatePrior(items, 3)
-    assert glob.rank(2).tolist() == glob.rank(3).tolist() == [1, 0, 2] == prior.rank(4).tolist()
-    assert prior.rank(2).tolist() == [0, 1, 2] and prior.rank(3).tolist() == [1, 0, 2]
+    glob = PredicatePrior(items, 3, mode="global")
+    count = PredicatePrior(items, 3, mode="instance_count")
+    assert glob.rank(2).tolist() == glob.rank(3).tolist() == [1, 0, 2] == count.rank(4).tolist()
+    assert count.rank(2).tolist() == [0, 1, 2] and count.rank(3).tolist() == [1, 0, 2]
     trip2 = np.array([[1, 0, 0]])  # V = 2: P = 2 pairs, predicate 0 first by count: recall@1 = 1/2 (1/2 pairs)
-    assert prior_recall(trip2, 2, 1, prior) == pytest.approx(0.5) and prior_recall(trip2, 2, 1, glob) == 0.0
-    assert prior_recall(trip2, 2, 1, prior.rank(2)) == pytest.approx(0.5)  # a plain rank array is still accepted
+    assert prior_recall(trip2, 2, 1, count) == pytest.approx(0.5) and prior_recall(trip2, 2, 1, glob) == 0.0
+    assert prior_recall(trip2, 2, 1, count.rank(2)) == pytest.approx(0.5)  # a plain rank array is still accepted
+    best = PredicatePrior(items, 3)
+    assert best.mode == "strongest"
+    # held-out graphs the by-count order ranks better: it is taken ...
+    assert prior_lists([(trip2, 2), (np.array([[0, 2, 1]]), 3)], [1], best)[1] == pytest.approx([0.5, 1 / 6])
+    # ... and ones where the counts' orders are wrong (V = 2 now relates by predicate 1): the global order is
+    trip_wrong = np.array([[1, 0, 1]])
+    assert prior_lists([(trip_wrong, 2)], [1], best)[1] == pytest.approx([0.5])
+    assert prior_lists([(trip_wrong, 2)], [1], count)[1] == pytest.approx([0.0])
 
 
 def test_prior_recall_is_the_image_blind_ranking():

@@ -10,8 +10,8 @@ Evaluation is RAM's ``get_recall_N``: per held-out image, the K highest-scoring
 (subject, object, predicate) triples are compared with the ground-truth triplets;
 recall@K = hits / |ground truth|, averaged over images that have ground truth, in percent, with a 95%
 bootstrap interval over images. *Chance* is the expected recall of the best ranking that ignores the
-image but for its instance count: the predicates in the order of their training frequency at that
-count (``chance_prior``), the ordered pairs of an image tied within a predicate (what a head learns
+image but for its instance count: the predicates in the order of their training frequency, overall
+or at that count, whichever scores higher (``chance_prior``), the ordered pairs of an image tied within a predicate (what a head learns
 from the graphs alone; see ``metrics.py``). The recall of a
 uniformly random ranking (min(K, N) / N per image, N = V (V - 1) C) is below it and is kept in the
 note and in ``metrics.json`` (``chance_random_recall@K``). Every run's ``eval/final/results.parquet``
@@ -93,9 +93,10 @@ class Config(TrainerConfig):
     recall_k: list[int] = Field(default_factory=lambda: [20, 50, 100])
     boxes_only_steps: int = Field(300, ge=0, description="the boxes-only baseline's training steps (batches of 256 "
                                   "training images; 0: no baseline): a pair MLP on the box geometry alone, the bar of recall@K")
-    chance_prior: Literal["instance_count", "global"] = Field(
-        "instance_count", description="chance: predicates by their training frequency at the image's instance count "
-        "(what the shuffled control keeps), or over all training images (global: the chance before 2026-11-29)")
+    chance_prior: Literal["strongest", "instance_count", "global"] = Field(
+        "strongest", description="chance: predicates by their training frequency over all training images (global: "
+        "the chance before 2026-11-29), or at the image's instance count (what the shuffled control keeps); "
+        "strongest: per K, whichever of the two scores higher on the images scored")
     control: Literal["none", "shuffled"] = Field(
         "none", description="shuffled: the chance control: every training image's scene graph is replaced, once before "
         "training, by that of another training image with the same number of instances (a fixed seeded permutation), "

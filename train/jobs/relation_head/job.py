@@ -117,7 +117,7 @@ class RelationHeadJob(Job):
         self.train_graphs = [it for it in items if it[0] in tr]
         self.eval_items = [it for it in items if it[0] in ev]
         # the image-blind ranking (chance): before the control's shuffle, which keeps it (graphs move within a count)
-        self.pred_rank = PredicatePrior(self.train_graphs, len(self.vocab), by_count=self.cfg.chance_prior == "instance_count")
+        self.pred_rank = PredicatePrior(self.train_graphs, len(self.vocab), mode=self.cfg.chance_prior)
         self.label_stats = self.matched_label_stats(lab) if lab.source == "matched" else None
         if self.cfg.control == "shuffled":
             self.train_graphs = shuffle_graphs(self.train_graphs, self.cfg.seed)
