@@ -501,7 +501,7 @@ def test_predicate_encoder_probe_failure_names_the_manifest_key():
 
     from pipeline.stages.extract_visual_tokens import model_records
 
-    cfg = SimpleNamespace(feature_layers=None, width=64, seed=0, relations="geometric")
+    cfg = SimpleNamespace(feature_layers=None, width=64, seed=0, relations="geometric", embedding="decoder_token", segmenter="sam")
     with pytest.raises(StageError) as e:
         model_records(cfg, {"sam": "tiny-random", "predicate_encoder": "no-such-org/clip", "relation_head": None})
     assert str(e.value).startswith("models.predicate_encoder: 'no-such-org/clip' not found or not loadable (")
