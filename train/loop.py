@@ -223,9 +223,10 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
         check_run_files(run_dir)  # a FIFO as config.json or last.pt.sha256: refused, never opened
     taken = dist.writer and lock_folder(run_dir, doing="trained", note=lambda line: print(line, file=sys.stderr))
     try:
+        # the artifacts' fingerprints: checked on resume against the checkpoint's, stored in every checkpoint written
+        inputs = job.input_fingerprints() if hasattr(job, "input_fingerprints") else {}
         if resume:
-            check_run_folder(run_dir, run_cfg, getattr(job, "NAME", ""),
-                             job.input_fingerprints() if hasattr(job, "input_fingerprints") else None)  # before any write
+            check_run_folder(run_dir, run_cfg, getattr(job, "NAME", ""), inputs)  # before anything is written
         if dist.writer:
             if n := remove_stale_tmp(run_dir):  # e.g. .last.pt.<random>.tmp of a killed run (marked folder only)
                 print(f"{run_dir}: removed {n} temporary file(s) left by an interrupted run", file=sys.stderr)
@@ -233,7 +234,7 @@ def train(job: Job, *, resume: bool = True, progress: bool = True, stop_after: i
                                                             indent=1))
         dist.barrier()  # the other ranks read the folder (last.pt) only once rank 0 has cleaned it
         return _train_with_settings(job, job.cfg, run_dir, ckpt_dir, metrics_path, resume, progress and dist.writer,
-                                    stop_after, dist, run_cfg)
+                                    stop_after, dist, run_cfg, inputs)
     finally:
         if dist.writer:
             tracking.close(run_dir)  # the final harness table added, the trackers' files complete
@@ -256,9 +257,9 @@ def _train_with_settings(job, cfg, *args) -> dict:
             torch.set_flush_denormal(False)
 
 
-def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after, dist, run_cfg) -> dict:
+def _train(job, cfg, run_dir, ckpt_dir, metrics_path, resume, progress, stop_after, dist, run_cfg, inputs) -> dict:
     seed_everything(cfg.seed)
-    run = _Run(job, cfg, run_dir, dist, run_cfg)
+    run = _Run(job, cfg, run_dir, dist, run_cfg, inputs)
     if resume and run.last.exists() and run.params:
         run.resume()
     elif dist.writer:
@@ -328,9 +329,9 @@ class _Run:
     """One call of :func:`train`: the model, its optimizer state and data position, and what it
     writes into the run folder (checkpoints, metrics.jsonl lines, evaluations; rank 0 only)."""
 
-    def __init__(self, job, cfg, run_dir: Path, dist, run_cfg):
+    def __init__(self, job, cfg, run_dir: Path, dist, run_cfg, inputs: dict):
         self.job, self.cfg, self.run_dir, self.dist, self.run_cfg = job, cfg, run_dir, dist, run_cfg
-        self.inputs = job.input_fingerprints() if hasattr(job, "input_fingerprints") else {}  # checked on resume
+        self.inputs = inputs  # {option: artifact fingerprint}, written into every checkpoint
         self.ckpt_dir, self.metrics_path = run_dir / "checkpoints", run_dir / "metrics.jsonl"
         self.last = self.ckpt_dir / "last.pt"
         self.device = job.device
