@@ -11,7 +11,8 @@
    chance, the control's value and interval, steps and wall time of the run, and a verdict per row:
 
    Each checked row's expected outcome is read from a committed file, ``benchmarks/expectations/testbed.yaml``
-   (``pixels.yaml`` for a manifest whose models.* name encoder exports; ``--expectations`` another), whose
+   (``<the manifest's name>.yaml`` where there is one, else ``pixels.yaml`` for a manifest whose models.* name encoder
+   exports; ``--expectations`` another), whose
    header defines the vocabulary: ``above base``, ``at base`` (above chance, not above its strongest
    no-learning baseline), ``above chance``, ``chance``, ``prior``, ``measured``. ``--confirm`` is the
    confirmation run: the same testbed on the file's ``confirm_seed`` (a generator seed no tuning used, in
@@ -337,7 +338,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=2, help="commands at once (encoders; each job beside its control); "
                     "each child gets OMP_NUM_THREADS=1 when above 1")
     ap.add_argument("--expectations", default=None, help="the expected outcome of each row (default: "
-                    "benchmarks/expectations/pixels.yaml for a manifest with encoder exports, else testbed.yaml)")
+                    "benchmarks/expectations/<the manifest's name>.yaml where there is one, else pixels.yaml for a manifest with "
+                    "encoder exports, else testbed.yaml)")
     ap.add_argument("--confirm", action="store_true", help="the confirmation run: the expectations file's confirm_seed "
                     "as dataset.synthetic.seed, in <output>-confirm-<seed>; refused unless the file is committed as it is")
     args = ap.parse_args(argv)
@@ -345,7 +347,7 @@ def main(argv=None) -> int:
     from benchmarks.testbed_expectations import ExpectationsError, committed_blob, confirm_sets
 
     encoders = encoder_jobs(args.manifest, args.sets)
-    exp_path = Path(args.expectations) if args.expectations else default_file(pixels=bool(encoders))
+    exp_path = Path(args.expectations) if args.expectations else default_file(pixels=bool(encoders), manifest=args.manifest)
     try:
         table, meta = load_expectations(exp_path)
         blob = committed_blob(exp_path) if args.confirm else None

@@ -1,7 +1,8 @@
 """benchmarks/testbed.py's expectations: read from a committed file, and the confirmation run's record of it.
 
 The expected outcome of every checked row lives in ``benchmarks/expectations/<testbed>.yaml`` (``testbed.yaml``
-for the scene-oracle testbed, ``pixels.yaml`` for the pixels testbed; the vocabulary is in testbed.yaml's header),
+for the scene-oracle testbed, ``pixels.yaml`` for the pixels testbed, ``pixels-gt.yaml`` for its ground-truth variant:
+a manifest's own name first; the vocabulary is in testbed.yaml's header),
 so that what a run is checked against is written, and committed, before the run. :func:`load` turns a file into
 the table ``{job: [(benchmark, subset, metric, expect, min_n, why)]}`` that ``testbed.job_rows`` reads; a file
 that is not of that form is one error line naming the file, the job and the entry.
@@ -27,8 +28,11 @@ class ExpectationsError(ValueError):
     """A malformed expectations file, or one not committed as it is (one line: the file and the problem)."""
 
 
-def default_file(pixels: bool) -> Path:
-    """The expectations of the pixels testbed (a manifest whose models.* name encoder exports) or the oracle's."""
+def default_file(pixels: bool, manifest: str | Path | None = None) -> Path:
+    """The expectations of ``manifest``: ``<its name>.yaml`` here when there is one (``manifests/pixels-gt.yaml`` ->
+    ``pixels-gt.yaml``), else the pixels testbed's (a manifest whose models.* name encoder exports) or the oracle's."""
+    if manifest is not None and (FOLDER / f"{Path(manifest).stem}.yaml").is_file():
+        return FOLDER / f"{Path(manifest).stem}.yaml"
     return FOLDER / ("pixels.yaml" if pixels else "testbed.yaml")
 
 

@@ -102,7 +102,7 @@ def test_pixels_twins_summaries_quote_the_committed_run():
         + [f"relation-head relation-head/held_out/recall@{k}" for k in (1, 3, 5)],
         "README.md": [IG, CO_ATTR, CO_SWAP, VT_I2T, VT_T2I, TG, "relation-head relation-head/held_out/recall@1"],
         "docs/testbed.md": [IG, CO_ATTR, VT_I2T],
-        "benchmarks/expectations/pixels.yaml": [VT_I2T, VT_T2I],
+        "benchmarks/expectations/pixels-gt.yaml": [VT_I2T, VT_T2I],
     }
     _assert_quoted(diff, quoted)
     shape = [r for r in rows if r[1] == "clip-encoder/held_out/zeroshot_shape"][0]
@@ -127,7 +127,7 @@ def test_pixels_confirmation_run_is_quoted_as_it_came_out():
 
     text = (REPO / "benchmarks/results/pixels-confirm-20261128.md").read_text()
     seed = int(re.search(r"dataset\.synthetic\.seed=(\d+)", text).group(1))
-    assert yaml.safe_load((REPO / "benchmarks/expectations/pixels.yaml").read_text())["confirm_seed"] == seed == 20261128
+    assert yaml.safe_load((REPO / "benchmarks/expectations/pixels-gt.yaml").read_text())["confirm_seed"] == seed == 20261128
     assert "expectations benchmarks/expectations/pixels.yaml committed as git blob" in text
     _assert_blob_committed(text)
     rows, diff = _diff_cells("benchmarks/results/pixels-confirm-20261128.md")

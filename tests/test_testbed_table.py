@@ -214,10 +214,21 @@ def test_expectations_files_are_read_and_checked(tmp_path):
     a malformed entry is one line naming the file, the job and the entry."""
     from benchmarks.testbed_expectations import EXPECTS, FOLDER, ExpectationsError, load
 
-    for name, jobs in (("testbed.yaml", 6), ("pixels.yaml", 9)):
+    seeds = {}
+    for name, jobs in (("testbed.yaml", 6), ("pixels.yaml", 9), ("pixels-gt.yaml", 9)):
         table, meta = load(FOLDER / name)
         assert len(table) == jobs and meta["min_n"] == 30 and isinstance(meta["confirm_seed"], int)
         assert all(e[3] in EXPECTS and e[4] == 30 for rows in table.values() for e in rows)
+        seeds[name] = meta["confirm_seed"]
+    # the no-ground-truth manifest's confirmation seed is one no run of the ground-truth variant has seen
+    assert seeds["pixels.yaml"] != seeds["pixels-gt.yaml"]
+    from benchmarks.testbed_expectations import default_file
+
+    # a manifest's own file first (the two pixels manifests differ); any other: by whether it has encoder exports
+    assert default_file(True, "manifests/pixels-gt.yaml") == FOLDER / "pixels-gt.yaml"
+    assert default_file(True, "manifests/pixels.yaml") == FOLDER / "pixels.yaml"
+    assert default_file(True, "my/own.yaml") == FOLDER / "pixels.yaml"
+    assert default_file(False, "manifests/testbed.yaml") == default_file(False) == FOLDER / "testbed.yaml"
     assert _testbed().LEARNABLE == load(FOLDER / "testbed.yaml")[0]  # the module's table is the file's
     bad = tmp_path / "bad.yaml"
     bad.write_text("rows:\n  c3:\n    - {benchmark: c3_mcp, subset: type1, metric: auc, expect: learn}\n")

@@ -213,3 +213,39 @@ def test_predicate_encoder_real_minilm_and_sam_specs():
     assert parse_spec("/models/sam_vit_h_4b8939.pth") == ("vit_h", "/models/sam_vit_h_4b8939.pth")
     with pytest.raises(ValueError):
         parse_spec("/models/unknown.pth")
+
+
+def test_relation_checkpoint_matches_the_same_weights_wherever_they_lie(tmp_path):
+    """A relation checkpoint's record names the SAM / feature model by path and by weights hash: a copy of the same
+    weights under another folder (a renamed or linked output folder) matches, other weights under the trained path do
+    not, and a record written before the hashes (paths only) is checked by hashing the path it names."""
+    import shutil
+
+    from pipeline.models.provenance import spec_weights_sha256
+    from pipeline.models.relations import embedding_mismatch
+
+    a = tmp_path / "a" / "sam"
+    a.mkdir(parents=True)
+    (a / "sam.pth").write_bytes(b"weights one")
+    (a / "sam_config.json").write_text("{}")  # not a weight file: not hashed
+    b = tmp_path / "b" / "sam"
+    shutil.copytree(a, b)
+    (b / "sam_config.json").write_text('{"other": 1}')
+
+    def info(sam):
+        rec = {"sam": str(sam), "embedding": "clip_pool", "features": f"clip-pool:{sam}"}
+        rec.update({f"{k}_sha256": spec_weights_sha256(rec[k]) for k in ("sam", "features")})
+        return rec
+
+    assert info(a)["sam_sha256"] == info(b)["sam_sha256"] == info(a)["features_sha256"] is not None
+    assert embedding_mismatch(info(a), info(b)) == {}
+    old = {k: v for k, v in info(a).items() if not k.endswith("_sha256")}  # a record from before the hashes
+    assert embedding_mismatch(old, info(b)) == {}
+    assert set(embedding_mismatch(info(a), dict(info(b), embedding="mask_pool"))) == {"embedding"}
+    (a / "sam.pth").write_bytes(b"weights two")  # other weights where the checkpoint's path points
+    now = info(a)
+    assert set(embedding_mismatch(info(b), now)) == {"sam_sha256", "features_sha256"}
+    assert set(embedding_mismatch(old, info(b))) == {"sam_sha256", "features_sha256"}  # the old path now holds others
+    shutil.rmtree(tmp_path / "a")  # an old record's path gone: compared by path, so a moved folder is not accepted
+    assert set(embedding_mismatch(old, info(b))) == {"sam", "features"}
+    assert spec_weights_sha256("tiny-random") is None and spec_weights_sha256(None) is None

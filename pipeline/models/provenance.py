@@ -41,6 +41,24 @@ def weights_hash(files: list[str | Path]) -> str | None:
     return h.hexdigest()
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def spec_weights_sha256(spec: str | None) -> str | None:
+    """The weights a model spec names, identified by content (:func:`weights_hash`), so that the same weights match
+    wherever their folder lies: a local folder's weight files, or a file; a ``<kind>:`` prefix (``clip-pool:``,
+    ``vit_b:``) is read past. ``None`` for a spec naming no local weights (``tiny-random``, a hub id, the oracle)."""
+    if not isinstance(spec, str) or not spec.strip():
+        return None
+    for s in (spec.strip(), spec.strip().split(":", 1)[-1]):
+        path = Path(s)
+        if path.is_dir():
+            return weights_hash([f for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES])
+        if path.is_file():
+            return weights_hash([path])
+    return None
+
+
 def state_dict_hash(module) -> str:
     """Hash of in-memory weights: how a seeded random model is identified in provenance."""
     h = hashlib.sha256()

@@ -224,6 +224,30 @@ def load_relation_checkpoint(path: str | Path):
     return model.eval(), ck
 
 
+def embedding_mismatch(trained: dict, now: dict) -> dict:
+    """{key: (trained, now)} for every setting of the tangible tokens that differs between a relation checkpoint's
+    record and the stage's (``extract_visual_tokens.embedding_info``). A model named by a path (``sam``,
+    ``features``) is compared by its weights (``<key>_sha256``), so the same weights in a moved or linked folder
+    match and other weights under the same path do not; a record written before the hashes (paths only) is
+    compared by hashing the path it names when that still exists, else by the path."""
+    from pipeline.models.provenance import spec_weights_sha256
+
+    diff = {}
+    for k, v in now.items():
+        if k.endswith("_sha256"):
+            continue  # compared with its model's key below
+        t, digest = trained.get(k), now.get(f"{k}_sha256")
+        if digest is not None:
+            t_digest = trained.get(f"{k}_sha256") or spec_weights_sha256(t)
+            if t_digest is not None:
+                if t_digest != digest:
+                    diff[f"{k}_sha256"] = (t_digest, digest)
+                continue
+        if t != v:
+            diff[k] = (t, v)
+    return diff
+
+
 class LearnedRelations(RelationPredictor):
     name = "learned"
 
@@ -236,8 +260,7 @@ class LearnedRelations(RelationPredictor):
         self.model, ck = load_relation_checkpoint(checkpoint)
         if list(ck["predicates"]) != list(vocabulary):
             raise ValueError(f"relation head {checkpoint} was trained on another predicate vocabulary ({len(ck['predicates'])} predicates)")
-        trained = ck.get("embedding", {})
-        diff = {k: (trained.get(k), v) for k, v in embedding_info.items() if trained.get(k) != v}
+        diff = embedding_mismatch(ck.get("embedding", {}), embedding_info)
         if diff:
             raise ValueError(f"relation head {checkpoint} was trained on other tangible embeddings: {diff} (trained, now)")
         self.checkpoint = str(checkpoint)

@@ -297,6 +297,12 @@ def embedding_info(cfg: Config, models: dict) -> dict:
     info = {"sam": models["sam"], "embedding": cfg.embedding, "width": cfg.width, "seed": cfg.seed, "segmenter_feature": feature}
     if cfg.embedding == "clip_pool":  # only then: checkpoints trained on SAM's own features keep matching
         info["features"] = features_spec(models)
+    from pipeline.models.provenance import spec_weights_sha256
+
+    for key in ("sam", "features"):  # the weights by content: a moved or linked output folder still matches
+        digest = spec_weights_sha256(info.get(key))
+        if digest:
+            info[f"{key}_sha256"] = digest
     return info
 
 
