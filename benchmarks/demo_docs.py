@@ -9,8 +9,12 @@ docs/performance.md. ``--png``: docs/report.png, the top of the run's report abo
 evaluation table, in headless Chromium, and docs/report.png.json beside it: the commit, the
 manifest and the command of the run, the figure's sha256 and the table the run gives (the same
 rows as the docs table: tests/test_docs.py checks the two agree). ``--check``: write nothing, exit
-1 naming the first line of the docs table that differs from the run's (the slow test
-``tests/test_docs.py::test_demo_docs_match_a_demo_run`` runs it on a demo run).
+1 naming the lines of the docs table that differ from the run's (the slow test
+``tests/test_docs.py::test_demo_docs_match_a_demo_run`` runs it on a demo run). The numbers are seeded, so
+on the machine that made the table they agree to the digit; another CPU's floating-point arithmetic moves
+some in the third digit (relation-head's recall@1 37.1 -> 35.6 on a 2-core AMD EPYC, 2026-11-29), so
+where they differ ``--check`` accepts each number within ``--tolerance`` (0.25) of its row's 95% interval
+width, with the same jobs, labels, item counts and verdicts; ``--tolerance 0`` asks for every digit.
 """
 
 from __future__ import annotations
@@ -96,6 +100,53 @@ def check_table(table: str) -> list[str]:
     return out
 
 
+NUMBER = re.compile(r"[+-]?\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?")
+N_COL, VERDICT_COL, DIFF_COL = 5, 6, 7  # the closing table's columns: job headline value interval bar n verdict diff
+
+
+def _numbers(cell: str) -> list[float]:
+    return [float(x.replace(",", "")) for x in NUMBER.findall(cell)]
+
+
+def _same_words(a: str, b: str) -> bool:
+    """Two cells' text with the numbers left out, equal, or equal up to where a label was cut (``…``): a column's
+    width follows its widest cell, so a number printed one digit longer cuts a label beside it one letter shorter."""
+    a, b = NUMBER.sub("#", a), NUMBER.sub("#", b)
+    if a == b:
+        return True
+    if "…" not in a + b:
+        return False
+    pa, pb = a.split("…", 1)[0], b.split("…", 1)[0]
+    return pa.startswith(pb) or pb.startswith(pa)
+
+
+def close_lines(table: str, tolerance: float) -> list[str]:
+    """The rows of the docs table and ``table`` that differ by more than another CPU's arithmetic moves them: the
+    same jobs, headlines, labels, item counts (n) and verdicts, and every other number within ``tolerance`` times
+    the width of its row's 95% interval (the value's for the value, the interval and the bar; the difference's for
+    the difference). Empty: they agree within it."""
+    shown, made = docs_table().splitlines(), table.splitlines()
+    if len(shown) != len(made):
+        return [f"docs {len(shown)} lines, run {len(made)}"]
+    out = []
+    for i, (a, b) in enumerate(zip(shown, made)):
+        ca, cb = re.split(r"\s{2,}", a.strip()), re.split(r"\s{2,}", b.strip())
+        bad = len(ca) != len(cb) or (i > 0 and (ca[N_COL] != cb[N_COL] or ca[VERDICT_COL] != cb[VERDICT_COL]))
+        for j, (x, y) in enumerate(zip(ca, cb)):
+            if bad:
+                break
+            nx, ny = _numbers(x), _numbers(y)
+            if not _same_words(x, y) or len(nx) != len(ny):
+                bad = True
+            elif nx and i > 0:
+                ci = _numbers(ca[DIFF_COL] if j == DIFF_COL else ca[3])[-2:]
+                width = abs(ci[1] - ci[0]) if len(ci) == 2 else 0.0
+                bad = any(abs(u - v) > tolerance * width + 1e-12 for u, v in zip(nx, ny))
+        if bad:
+            out.append(f"line {i + 1}: docs {a!r} != run {b!r}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------- the figure
 
 
@@ -167,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", action="store_true", help="docs/report.png and docs/report.png.json")
     ap.add_argument("--png-out", type=Path, default=REPO / "docs" / "report.png")
     ap.add_argument("--check", action="store_true", help="compare the docs table with the run's; write nothing")
+    ap.add_argument("--tolerance", type=float, default=0.25, help="--check: where the tables differ, accept numbers "
+                    "within this fraction of their row's 95%% interval width (another CPU's arithmetic; labels, n and "
+                    "verdicts exact); 0: to the digit")
     a = ap.parse_args(argv)
     if not re.search(r"(^|/)manifests/demo\.yaml$", a.manifest):
         raise SystemExit("the docs' table and figure come from a demo run (manifests/demo.yaml)")
@@ -179,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     table = closing_table(runs)
     if a.check:
         diff = check_table(table)
-        print("\n".join(diff) if diff else f"docs/performance.md's demo table is {output}'s")
-        return 1 if diff else 0
+        if not diff:
+            print(f"docs/performance.md's demo table is {output}'s, to the digit")
+            return 0
+        far = close_lines(table, a.tolerance) if a.tolerance > 0 else diff
+        print("\n".join(far) if far else "\n".join(diff) + f"\ndocs/performance.md's demo table is {output}'s within "
+              f"{a.tolerance} of each row's 95% interval width (not to the digit: a CPU other than the one that made "
+              "it?); the same jobs, labels, n and verdicts")
+        return 1 if far else 0
     commit = _commit()  # before this writes anything
     if a.table:
         write_table(table, commit)
