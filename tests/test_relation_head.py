@@ -146,7 +146,7 @@ def test_relation_head_learns_scene_graphs(tmp_path, ray_session):
     import pyarrow.parquet as pq
 
     table = pq.read_table(tmp_path / "rh" / "eval" / "final" / "results.parquet").to_pylist()
-    got = {r["metric"]: r for r in table if r["benchmark"] == "relation-head"}
+    got = {r["metric"]: r for r in table if r["benchmark"] == "relation-head" and r["subset"] == "held_out"}
     r20 = got["recall@20"]
     assert r20["value"] == pytest.approx(res["val_recall@20"]) and r20["chance"] == pytest.approx(res["val_chance_recall@20"])
     assert r20["ci_low"] <= r20["value"] <= r20["ci_high"] < 100.001 and r20["n"] == res["val_images"]
@@ -295,3 +295,82 @@ def test_labels_are_the_scene_graphs_unless_the_artifact_holds_them(tmp_path, ca
     assert src == "artifact" and got == {k: v for k, v in own.items() if k in got}
     assert "not ground-truth annotations" in capsys.readouterr().out
     assert labels(truth, "auto")[0] == "artifact"
+
+
+def test_per_predicate_recall_and_mean_recall_against_brute_force():
+    """predicate:<p> recall@K rows and held-out mean_recall@K (mR@K) equal a brute-force recount from the model's own
+    scores: per image, each predicate's share of its triples among the top K (ties broken as recall_at_k breaks
+    them), averaged over the images that have it, mR the mean over predicates; chance is the image-blind ranking's
+    expected recall of each predicate's triples; the baseline's rows name theirs (baseline_for)."""
+    from pipeline.models.relations import build_relation_head
+    from train.jobs.relation_head.metrics import PredicatePrior
+
+    torch.manual_seed(0)
+    model = build_relation_head(in_dim=8, width=16, layers=1, heads=2, cls_dim=4, n_predicates=3, dropout=0.0)
+    base = build_relation_head(in_dim=8, width=16, layers=1, heads=2, cls_dim=4, n_predicates=3, dropout=0.0)
+    r = np.random.default_rng(1)
+    items = []
+    for i in range(40):
+        v = 3 + i % 2
+        trip = np.array([[a, b, r.integers(3)] for a in range(v) for b in range(v) if a != b and r.random() < 0.4], np.int64)
+        items.append((100 + i, r.random((v, 8), dtype=np.float32), r.random((v, 8), dtype=np.float32), trip.reshape(-1, 3)))
+    prior = PredicatePrior(items, 3, mode="global")
+    vocab = ["on", "left/of", "near"]
+    rows = recall_rows(model, items, 3, 8, [2, 4], prior, vocab=vocab, baselines={"b": (base, "the baseline")})
+    got = {(x.subset, x.metric): x for x in rows}
+    for m, tag in ((model, ""), (base, "[b]")):
+        for k in (2, 4):
+            per: dict[int, list[float]] = {}
+            chance: dict[int, list[float]] = {}
+            with torch.no_grad():
+                from train.jobs.relation_head.batches import collate
+
+                emb, box, pad, _ = collate(items, 3, 8)
+                probs = torch.sigmoid(m(emb, box, pad)).numpy()
+            for i, it in enumerate(items):
+                if not len(it[3]):
+                    continue
+                v = len(it[1])
+                flat = [(probs[i, s, o, c], s * v * 3 + o * 3 + c, (s, o, c)) for s in range(v) for o in range(v)
+                        for c in range(3) if s != o]
+                top = {e for _, _, e in sorted(flat, key=lambda x: (-x[0], x[1]))[:k]}
+                gt = {tuple(t) for t in it[3].tolist()}
+                for c in {t[2] for t in gt}:
+                    mine = [t for t in gt if t[2] == c]
+                    per.setdefault(c, []).append(sum(t in top for t in mine) / len(mine))
+                    p = v * (v - 1)
+                    chance.setdefault(c, []).append(float(np.clip((k - prior.global_rank[c] * p) / p, 0, 1)))
+            for c, vals in per.items():
+                row = got[(f"predicate:{vocab[c].replace('/', '-')}", f"recall@{k}{tag}")]
+                assert row.value == pytest.approx(100 * np.mean(vals)) and row.n == len(vals)
+                assert row.chance == pytest.approx(100 * np.mean(chance[c])) and row.ci_low <= row.value <= row.ci_high
+                assert row.ci_low < row.ci_high  # never zero width, even where every image scored the same
+                assert row.baseline_for == (f"predicate:{vocab[c].replace('/', '-')}/recall@{k}" if tag else "")
+            mr = got[("held_out", f"mean_recall@{k}{tag}")]
+            assert mr.value == pytest.approx(100 * np.mean([np.mean(x) for x in per.values()]))
+            assert mr.chance == pytest.approx(100 * np.mean([np.mean(x) for x in chance.values()]))
+            assert mr.n == sum(1 for it in items if len(it[3])) and mr.ci_low < mr.value < mr.ci_high
+    # strongest: one image-blind order for all predicates, the one whose mR is the higher
+    def mr_chance(mode):
+        rs = recall_rows(model, items, 3, 8, [2], PredicatePrior(items, 3, mode=mode), vocab=vocab)
+        return {(x.subset, x.metric): x.chance for x in rs}
+
+    g, c, s = mr_chance("global"), mr_chance("instance_count"), mr_chance("strongest")
+    key = ("held_out", "mean_recall@2")
+    assert g[key] != c[key] and s[key] == max(g[key], c[key])
+    pick = g if g[key] >= c[key] else c
+    assert all(s[kk] == pick[kk] for kk in s if kk[0].startswith("predicate:"))
+
+
+def test_a_recall_every_image_shares_has_an_interval_of_the_images():
+    """61 images none of which recalls a predicate: the bootstrap has no spread to resample; the interval is Wilson's
+    on 61 observations (0 to ~5.9%), not [0, 0]; with spread, it is the cluster bootstrap's."""
+    from train.eval.intervals import interval, mean, wilson_n
+    from train.jobs.relation_head.metrics import recall_interval
+
+    zeros = mean(np.zeros(61), np.arange(61))
+    assert recall_interval(zeros) == pytest.approx(wilson_n(0.0, 61)) and 5 < recall_interval(zeros)[1] < 7
+    ones = mean(np.ones(20), np.arange(20))
+    assert recall_interval(ones) == pytest.approx(wilson_n(1.0, 20)) and recall_interval(ones)[0] < 100
+    mixed = mean(np.r_[np.zeros(30), np.ones(31)], np.arange(61))
+    assert recall_interval(mixed) == pytest.approx(interval(mixed, 100.0))

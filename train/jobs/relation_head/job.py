@@ -191,7 +191,7 @@ class RelationHeadJob(Job):
         model = model.cpu()
         try:
             return recall_rows(model, self.eval_items, len(self.vocab), self.d, self.cfg.recall_k, self.pred_rank,
-                               baselines=self.baselines(), benchmark=self.NAME)
+                               baselines=self.baselines(), benchmark=self.NAME, vocab=self.vocab)
         finally:
             model.to(self.device)
 

@@ -68,6 +68,17 @@ class PredicatePrior:
         """The order at ``v`` instances (``global`` mode: the global order)."""
         return self.global_rank if self.mode == "global" else self.by_count.get(int(v), self.global_rank)
 
+    def candidates(self) -> list:
+        """The image-blind orders this prior chooses from: ``strongest``: the global and the by-count one (as a
+        :class:`PredicatePrior` in ``instance_count`` mode); else itself."""
+        if self.mode != "strongest":
+            return [self]
+        import copy
+
+        by_count = copy.copy(self)
+        by_count.mode = "instance_count"
+        return [self.global_rank, by_count]
+
 
 def prior_lists(graphs: list[tuple[np.ndarray, int]], ks: list[int], pred_rank) -> dict[int, list[float]]:
     """{k: the image-blind prior's expected recall of each (triplets, V) in ``graphs``}: ``pred_rank`` a [C] rank or
@@ -118,25 +129,77 @@ def per_image_recall(model, items, n_pred: int, d: int, ks: list[int], pred_rank
                      batch_size: int = 64) -> tuple[dict, dict, dict]:
     """({k: recall of each image with ground truth}, {k: its random-ranking recall},
     {k: its image-blind prior recall}), fractions."""
-    model.eval()
     res = {k: [] for k in ks}
     rand = {k: [] for k in ks}
     scored = []  # (triplets, V) of each image with ground truth, for the prior
+    for it, probs in _scored(model, items, n_pred, d, batch_size):
+        scored.append((it[3], len(it[1])))
+        for k in ks:
+            r = recall_at_k(probs, it[3], k)
+            res[k].append(r[0])
+            rand[k].append(r[1])
+    return res, rand, prior_lists(scored, ks, pred_rank)
+
+
+def _scored(model, items, n_pred: int, d: int, batch_size: int = 64):
+    """(item, sigmoid scores [V, V, C]) of each item that has a ground-truth triple, in the items' order."""
+    model.eval()
     with torch.no_grad():
         for s in range(0, len(items), batch_size):
             chunk = items[s : s + batch_size]
             emb, box, pad, _ = collate(chunk, n_pred, d)
             probs = torch.sigmoid(model(emb, box, pad)).numpy()
             for i, it in enumerate(chunk):
-                v = len(it[1])
                 if len(it[3]):
-                    scored.append((it[3], v))
-                for k in ks:
-                    r = recall_at_k(probs[i, :v, :v], it[3], k)
-                    if r is not None:
-                        res[k].append(r[0])
-                        rand[k].append(r[1])
-    return res, rand, prior_lists(scored, ks, pred_rank)
+                    v = len(it[1])
+                    yield it, probs[i, :v, :v]
+
+
+def top_k_hits(probs: np.ndarray, trip: np.ndarray, k: int) -> np.ndarray:
+    """[E] bool: each ground-truth triple among the image's ``k`` highest-scoring (subject, object, predicate)
+    triples (the ranking of :func:`recall_at_k`; its recall is the mean of this over the distinct triples)."""
+    v, _, c = probs.shape
+    valid = ~np.eye(v, dtype=bool)[..., None].repeat(c, 2)
+    top = np.argsort(-np.where(valid, probs, -np.inf).reshape(-1), kind="stable")[: min(k, int(valid.sum()))]
+    return np.isin(np.ravel_multi_index((trip[:, 0], trip[:, 1], trip[:, 2]), probs.shape), top)
+
+
+def per_predicate_recall(model, items, n_pred: int, d: int, ks: list[int], batch_size: int = 64) -> dict:
+    """{k: {predicate id: ([recall@k over that predicate's ground-truth triples] per image that has one, [the
+    images' sample ids])}}: the per-predicate recall of the scene-graph literature's mean recall mR@K (Chen et al.
+    2019, Tang et al. 2019): a predicate's hits among its own triples in the image's top K, averaged over the images
+    that have it, so that a rare predicate counts as much as a frequent one in the mean."""
+    out = {k: {} for k in ks}
+    for it, probs in _scored(model, items, n_pred, d, batch_size):
+        trip = np.unique(it[3], axis=0)
+        for k in ks:
+            hit = top_k_hits(probs, trip, k)
+            for c in np.unique(trip[:, 2]).tolist():
+                vals, ids = out[k].setdefault(int(c), ([], []))
+                vals.append(float(hit[trip[:, 2] == c].mean()))
+                ids.append(it[0])
+    return out
+
+
+def prior_per_predicate(items, ks: list[int], pred_rank) -> dict:
+    """{k: {predicate id: [the image-blind ranking's expected recall of that predicate's triples] per image that has
+    one}}, in :func:`per_predicate_recall`'s order; ``strongest``: per k, the global or the by-count order, whichever
+    has the higher mean recall over the predicates (one ranking for all of them, as a model has)."""
+    graphs = [(np.unique(it[3], axis=0), len(it[1])) for it in items if len(it[3])]
+    orders = pred_rank.candidates() if isinstance(pred_rank, PredicatePrior) else [pred_rank]
+    out = {}
+    for k in ks:
+        best = None
+        for order in orders:
+            per: dict[int, list[float]] = {}
+            for trip, v in graphs:
+                for c in np.unique(trip[:, 2]).tolist():
+                    per.setdefault(int(c), []).append(prior_recall(trip[trip[:, 2] == c], v, k, order))
+            score = np.mean([np.mean(x) for x in per.values()]) if per else 0.0
+            if best is None or score > best[0]:  # ties: the first (the global order)
+                best = (score, per)
+        out[k] = best[1]
+    return out
 
 
 def evaluate_model(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.ndarray, batch_size: int = 64) -> dict:
@@ -150,12 +213,25 @@ def evaluate_model(model, items, n_pred: int, d: int, ks: list[int], pred_rank: 
     return out
 
 
+def recall_interval(est) -> tuple[float, float]:
+    """The 95% interval (percent) of a mean of per-image recalls: the cluster bootstrap
+    (:func:`train.eval.intervals.interval`); where every image scored the same (a predicate no image recalls at
+    K = 1, or every one), the bootstrap has nothing to resample and would give a zero-width interval, so each image
+    is one observation of that rate (Wilson on the images, as the proportions' path does at 0 or all hits)."""
+    from train.eval.intervals import n_clusters, wilson_n
+
+    if est.n and float(np.ptp(est.y)) == 0.0 and len(set(est.group.tolist())) == 1:
+        return wilson_n(est.value, n_clusters(est), 100.0)
+    return interval(est, 100.0)
+
+
 def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.ndarray, batch_size: int = 64,
-                baselines: dict | None = None, benchmark: str = "relation-head") -> list[Row]:
+                baselines: dict | None = None, benchmark: str = "relation-head", vocab: list[str] | None = None) -> list[Row]:
     """recall@k of ``items`` (percent) per k, the image-blind prior ranking's recall as chance, a
     95% bootstrap interval over images; images without a ground-truth triple are counted as skipped.
     ``baselines``: {name: (a model with the head's call signature, note)} scored on the same images,
-    each a ``recall@k[name]`` row naming its result row (``baseline_for``)."""
+    each a ``recall@k[name]`` row naming its result row (``baseline_for``). With ``vocab`` (the predicate names),
+    also :func:`predicate_rows`: where the recall comes from, predicate by predicate, and its mean mR@K."""
     res, rand, prior = per_image_recall(model, items, n_pred, d, ks, pred_rank, batch_size)
     n = len(res[ks[0]])
     skipped = len(items) - n
@@ -173,10 +249,48 @@ def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.
                         "RAM recall@K of (subject, object, predicate) triples; chance: the image-blind ranking "
                         f"(predicates by training frequency{_prior_words(pred_rank)}); "
                         f"a random ranking: {100.0 * float(np.mean(rand[k])):.2f}",
-                        est=est).with_ci(interval(est, 100.0)))
+                        est=est).with_ci(recall_interval(est)))
         for name, (br, note) in base.items():
             e0 = mean(br[k], images)
             rows.append(Row(benchmark, "held_out", f"recall@{k}[{name}]", 100.0 * float(np.mean(br[k])), n,
                             100.0 * float(np.mean(prior[k])), skipped, reasons, "%", note,
-                            baseline_for=f"held_out/recall@{k}", est=e0).with_ci(interval(e0, 100.0)))
+                            baseline_for=f"held_out/recall@{k}", est=e0).with_ci(recall_interval(e0)))
+    if vocab is not None:
+        rows += predicate_rows(model, items, n_pred, d, ks, pred_rank, vocab, batch_size, baselines, benchmark)
+    return rows
+
+
+def predicate_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank, vocab: list[str], batch_size: int = 64,
+                   baselines: dict | None = None, benchmark: str = "relation-head") -> list[Row]:
+    """Per predicate p of the held-out ground truth, ``recall@k`` in subset ``predicate:<p>`` (its triples' recall,
+    over the images that have it), and subset ``held_out`` ``mean_recall@k`` (mR@K: the mean over the predicates,
+    its interval over images across all of them, :func:`train.eval.intervals.macro`), chance the image-blind
+    ranking's (:func:`prior_per_predicate`), each with the ``baselines``' rows beside it. These say which predicates
+    the head reads and where it stands against the boxes-only classifier, predicate by predicate."""
+    from train.eval.intervals import macro
+
+    scored = [it for it in items if len(it[3])]
+    prior = prior_per_predicate(scored, ks, pred_rank)
+    runs = [("", None, per_predicate_recall(model, items, n_pred, d, ks, batch_size), "")]
+    runs += [(f"[{name}]", name, per_predicate_recall(m, items, n_pred, d, ks, batch_size), note)
+             for name, (m, note) in (baselines or {}).items()]
+    rows = []
+    for k in ks:
+        for tag, name, per, note in runs:
+            parts = []
+            for c in sorted(per[k]):
+                vals, ids = per[k][c]
+                est = mean(vals, np.asarray(ids))
+                parts.append(est)
+                subset = "predicate:" + vocab[c].replace("/", "-")
+                rows.append(Row(benchmark, subset, f"recall@{k}{tag}", 100.0 * est.value, est.n,
+                                100.0 * float(np.mean(prior[k][c])), 0, {}, "%",
+                                note or f"recall@{k} of the held-out {vocab[c]!r} triples, over the images that have one",
+                                baseline_for=f"{subset}/recall@{k}" if name else "", est=est).with_ci(recall_interval(est)))
+            est = macro(parts)
+            rows.append(Row(benchmark, "held_out", f"mean_recall@{k}{tag}", 100.0 * est.value, len(scored),
+                            100.0 * float(np.mean([np.mean(x) for x in prior[k].values()])), len(items) - len(scored),
+                            {"no_ground_truth_relation": len(items) - len(scored)} if len(items) > len(scored) else {},
+                            "%", note or f"mR@{k}: the mean over the {len(parts)} held-out predicates of their recall@{k}",
+                            baseline_for=f"held_out/mean_recall@{k}" if name else "", est=est).with_ci(recall_interval(est)))
     return rows
