@@ -85,11 +85,17 @@ def test_relations_from_pixels_through_the_commands(tmp_path):
     assert info["label_stats"]["held_out"]["relations_kept_fraction"] == 1.0
     import pyarrow.parquet as pq
 
-    rows = {r["metric"]: r for r in pq.read_table(Path(res["run_dir"]) / "eval" / "final" / "results.parquet").to_pylist()
-            if r["benchmark"] == "relation-encoder"}
+    table = [r for r in pq.read_table(Path(res["run_dir"]) / "eval" / "final" / "results.parquet").to_pylist()
+             if r["benchmark"] == "relation-encoder"]
+    rows = {r["metric"]: r for r in table if r["subset"] == "held_out"}
     for k in (1, 3, 5):
         assert rows[f"recall@{k}[boxes-only]"]["baseline_for"] == f"held_out/recall@{k}"
-        assert 0 <= rows[f"recall@{k}"]["value"] <= 100 and rows[f"recall@{k}"]["n"] > 0
+        assert rows[f"recall@{k}"]["n"] == rows[f"recall@{k}[boxes-only]"]["n"] > 0
+        # mR@K is the mean of the per-predicate rows (subset predicate:<p>) of the same model
+        per = [r["value"] for r in table if r["subset"].startswith("predicate:") and r["metric"] == f"recall@{k}"]
+        assert per and rows[f"mean_recall@{k}"]["value"] == pytest.approx(sum(per) / len(per))
+    for name in ("recall@{}", "recall@{}[boxes-only]"):  # the top 1 is in the top 3, the top 3 in the top 5
+        assert rows[name.format(1)]["value"] <= rows[name.format(3)]["value"] <= rows[name.format(5)]["value"]
 
     # the evaluator where the answer is known: the ground truth's own graphs, then the stage's geometric predictor
     _ok(_run(*pipe, "extract-visual-tokens", "-m", str(mp), "--set", "stages.extract_visual_tokens.relations=annotations"))
