@@ -120,12 +120,12 @@ def _same_words(a: str, b: str) -> bool:
     return pa.startswith(pb) or pb.startswith(pa)
 
 
-def close_lines(table: str, tolerance: float) -> list[str]:
+def close_lines(table: str, tolerance: float, shown: str | None = None) -> list[str]:
     """The rows of the docs table and ``table`` that differ by more than another CPU's arithmetic moves them: the
     same jobs, headlines, labels, item counts (n) and verdicts, and every other number within ``tolerance`` times
     the width of its row's 95% interval (the value's for the value, the interval and the bar; the difference's for
-    the difference). Empty: they agree within it."""
-    shown, made = docs_table().splitlines(), table.splitlines()
+    the difference). Empty: they agree within it. ``shown``: the table to compare with (default the docs')."""
+    shown, made = (docs_table() if shown is None else shown).splitlines(), table.splitlines()
     if len(shown) != len(made):
         return [f"docs {len(shown)} lines, run {len(made)}"]
     out = []
