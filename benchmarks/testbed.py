@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/testbed.py [--manifest manifests/testbed.yaml] [--jobs concept-ot c3 ...]
                                            [--seed 0] [--set key=value ...] [--no-stages] [--no-control] [--fresh]
                                            [--parallel 2] [--expectations FILE] [--confirm]
+                                           [--no-encoders | --encoders-from runs/pixels/encoders]
 
 1. ``pipeline run all --manifest M`` (timed; a rerun resumes, so the stages' time is 0 when nothing changed);
 2. per job, the real commands a user types: ``train run <job> --manifest M --json`` and its control,
@@ -333,6 +334,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=str(REPO / "manifests" / "testbed.yaml"),
                     help="the oracle column: each row's value in this manifest's run of the job (benchmarks/testbed_encoders.py)")
     ap.add_argument("--no-encoders", action="store_true", help="the encoders exist: skip training the ones models.* point at")
+    ap.add_argument("--encoders-from", default=None, metavar="DIR", help="link <output>/encoders to DIR (another run's "
+                    "encoders folder, e.g. runs/pixels/encoders) and train no encoder: a confirmation run on the models "
+                    "seed 0's run trained on the corpus (implies --no-encoders)")
     ap.add_argument("--table-only", action="store_true", help="train nothing, run no stage: the table of the runs that "
                     "the same command trained before (their folders as `train run` names them)")
     ap.add_argument("--parallel", type=int, default=2, help="commands at once (encoders; each job beside its control); "
@@ -367,6 +371,16 @@ def main(argv=None) -> int:
         args.sets = [*args.sets, *confirm_sets(load_manifest(args.manifest, args.sets).output, int(seed))]
         exp_line = (f"confirmation run: dataset.synthetic.seed={seed}; expectations {exp_path.relative_to(REPO)} "
                     f"committed as git blob {blob} (`git log --find-object={blob}` names the commit)")
+    if args.encoders_from:
+        from benchmarks.testbed_encoders import link_encoders
+        from pipeline.config import load_manifest
+
+        try:
+            print(f"testbed: {link_encoders(load_manifest(args.manifest, args.sets).output, args.encoders_from)}")
+        except ValueError as e:
+            print(f"testbed: {e}", file=sys.stderr)
+            return 2
+        args.no_encoders = True
     t_start = time.perf_counter()
     CHILD_ENV.clear()
     CHILD_ENV.update({"OMP_NUM_THREADS": "1"} if args.parallel > 1 else {})

@@ -60,6 +60,24 @@ def run_encoders(cli, manifest: str, sets: list[str], jobs: list[str], pool=None
     return [(job, *r) for job, r in zip(jobs, results)], t_ingest
 
 
+def link_encoders(output: str | Path, source: str | Path) -> str:
+    """``<output>/encoders`` as a link to ``source`` (another run's encoders folder): the models that learn from the
+    corpus alone (the encoders, the SAM, the relation encoder) are the same for every testbed seed, so a confirmation
+    run can read seed 0's instead of training them again. The relation checkpoints name their SAM / CLIP by weights
+    hash, so the linked folder is accepted. A link to the same folder is kept; anything else already at
+    ``<output>/encoders`` is an error (nothing is replaced). Returns what was done, one line."""
+    out, src = Path(output) / "encoders", Path(source).resolve()
+    if not src.is_dir():
+        raise ValueError(f"--encoders-from {source}: no such folder")
+    if out.is_symlink() or out.exists():
+        if out.resolve() == src:
+            return f"{out} already links to {src}"
+        raise ValueError(f"--encoders-from: {out} already exists and is not a link to {src}; remove it or drop the option")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.symlink_to(src, target_is_directory=True)
+    return f"{out} -> {src} (linked: the corpus-trained models are not trained again)"
+
+
 def oracle_rows(job: str, compare: str | None, sets: list[str]) -> dict:
     """{(benchmark, subset, metric): value} of ``job``'s finished run under the ``compare`` manifest ({} when it
     has none: run benchmarks/testbed.py on that manifest first)."""

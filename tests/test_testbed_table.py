@@ -270,3 +270,30 @@ def test_confirmation_run_needs_committed_expectations(tmp_path, monkeypatch, ca
     outside.write_text((REPO / "benchmarks" / "expectations" / "testbed.yaml").read_text())
     assert _testbed().main(["--confirm", "--expectations", str(outside), "--table-only"]) == 2
     assert "e.yaml: outside the repository" in capsys.readouterr().err
+
+
+def test_encoders_from_links_another_runs_encoders_once(tmp_path, capsys, monkeypatch):
+    """--encoders-from links <output>/encoders to another run's folder (relative paths, as the README runs it), keeps
+    a link to the same folder, refuses anything else already there, and a folder that does not exist; the run then
+    trains no encoder (--table-only here: nothing else runs)."""
+    import pytest
+
+    from benchmarks.testbed_encoders import link_encoders
+
+    src = tmp_path / "runs" / "pixels" / "encoders"
+    (src / "clip").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    out = Path("runs/pixels-confirm-1")
+    assert "linked" in link_encoders(out, "runs/pixels/encoders")
+    assert (out / "encoders").is_symlink() and (out / "encoders" / "clip").is_dir()
+    assert "already links" in link_encoders(out, src)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    with pytest.raises(ValueError, match="already exists and is not a link to"):
+        link_encoders(out, other)
+    with pytest.raises(ValueError, match="no such folder"):
+        link_encoders(tmp_path / "fresh", tmp_path / "missing")
+    assert not (tmp_path / "fresh").exists()
+    monkeypatch.chdir(REPO)
+    assert _testbed().main(["--encoders-from", str(tmp_path / "missing"), "--table-only"]) == 2
+    assert "--encoders-from" in capsys.readouterr().err
