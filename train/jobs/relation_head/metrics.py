@@ -84,14 +84,11 @@ def prior_lists(graphs: list[tuple[np.ndarray, int]], ks: list[int], pred_rank) 
     """{k: the image-blind prior's expected recall of each (triplets, V) in ``graphs``}: ``pred_rank`` a [C] rank or
     a :class:`PredicatePrior`; in its ``strongest`` mode, per k, the global or the by-count order, whichever has the
     higher mean over ``graphs`` (ties: the global)."""
+    orders = pred_rank.candidates() if isinstance(pred_rank, PredicatePrior) else [pred_rank]
     out = {}
     for k in ks:
-        if isinstance(pred_rank, PredicatePrior) and pred_rank.mode == "strongest":
-            glob = [prior_recall(t, v, k, pred_rank.global_rank) for t, v in graphs]
-            count = [prior_recall(t, v, k, pred_rank.by_count.get(int(v), pred_rank.global_rank)) for t, v in graphs]
-            out[k] = count if graphs and np.mean(count) > np.mean(glob) else glob
-        else:
-            out[k] = [prior_recall(t, v, k, pred_rank) for t, v in graphs]
+        lists = [[prior_recall(t, v, k, order) for t, v in graphs] for order in orders]
+        out[k] = max(lists, key=lambda x: float(np.mean(x)) if x else 0.0)  # the first of equals: the global order
     return out
 
 
@@ -116,13 +113,9 @@ def recall_at_k(probs: np.ndarray, trip: np.ndarray, k: int) -> tuple[float, flo
     if len(trip) == 0:
         return None
     v, _, c = probs.shape
-    valid = ~np.eye(v, dtype=bool)[..., None].repeat(c, 2)
-    flat = np.where(valid, probs, -np.inf).reshape(-1)
-    n = int(valid.sum())
-    top = np.argsort(-flat, kind="stable")[: min(k, n)]
-    gt = set(np.ravel_multi_index((trip[:, 0], trip[:, 1], trip[:, 2]), probs.shape).tolist())
-    hits = len(gt.intersection(top.tolist()))
-    return hits / len(gt), min(k, n) / n
+    n = v * (v - 1) * c
+    hit = top_k_hits(probs, np.unique(trip, axis=0), k)  # each distinct ground-truth triple counted once
+    return int(hit.sum()) / len(hit), min(k, n) / n
 
 
 def per_image_recall(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.ndarray,
@@ -189,16 +182,15 @@ def prior_per_predicate(items, ks: list[int], pred_rank) -> dict:
     orders = pred_rank.candidates() if isinstance(pred_rank, PredicatePrior) else [pred_rank]
     out = {}
     for k in ks:
-        best = None
+        per_order = []
         for order in orders:
             per: dict[int, list[float]] = {}
             for trip, v in graphs:
                 for c in np.unique(trip[:, 2]).tolist():
                     per.setdefault(int(c), []).append(prior_recall(trip[trip[:, 2] == c], v, k, order))
-            score = np.mean([np.mean(x) for x in per.values()]) if per else 0.0
-            if best is None or score > best[0]:  # ties: the first (the global order)
-                best = (score, per)
-        out[k] = best[1]
+            per_order.append(per)
+        # the first of equals: the global order
+        out[k] = max(per_order, key=lambda per: float(np.mean([np.mean(x) for x in per.values()])) if per else 0.0)
     return out
 
 
