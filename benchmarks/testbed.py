@@ -16,8 +16,9 @@
    exports; ``--expectations`` another), whose
    header defines the vocabulary: ``above base``, ``at base`` (above chance, not above its strongest
    no-learning baseline), ``above chance``, ``chance``, ``prior``, ``measured``. ``--confirm`` is the
-   confirmation run: the same testbed on the file's ``confirm_seed`` (a generator seed no tuning used, in
-   ``<output>-confirm-<seed>``), refused unless the file is committed as it is; the table's first line
+   confirmation run: the same testbed on the file's ``confirm_seed`` (a generator seed no tuning used) and
+   ``confirm_set`` overrides (the sizes its predictions were written for, where it names any), in
+   ``<output>-confirm-<seed>``, refused unless the file is committed as it is; the table's first line
    records the file's git blob hash (benchmarks/testbed_expectations.py).
 
    * a row expected ``above base``: ``learned`` when its paired verdict is ``above`` (:mod:`pipeline.report.significance`): with a no-learning baseline reported beside the row
@@ -345,7 +346,8 @@ def main(argv=None) -> int:
                     "benchmarks/expectations/<the manifest's name>.yaml where there is one, else pixels.yaml for a manifest with "
                     "encoder exports, else testbed.yaml)")
     ap.add_argument("--confirm", action="store_true", help="the confirmation run: the expectations file's confirm_seed "
-                    "as dataset.synthetic.seed, in <output>-confirm-<seed>; refused unless the file is committed as it is")
+                    "as dataset.synthetic.seed (and its confirm_set overrides), in <output>-confirm-<seed>; refused "
+                    "unless the file is committed as it is")
     args = ap.parse_args(argv)
     from benchmarks.testbed_encoders import encoder_jobs, oracle_key, oracle_rows, run_encoders
     from benchmarks.testbed_expectations import ExpectationsError, committed_blob, confirm_sets
@@ -368,8 +370,10 @@ def main(argv=None) -> int:
             return 2
         from pipeline.config import load_manifest
 
-        args.sets = [*args.sets, *confirm_sets(load_manifest(args.manifest, args.sets).output, int(seed))]
-        exp_line = (f"confirmation run: dataset.synthetic.seed={seed}; expectations {exp_path.relative_to(REPO)} "
+        extra = meta["confirm_set"]
+        args.sets = [*args.sets, *confirm_sets(load_manifest(args.manifest, [*args.sets, *extra]).output, int(seed), extra)]
+        exp_line = (f"confirmation run: {', '.join(extra) + ', ' if extra else ''}dataset.synthetic.seed={seed}; "
+                    f"expectations {exp_path.relative_to(REPO)} "
                     f"committed as git blob {blob} (`git log --find-object={blob}` names the commit)")
     if args.encoders_from:
         from benchmarks.testbed_encoders import link_encoders

@@ -8,7 +8,8 @@ the table ``{job: [(benchmark, subset, metric, expect, min_n, why)]}`` that ``te
 that is not of that form is one error line naming the file, the job and the entry.
 
 A confirmation run (``benchmarks/testbed.py --confirm``) trains and scores on a fresh generator seed, the file's
-``confirm_seed``, which no tuning has used, in its own output folder (``<output>-confirm-<seed>``). It refuses to
+``confirm_seed``, which no tuning has used, in its own output folder (``<output>-confirm-<seed>``), with the file's
+``confirm_set`` overrides where it has them (the sizes the predictions were written for). It refuses to
 start while the expectations file differs from its committed version (:func:`committed_blob`), and its table
 records the file's git blob hash: ``git log --find-object=<hash>`` then shows the commit that wrote it, before
 the run.
@@ -37,7 +38,8 @@ def default_file(pixels: bool, manifest: str | Path | None = None) -> Path:
 
 
 def load(path: str | Path) -> tuple[dict[str, list[tuple]], dict]:
-    """({job: [(benchmark, subset, metric, expect, min_n, why)]}, the file's other keys: min_n, confirm_seed)."""
+    """({job: [(benchmark, subset, metric, expect, min_n, why)]}, the file's other keys: min_n, confirm_seed,
+    confirm_set: the manifest overrides a confirmation run adds, fixed with the predictions, e.g. a larger held-out split)."""
     import yaml
 
     path = Path(path)
@@ -63,7 +65,10 @@ def load(path: str | Path) -> tuple[dict[str, list[tuple]], dict]:
                 raise ExpectationsError(f"{where}: expect {e['expect']!r} is not one of {', '.join(EXPECTS)}")
             table.setdefault(str(job), []).append((e["benchmark"], e["subset"], e["metric"], e["expect"],
                                                    int(e.get("min_n", min_n)), str(e.get("why") or "")))
-    return table, {"min_n": min_n, "confirm_seed": doc.get("confirm_seed")}
+    confirm_set = doc.get("confirm_set") or []
+    if not isinstance(confirm_set, list) or not all(isinstance(x, str) and "=" in x for x in confirm_set):
+        raise ExpectationsError(f"{path}: confirm_set: expected a list of manifest overrides `key=value`")
+    return table, {"min_n": min_n, "confirm_seed": doc.get("confirm_seed"), "confirm_set": confirm_set}
 
 
 def _git(*args: str) -> str:
@@ -91,6 +96,7 @@ def committed_blob(path: str | Path) -> str:
     return at_head
 
 
-def confirm_sets(output: str, seed: int) -> list[str]:
-    """The overrides of a confirmation run: the fresh generator seed, in its own output folder."""
-    return [f"dataset.synthetic.seed={int(seed)}", f"output={str(output).rstrip('/')}-confirm-{int(seed)}"]
+def confirm_sets(output: str, seed: int, extra: list[str] = ()) -> list[str]:
+    """The overrides of a confirmation run: the expectations file's own (``extra``), then the fresh generator seed, in
+    its own output folder."""
+    return [*extra, f"dataset.synthetic.seed={int(seed)}", f"output={str(output).rstrip('/')}-confirm-{int(seed)}"]

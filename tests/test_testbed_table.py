@@ -265,6 +265,14 @@ def test_confirmation_run_needs_committed_expectations(tmp_path, monkeypatch, ca
     with pytest.raises(te.ExpectationsError, match=f"x.yaml: differs from its committed version \\(blob {blob[:12]}\\)"):
         te.committed_blob(f)
     assert te.confirm_sets("runs/testbed/", 7) == ["dataset.synthetic.seed=7", "output=runs/testbed-confirm-7"]
+    # a file's confirm_set (the sizes its predictions were written for) comes first, so the seed and folder win
+    assert te.confirm_sets("runs/p", 7, ["dataset.synthetic.n_images=2800"]) == [
+        "dataset.synthetic.n_images=2800", "dataset.synthetic.seed=7", "output=runs/p-confirm-7"]
+    f.write_text("confirm_set: [dataset.synthetic.heldout]\nrows: {}\n")
+    with pytest.raises(te.ExpectationsError, match=r"x.yaml: confirm_set: expected a list of manifest overrides"):
+        te.load(f)
+    f.write_text("confirm_set: [a.b=1]\nrows: {}\n")
+    assert te.load(f)[1]["confirm_set"] == ["a.b=1"]
     monkeypatch.undo()
     outside = tmp_path / "e.yaml"
     outside.write_text((REPO / "benchmarks" / "expectations" / "testbed.yaml").read_text())
