@@ -8,7 +8,7 @@
 1. ``pipeline run all --manifest M`` (timed; a rerun resumes, so the stages' time is 0 when nothing changed);
 2. per job, the real commands a user types: ``train run <job> --manifest M --json`` and its control,
    the same job with ``--set train.<job>.control=shuffled`` (pairings shuffled once before training);
-3. one table, printed and written to ``<output>/testbed.md``: job, benchmark/metric, value, 95% interval,
+3. one table, printed and written to ``<output>/testbed.md`` (``--table-only``: ``testbed-table-only.md``, so the run's own table keeps its timings): job, benchmark/metric, value, 95% interval,
    chance, the control's value and interval, steps and wall time of the run, and a verdict per row:
 
    Each checked row's expected outcome is read from a committed file, ``benchmarks/expectations/testbed.yaml``
@@ -470,8 +470,8 @@ def main(argv=None) -> int:
     from pipeline.config import load_manifest
 
     out = Path(load_manifest(args.manifest, args.sets).output)
-    if out.is_dir():
-        (out / "testbed.md").write_text(text + "\n")
+    if out.is_dir():  # --table-only beside the run's own table, which keeps its timings
+        (out / ("testbed-table-only.md" if args.table_only else "testbed.md")).write_text(text + "\n")
     return 0 if ok_all else 1
 
 

@@ -305,3 +305,17 @@ def test_encoders_from_links_another_runs_encoders_once(tmp_path, capsys, monkey
     monkeypatch.chdir(REPO)
     assert _testbed().main(["--encoders-from", str(tmp_path / "missing"), "--table-only"]) == 2
     assert "--encoders-from" in capsys.readouterr().err
+
+
+def test_table_only_keeps_the_runs_own_table(tmp_path, capsys):
+    """--table-only writes <output>/testbed-table-only.md beside the table the run itself wrote (which has the stage
+    and training times), not over it; a job with no finished run is one failed row naming its folder."""
+    out = tmp_path / "tb"
+    out.mkdir()
+    (out / "testbed.md").write_text("the run's own table\n")
+    rc = _testbed().main(["--manifest", "manifests/testbed.yaml", "--set", f"output={out}", "--jobs", "c3",
+                          "--no-control", "--table-only"])
+    assert rc == 1 and (out / "testbed.md").read_text() == "the run's own table\n"
+    table = (out / "testbed-table-only.md").read_text()
+    assert "table of earlier runs (--table-only): nothing was trained" in table
+    assert "| c3 | run failed: " in table and "no finished run (train it first)" in table

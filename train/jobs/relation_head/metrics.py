@@ -122,16 +122,32 @@ def per_image_recall(model, items, n_pred: int, d: int, ks: list[int], pred_rank
                      batch_size: int = 64) -> tuple[dict, dict, dict]:
     """({k: recall of each image with ground truth}, {k: its random-ranking recall},
     {k: its image-blind prior recall}), fractions."""
+    res, rand, graphs, _ = recall_pass(model, items, n_pred, d, ks, batch_size)
+    return res, rand, prior_lists(graphs, ks, pred_rank)
+
+
+def recall_pass(model, items, n_pred: int, d: int, ks: list[int], batch_size: int = 64) -> tuple[dict, dict, list, dict]:
+    """One pass of ``model`` over ``items``: ({k: recall of each image with ground truth}, {k: its random-ranking
+    recall}, [(triplets, V)] of those images for the prior, :func:`per_predicate_recall`'s dict), so that the
+    image-level and the per-predicate rows score the held-out images once."""
     res = {k: [] for k in ks}
     rand = {k: [] for k in ks}
-    scored = []  # (triplets, V) of each image with ground truth, for the prior
+    per = {k: {} for k in ks}
+    graphs = []
     for it, probs in _scored(model, items, n_pred, d, batch_size):
-        scored.append((it[3], len(it[1])))
+        graphs.append((it[3], len(it[1])))
+        trip = np.unique(it[3], axis=0)  # each distinct ground-truth triple counted once
+        v, _, c = probs.shape
+        n = v * (v - 1) * c  # the candidates (recall_at_k's random ranking)
         for k in ks:
-            r = recall_at_k(probs, it[3], k)
-            res[k].append(r[0])
-            rand[k].append(r[1])
-    return res, rand, prior_lists(scored, ks, pred_rank)
+            hit = top_k_hits(probs, trip, k)
+            res[k].append(int(hit.sum()) / len(hit))
+            rand[k].append(min(k, n) / n)
+            for c in np.unique(trip[:, 2]).tolist():
+                vals, ids = per[k].setdefault(int(c), ([], []))
+                vals.append(float(hit[trip[:, 2] == c].mean()))
+                ids.append(it[0])
+    return res, rand, graphs, per
 
 
 def _scored(model, items, n_pred: int, d: int, batch_size: int = 64):
@@ -162,16 +178,7 @@ def per_predicate_recall(model, items, n_pred: int, d: int, ks: list[int], batch
     images' sample ids])}}: the per-predicate recall of the scene-graph literature's mean recall mR@K (Chen et al.
     2019, Tang et al. 2019): a predicate's hits among its own triples in the image's top K, averaged over the images
     that have it, so that a rare predicate counts as much as a frequent one in the mean."""
-    out = {k: {} for k in ks}
-    for it, probs in _scored(model, items, n_pred, d, batch_size):
-        trip = np.unique(it[3], axis=0)
-        for k in ks:
-            hit = top_k_hits(probs, trip, k)
-            for c in np.unique(trip[:, 2]).tolist():
-                vals, ids = out[k].setdefault(int(c), ([], []))
-                vals.append(float(hit[trip[:, 2] == c].mean()))
-                ids.append(it[0])
-    return out
+    return recall_pass(model, items, n_pred, d, ks, batch_size)[3]
 
 
 def prior_per_predicate(items, ks: list[int], pred_rank) -> dict:
@@ -224,7 +231,10 @@ def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.
     ``baselines``: {name: (a model with the head's call signature, note)} scored on the same images,
     each a ``recall@k[name]`` row naming its result row (``baseline_for``). With ``vocab`` (the predicate names),
     also :func:`predicate_rows`: where the recall comes from, predicate by predicate, and its mean mR@K."""
-    res, rand, prior = per_image_recall(model, items, n_pred, d, ks, pred_rank, batch_size)
+    passes = {name: recall_pass(m, items, n_pred, d, ks, batch_size) for name, m in
+              [("", model), *((name, m) for name, (m, _) in (baselines or {}).items())]}  # each model once
+    res, rand, graphs, _ = passes[""]
+    prior = prior_lists(graphs, ks, pred_rank)
     n = len(res[ks[0]])
     skipped = len(items) - n
     if n == 0:
@@ -232,8 +242,7 @@ def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.
     reasons = {"no_ground_truth_relation": skipped} if skipped else {}
     images = np.array([it[0] for it in items if len(it[3])])  # the images recall_at_k scores, in its order
     rows = []
-    base = {name: (per_image_recall(m, items, n_pred, d, ks, pred_rank, batch_size)[0], note)
-            for name, (m, note) in (baselines or {}).items()}
+    base = {name: (passes[name][0], note) for name, (_, note) in (baselines or {}).items()}
     for k in ks:
         est = mean(res[k], images)
         rows.append(Row(benchmark, "held_out", f"recall@{k}", 100.0 * float(np.mean(res[k])), n,
@@ -248,24 +257,30 @@ def recall_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank: np.
                             100.0 * float(np.mean(prior[k])), skipped, reasons, "%", note,
                             baseline_for=f"held_out/recall@{k}", est=e0).with_ci(recall_interval(e0)))
     if vocab is not None:
-        rows += predicate_rows(model, items, n_pred, d, ks, pred_rank, vocab, batch_size, baselines, benchmark)
+        rows += predicate_rows(model, items, n_pred, d, ks, pred_rank, vocab, batch_size, baselines, benchmark,
+                               per={name: p[3] for name, p in passes.items()})
     return rows
 
 
 def predicate_rows(model, items, n_pred: int, d: int, ks: list[int], pred_rank, vocab: list[str], batch_size: int = 64,
-                   baselines: dict | None = None, benchmark: str = "relation-head") -> list[Row]:
+                   baselines: dict | None = None, benchmark: str = "relation-head", per: dict | None = None) -> list[Row]:
     """Per predicate p of the held-out ground truth, ``recall@k`` in subset ``predicate:<p>`` (its triples' recall,
     over the images that have it), and subset ``held_out`` ``mean_recall@k`` (mR@K: the mean over the predicates,
     its interval over images across all of them, :func:`train.eval.intervals.macro`), chance the image-blind
     ranking's (:func:`prior_per_predicate`), each with the ``baselines``' rows beside it. These say which predicates
-    the head reads and where it stands against the boxes-only classifier, predicate by predicate."""
+    the head reads and where it stands against the boxes-only classifier, predicate by predicate. ``per``: the
+    models' :func:`per_predicate_recall` dicts already computed ({"": the model's, name: each baseline's})."""
     from train.eval.intervals import macro
 
     scored = [it for it in items if len(it[3])]
     prior = prior_per_predicate(scored, ks, pred_rank)
-    runs = [("", None, per_predicate_recall(model, items, n_pred, d, ks, batch_size), "")]
-    runs += [(f"[{name}]", name, per_predicate_recall(m, items, n_pred, d, ks, batch_size), note)
-             for name, (m, note) in (baselines or {}).items()]
+    per = per or {}
+
+    def of(name, m):
+        return per[name] if name in per else per_predicate_recall(m, items, n_pred, d, ks, batch_size)
+
+    runs = [("", None, of("", model), "")]
+    runs += [(f"[{name}]", name, of(name, m), note) for name, (m, note) in (baselines or {}).items()]
     rows = []
     for k in ks:
         for tag, name, per, note in runs:
