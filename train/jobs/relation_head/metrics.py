@@ -143,9 +143,9 @@ def recall_pass(model, items, n_pred: int, d: int, ks: list[int], batch_size: in
             hit = top_k_hits(probs, trip, k)
             res[k].append(int(hit.sum()) / len(hit))
             rand[k].append(min(k, n) / n)
-            for c in np.unique(trip[:, 2]).tolist():
-                vals, ids = per[k].setdefault(int(c), ([], []))
-                vals.append(float(hit[trip[:, 2] == c].mean()))
+            for p in np.unique(trip[:, 2]).tolist():  # each predicate of the image (not c, the vocabulary's size)
+                vals, ids = per[k].setdefault(int(p), ([], []))
+                vals.append(float(hit[trip[:, 2] == p].mean()))
                 ids.append(it[0])
     return res, rand, graphs, per
 
